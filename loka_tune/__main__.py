@@ -1,0 +1,5 @@
+import sys
+
+from loka_tune.cli import main
+
+sys.exit(main())

@@ -1,0 +1,600 @@
+"""The vocabulary of loka-tune: what a precision choice is, per GEMM, per layer, per model.
+
+Everything here is plain frozen data with string ids, shared by every layer of the package:
+
+- :class:`Format`: an operand's number format (``bf16``, ``e4m3``, ``e5m2``, ``mxfp8``).
+- :class:`Granularity`: how operands are scaled (``tensor``, ``row``, ``block``, ``mx``).
+- :class:`GemmChoice`: formats of both operands + granularity + scale rounding + fast
+  accumulation + backend. ``short_str()`` ("e4m3.row.emulated") is its id everywhere: the
+  Optuna choice, the timing-cache key and the MLflow parameter value.
+- :class:`SitePrecision`: the three choices of one linear layer (``fwd``, ``dgrad``, ``wgrad``).
+- :class:`ModsConfig`: which model adaptations run before the precision swap.
+- :class:`PrecisionConfig`: mods + default + per-site rules + provenance, versioned JSON.
+
+GEMM semantics (the canonical form every backend implements). Each of a linear layer's three
+GEMMs is computed as ``A @ B.T`` with both operands laid out so that the reduction dimension
+is their last one:
+
+=======  ==================  ===================  =========  ==========================
+role     A (rows x red)      B (cols x red)       reduction  output
+=======  ==================  ===================  =========  ==========================
+fwd      X   (M, K)          W    (N, K)          K          Y  = X W^T      (M, N)
+dgrad    dY  (M, N)          W^T  (K, N)          N          dX = dY W       (M, K)
+wgrad    dY^T (N, M)         X^T  (K, M)          M (batch)  dW = dY^T X     (N, K)
+=======  ==================  ===================  =========  ==========================
+
+"Rowwise" scaling gives one scale per row of A and per row of B, i.e. along the reduction
+dimension of each operand: for ``wgrad`` that is one scale per *column* of dY and of X (the
+batch dimension is reduced), which is the classic place to get it wrong. "Blockwise" scales
+1x128 tiles of activations and gradients and 128x128 tiles of weights (DeepSeek-V3 /
+DeepGEMM): in fwd and dgrad, B is the weight (128x128); in wgrad both operands are
+activations/gradients (1x128 along the batch dimension). "mx" scales 1x32 tiles along the
+reduction dimension with power-of-two (e8m0) scales.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, field, replace
+from enum import Enum
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+from loka_tune.errors import ConfigError
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "Format",
+    "Granularity",
+    "ScaleRounding",
+    "GemmRole",
+    "ROLES",
+    "GemmChoice",
+    "SitePrecision",
+    "ModsConfig",
+    "SiteRule",
+    "PrecisionConfig",
+    "BF16",
+    "FP8_FORMATS",
+]
+
+SCHEMA_VERSION = 1  # bump on any incompatible change of the JSON layout
+
+
+class Format(str, Enum):
+    """Number format of one GEMM operand."""
+
+    BF16 = "bf16"  # no quantization: the operand stays in the ambient precision
+    E4M3 = "e4m3"  # torch.float8_e4m3fn, max 448
+    E5M2 = "e5m2"  # torch.float8_e5m2, max 57344: for gradients
+    MXFP8 = "mxfp8"  # e4m3 elements, one e8m0 (power-of-two) scale per 32 elements
+
+    def __str__(self) -> str:  # pragma: no cover - trivial
+        return self.value
+
+
+FP8_FORMATS = (Format.E4M3, Format.E5M2, Format.MXFP8)
+
+
+class Granularity(str, Enum):
+    """How an operand is scaled before the cast (see the module docstring for the axes)."""
+
+    NONE = "none"  # only with bf16 operands
+    TENSOR = "tensor"  # one scale per operand
+    ROW = "row"  # one scale per row of the canonical operand (along the reduction dim)
+    BLOCK = "block"  # 1x128 activations/gradients, 128x128 weights
+    MX = "mx"  # 1x32 along the reduction dim, power-of-two (e8m0) scales
+
+    def __str__(self) -> str:  # pragma: no cover - trivial
+        return self.value
+
+
+class ScaleRounding(str, Enum):
+    """Whether scales are used as computed or rounded down to a power of two."""
+
+    EXACT = "exact"
+    POW2 = "pow2"
+
+    def __str__(self) -> str:  # pragma: no cover - trivial
+        return self.value
+
+
+class GemmRole(str, Enum):
+    """The three GEMMs of a linear layer."""
+
+    FWD = "fwd"  # Y = X W^T
+    DGRAD = "dgrad"  # dX = dY W
+    WGRAD = "wgrad"  # dW = dY^T X
+
+    def __str__(self) -> str:  # pragma: no cover - trivial
+        return self.value
+
+
+ROLES: tuple[GemmRole, ...] = (GemmRole.FWD, GemmRole.DGRAD, GemmRole.WGRAD)
+
+_BACKEND_RE = re.compile(r"^[a-z][a-z0-9_]*$")
+
+
+def _enum(cls: type[Enum], value: Any, key: str) -> Any:
+    if isinstance(value, cls):
+        return value
+    try:
+        return cls(value)
+    except ValueError:
+        valid = ", ".join(repr(m.value) for m in cls)  # type: ignore[attr-defined]
+        raise ConfigError(f"got {value!r}; expected one of {valid}", key=key) from None
+
+
+@dataclass(frozen=True)
+class GemmChoice:
+    """How one GEMM runs: operand formats, scaling, and the kernel backend.
+
+    ``a_format`` is the first canonical operand (X in fwd, dY in dgrad and wgrad), ``b_format``
+    the second (W in fwd, W^T in dgrad, X^T in wgrad). Either both are ``bf16`` (no
+    quantization, granularity ``none``) or both are FP8 formats.
+    """
+
+    a_format: Format = Format.BF16
+    b_format: Format = Format.BF16
+    granularity: Granularity = Granularity.NONE
+    rounding: ScaleRounding = ScaleRounding.EXACT
+    fast_accum: bool = False
+    backend: str = "bf16"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "a_format", _enum(Format, self.a_format, "a_format"))
+        object.__setattr__(self, "b_format", _enum(Format, self.b_format, "b_format"))
+        object.__setattr__(self, "granularity", _enum(Granularity, self.granularity, "granularity"))
+        object.__setattr__(self, "rounding", _enum(ScaleRounding, self.rounding, "rounding"))
+        if not isinstance(self.backend, str) or not _BACKEND_RE.match(self.backend):
+            raise ConfigError(
+                f"got {self.backend!r}; a backend name is lower-case letters, digits and '_'"
+                " (e.g. 'emulated', 'torch_scaled_mm', 'fbgemm', 'triton', 'torchao', 'bf16')",
+                key="backend",
+            )
+        a, b, g = self.a_format, self.b_format, self.granularity
+        if (a == Format.BF16) != (b == Format.BF16):
+            raise ConfigError(
+                f"got a_format={a.value!r}, b_format={b.value!r}: mixing bf16 with an FP8 format"
+                " in one GEMM is not supported; use bf16 for both or FP8 for both",
+                key="a_format",
+            )
+        if a == Format.BF16:
+            if g != Granularity.NONE:
+                raise ConfigError(
+                    f"got granularity={g.value!r} with bf16 operands: bf16 is not scaled; use 'none'",
+                    key="granularity",
+                )
+            if self.rounding != ScaleRounding.EXACT or self.fast_accum:
+                raise ConfigError(
+                    "bf16 GEMMs have no scales and no fast accumulation: drop 'pow2'/'fa'",
+                    key="rounding",
+                )
+            return
+        if g == Granularity.NONE:
+            raise ConfigError(
+                f"got granularity='none' with FP8 operands ({a.value}, {b.value}); choose one of"
+                " 'tensor', 'row', 'block', 'mx'",
+                key="granularity",
+            )
+        is_mx = (a == Format.MXFP8, b == Format.MXFP8)
+        if any(is_mx) and not all(is_mx):
+            raise ConfigError(
+                f"got a_format={a.value!r}, b_format={b.value!r}: mxfp8 must be used for both operands",
+                key="a_format",
+            )
+        if all(is_mx) != (g == Granularity.MX):
+            raise ConfigError(
+                f"got formats ({a.value}, {b.value}) with granularity {g.value!r}: mxfp8 goes with"
+                " granularity 'mx' and 'mx' only with mxfp8",
+                key="granularity",
+            )
+        if g == Granularity.MX and self.rounding != ScaleRounding.POW2:
+            # e8m0 scales are powers of two by definition: normalise instead of rejecting.
+            object.__setattr__(self, "rounding", ScaleRounding.POW2)
+
+    # ----------------------------------------------------------------------------- ids
+    @property
+    def is_bf16(self) -> bool:
+        return self.a_format == Format.BF16
+
+    def short_str(self) -> str:
+        """A compact, parseable id: ``e4m3.row.emulated``, ``e5m2+e4m3.block.pow2.fa.triton``,
+        ``bf16`` (plain bf16 backend) or ``bf16.<backend>``."""
+        if self.is_bf16:
+            return "bf16" if self.backend == "bf16" else f"bf16.{self.backend}"
+        fmt = self.a_format.value
+        if self.b_format != self.a_format:
+            fmt = f"{self.a_format.value}+{self.b_format.value}"
+        parts = [fmt, self.granularity.value]
+        if self.rounding == ScaleRounding.POW2 and self.granularity != Granularity.MX:
+            parts.append("pow2")
+        if self.fast_accum:
+            parts.append("fa")
+        parts.append(self.backend)
+        return ".".join(parts)
+
+    def __str__(self) -> str:
+        return self.short_str()
+
+    @classmethod
+    def parse(cls, text: str, *, key: str = "choice") -> "GemmChoice":
+        """Inverse of :meth:`short_str`. Raises :class:`ConfigError` naming ``key``."""
+        if isinstance(text, GemmChoice):
+            return text
+        if not isinstance(text, str) or not text.strip():
+            raise ConfigError(
+                f"got {text!r}; a GEMM choice is a string like 'e4m3.row.emulated' or 'bf16'", key=key
+            )
+        parts = text.strip().split(".")
+        fmt = parts[0]
+        if "+" in fmt:
+            a_s, _, b_s = fmt.partition("+")
+        else:
+            a_s = b_s = fmt
+        a = _enum(Format, a_s, key)
+        b = _enum(Format, b_s, key)
+        if a == Format.BF16:
+            if len(parts) == 1:
+                return cls(backend="bf16")
+            if len(parts) == 2:
+                return cls(backend=parts[1])
+            raise ConfigError(f"got {text!r}; a bf16 choice is 'bf16' or 'bf16.<backend>'", key=key)
+        if len(parts) < 3:
+            raise ConfigError(
+                f"got {text!r}; an FP8 choice is '<format>.<granularity>[.pow2][.fa].<backend>',"
+                " e.g. 'e4m3.row.emulated'",
+                key=key,
+            )
+        gran = _enum(Granularity, parts[1], key)
+        flags, backend = parts[2:-1], parts[-1]
+        unknown = [f for f in flags if f not in ("pow2", "fa")]
+        if unknown or len(set(flags)) != len(flags):
+            raise ConfigError(
+                f"got {text!r}; unknown or repeated flag(s) {unknown or flags}: the flags between"
+                " granularity and backend are 'pow2' (power-of-two scales) and 'fa' (fast accumulation)",
+                key=key,
+            )
+        try:
+            return cls(
+                a,
+                b,
+                gran,
+                ScaleRounding.POW2 if "pow2" in flags else ScaleRounding.EXACT,
+                "fa" in flags,
+                backend,
+            )
+        except ConfigError as e:
+            raise ConfigError(f"in {text!r}: {e}", key=key) from None
+
+    # ---------------------------------------------------------------- constructors
+    @classmethod
+    def bf16(cls, backend: str = "bf16") -> "GemmChoice":
+        return cls(backend=backend)
+
+    @classmethod
+    def fp8(
+        cls,
+        granularity: Granularity | str = Granularity.ROW,
+        *,
+        a_format: Format | str = Format.E4M3,
+        b_format: Format | str | None = None,
+        rounding: ScaleRounding | str = ScaleRounding.EXACT,
+        fast_accum: bool = False,
+        backend: str = "emulated",
+    ) -> "GemmChoice":
+        return cls(
+            a_format, a_format if b_format is None else b_format, granularity, rounding, fast_accum, backend
+        )
+
+    def with_backend(self, backend: str) -> "GemmChoice":
+        return replace(self, backend=backend)
+
+
+BF16 = GemmChoice()
+
+
+def _choice(value: Any, key: str) -> GemmChoice:
+    if isinstance(value, GemmChoice):
+        return value
+    return GemmChoice.parse(value, key=key)
+
+
+@dataclass(frozen=True)
+class SitePrecision:
+    """The three GEMM choices of one linear layer."""
+
+    fwd: GemmChoice = BF16
+    dgrad: GemmChoice = BF16
+    wgrad: GemmChoice = BF16
+
+    def __post_init__(self) -> None:
+        for role in ROLES:
+            object.__setattr__(self, role.value, _choice(getattr(self, role.value), role.value))
+
+    def __getitem__(self, role: GemmRole | str) -> GemmChoice:
+        return getattr(self, GemmRole(role).value)
+
+    @property
+    def is_bf16(self) -> bool:
+        return all(self[r].is_bf16 for r in ROLES)
+
+    @classmethod
+    def uniform(cls, choice: GemmChoice | str) -> "SitePrecision":
+        c = _choice(choice, "choice")
+        return cls(c, c, c)
+
+    def short_str(self) -> str:
+        """``fwd|dgrad|wgrad`` ids, or one id when all three agree."""
+        ids = [self[r].short_str() for r in ROLES]
+        return ids[0] if len(set(ids)) == 1 else "|".join(ids)
+
+    @classmethod
+    def parse(cls, text: str, *, key: str = "site") -> "SitePrecision":
+        if not isinstance(text, str):
+            raise ConfigError(f"got {text!r}; expected 'choice' or 'fwd|dgrad|wgrad' choices", key=key)
+        parts = text.split("|")
+        if len(parts) == 1:
+            return cls.uniform(GemmChoice.parse(parts[0], key=key))
+        if len(parts) != 3:
+            raise ConfigError(
+                f"got {text!r}; give one choice for all three GEMMs or three as 'fwd|dgrad|wgrad'", key=key
+            )
+        return cls(*(GemmChoice.parse(p, key=f"{key}.{r.value}") for p, r in zip(parts, ROLES)))
+
+    def to_dict(self) -> dict[str, str]:
+        return {r.value: self[r].short_str() for r in ROLES}
+
+    @classmethod
+    def from_obj(cls, obj: Any, *, key: str = "site") -> "SitePrecision":
+        """From a string (see :meth:`parse`) or a mapping ``{"fwd": ..., "dgrad": ..., "wgrad": ...}``."""
+        if isinstance(obj, SitePrecision):
+            return obj
+        if isinstance(obj, str):
+            return cls.parse(obj, key=key)
+        if isinstance(obj, Mapping):
+            unknown = set(obj) - {r.value for r in ROLES}
+            if unknown:
+                raise ConfigError(
+                    f"unknown key(s) {sorted(unknown)}; a site has 'fwd', 'dgrad' and 'wgrad'", key=key
+                )
+            missing = [r.value for r in ROLES if r.value not in obj]
+            if missing:
+                raise ConfigError(f"missing {missing}; give all of 'fwd', 'dgrad', 'wgrad'", key=key)
+            return cls(*(GemmChoice.parse(obj[r.value], key=f"{key}.{r.value}") for r in ROLES))
+        raise ConfigError(f"got {type(obj).__name__} {obj!r}; expected a string or a mapping", key=key)
+
+
+@dataclass(frozen=True)
+class ModsConfig:
+    """Which model adaptations (Mods) run, and with which parameters, before the precision swap.
+
+    ``no_bias``: drop linear biases except in ``keep_bias`` (module names; the model's
+    prediction head is always kept). ``blocknorm``: block size of BlockNorm replacing
+    LayerNorm/RMSNorm (``None``: off). ``hardswish``: Hard Swish in place of SiLU/Swish(-LN).
+    ``pad``: pad linear K and N up to this multiple (``None``: off).
+    """
+
+    no_bias: bool = False
+    keep_bias: tuple[str, ...] = ()
+    blocknorm: int | None = None
+    hardswish: bool = False
+    pad: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "keep_bias", tuple(self.keep_bias))
+        for name in ("blocknorm", "pad"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
+                raise ConfigError(f"got {v!r}; expected a positive integer or null (off)", key=f"mods.{name}")
+        for name in ("no_bias", "hardswish"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"got {getattr(self, name)!r}; expected true or false", key=f"mods.{name}")
+
+    @property
+    def any(self) -> bool:
+        return self.no_bias or self.blocknorm is not None or self.hardswish or self.pad is not None
+
+    def short_str(self) -> str:
+        parts = []
+        if self.no_bias:
+            parts.append("nobias")
+        if self.blocknorm is not None:
+            parts.append(f"bn{self.blocknorm}")
+        if self.hardswish:
+            parts.append("hswish")
+        if self.pad is not None:
+            parts.append(f"pad{self.pad}")
+        return "+".join(parts) or "none"
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["keep_bias"] = list(self.keep_bias)
+        return d
+
+    @classmethod
+    def from_dict(cls, obj: Any, *, key: str = "mods") -> "ModsConfig":
+        if obj is None:
+            return cls()
+        if not isinstance(obj, Mapping):
+            raise ConfigError(f"got {obj!r}; expected a mapping of mod names to settings", key=key)
+        fields_ = {f for f in cls.__dataclass_fields__}
+        unknown = set(obj) - fields_
+        if unknown:
+            raise ConfigError(f"unknown key(s) {sorted(unknown)}; valid keys: {sorted(fields_)}", key=key)
+        kb = obj.get("keep_bias", ())
+        if isinstance(kb, str) or not isinstance(kb, (list, tuple)):
+            raise ConfigError(f"got {kb!r}; expected a list of module names", key=f"{key}.keep_bias")
+        return cls(**{**obj, "keep_bias": tuple(kb)})
+
+
+@dataclass(frozen=True)
+class SiteRule:
+    """A per-site entry: ``pattern`` is an exact module name, or ``re:<regex>`` (fullmatch)."""
+
+    pattern: str
+    precision: SitePrecision
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.pattern, str) or not self.pattern:
+            raise ConfigError(f"got {self.pattern!r}; expected a module name or 're:<regex>'", key="sites")
+        if self.is_regex:
+            try:
+                re.compile(self.pattern[3:])
+            except re.error as e:
+                raise ConfigError(
+                    f"bad regular expression {self.pattern[3:]!r}: {e}", key=f"sites.{self.pattern}"
+                ) from None
+
+    @property
+    def is_regex(self) -> bool:
+        return self.pattern.startswith("re:")
+
+    def matches(self, name: str) -> bool:
+        if self.is_regex:
+            return re.fullmatch(self.pattern[3:], name) is not None
+        return self.pattern == name
+
+
+@dataclass(frozen=True)
+class PrecisionConfig:
+    """A whole model's precision plan: mods, a default, per-site rules and provenance.
+
+    Resolution for a layer name: the exact-name rule, else the first matching ``re:`` rule
+    (in file order), else ``default``. ``provenance`` records where the config came from
+    (study, trial, metrics, device, versions): free-form JSON-able data.
+    """
+
+    default: SitePrecision = field(default_factory=SitePrecision)
+    sites: tuple[SiteRule, ...] = ()
+    mods: ModsConfig = field(default_factory=ModsConfig)
+    provenance: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sites", tuple(self.sites))
+        seen: set[str] = set()
+        for rule in self.sites:
+            if rule.pattern in seen:
+                raise ConfigError(f"the site {rule.pattern!r} is listed twice", key=f"sites.{rule.pattern}")
+            seen.add(rule.pattern)
+
+    # ---------------------------------------------------------------- resolution
+    def resolve(self, name: str) -> SitePrecision:
+        """The precision of the linear layer named ``name``."""
+        rule = self.rule_for(name)
+        return self.default if rule is None else rule.precision
+
+    def rule_for(self, name: str) -> SiteRule | None:
+        for rule in self.sites:
+            if not rule.is_regex and rule.pattern == name:
+                return rule
+        for rule in self.sites:
+            if rule.is_regex and rule.matches(name):
+                return rule
+        return None
+
+    def unmatched_rules(self, names: Iterable[str]) -> list[str]:
+        """Patterns that match none of ``names`` (a config for another model, or a typo)."""
+        names = list(names)
+        return [r.pattern for r in self.sites if not any(r.matches(n) for n in names)]
+
+    @classmethod
+    def from_sites(
+        cls,
+        sites: Mapping[str, SitePrecision | str],
+        *,
+        default: SitePrecision | str | None = None,
+        mods: ModsConfig | None = None,
+        provenance: Mapping[str, Any] | None = None,
+    ) -> "PrecisionConfig":
+        return cls(
+            default=SitePrecision() if default is None else SitePrecision.from_obj(default, key="default"),
+            sites=tuple(SiteRule(k, SitePrecision.from_obj(v, key=f"sites.{k}")) for k, v in sites.items()),
+            mods=mods or ModsConfig(),
+            provenance=dict(provenance or {}),
+        )
+
+    def with_provenance(self, **kw: Any) -> "PrecisionConfig":
+        return replace(self, provenance={**self.provenance, **kw})
+
+    def key(self) -> str:
+        """A canonical string of what changes numerics (mods, default, rules): the trial cache key."""
+        body = {"mods": self.mods.to_dict(), "default": self.default.to_dict(),
+                "sites": [[r.pattern, r.precision.to_dict()] for r in self.sites]}
+        return json.dumps(body, sort_keys=True, separators=(",", ":"))
+
+    # ---------------------------------------------------------------- JSON
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "kind": "loka-tune.precision-config",
+            "mods": self.mods.to_dict(),
+            "default": self.default.to_dict(),
+            "sites": {r.pattern: r.precision.to_dict() for r in self.sites},
+            "provenance": dict(self.provenance),
+        }
+
+    def to_json(self, indent: int = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent, sort_keys=False, default=str)
+
+    @classmethod
+    def from_dict(cls, obj: Any) -> "PrecisionConfig":
+        if not isinstance(obj, Mapping):
+            raise ConfigError(f"got {type(obj).__name__}; a precision config is a JSON object", key="(top level)")
+        allowed = {"schema_version", "kind", "mods", "default", "sites", "provenance"}
+        unknown = set(obj) - allowed
+        if unknown:
+            raise ConfigError(f"unknown key(s) {sorted(unknown)}; valid keys: {sorted(allowed)}", key="(top level)")
+        version = obj.get("schema_version")
+        if version is None:
+            raise ConfigError("missing; add \"schema_version\": 1", key="schema_version")
+        if version != SCHEMA_VERSION:
+            raise ConfigError(
+                f"got {version!r}; this loka-tune reads schema version {SCHEMA_VERSION}"
+                " (re-export the config with this version)",
+                key="schema_version",
+            )
+        sites = obj.get("sites", {})
+        if not isinstance(sites, Mapping):
+            raise ConfigError(f"got {type(sites).__name__}; expected an object of name -> site", key="sites")
+        prov = obj.get("provenance", {})
+        if not isinstance(prov, Mapping):
+            raise ConfigError(f"got {prov!r}; expected an object", key="provenance")
+        return cls(
+            default=SitePrecision.from_obj(obj.get("default", "bf16"), key="default"),
+            sites=tuple(
+                SiteRule(str(k), SitePrecision.from_obj(v, key=f"sites.{k}")) for k, v in sites.items()
+            ),
+            mods=ModsConfig.from_dict(obj.get("mods"), key="mods"),
+            provenance=dict(prov),
+        )
+
+    @classmethod
+    def from_json(cls, text: str, *, source: str = "<string>") -> "PrecisionConfig":
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(
+                f"{source} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})", key="(file)"
+            ) from None
+        return cls.from_dict(obj)
+
+    def save(self, path: str | Path) -> Path:
+        """Write the config as JSON (atomically: a crash never leaves half a file)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(self.to_json() + "\n")
+        tmp.replace(path)
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> "PrecisionConfig":
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(
+                f"no such file {str(path)!r}; export one with `loka-tune export STUDY --out {path}`",
+                key="(file)",
+            )
+        return cls.from_json(path.read_text(), source=str(path))

@@ -1,0 +1,34 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:  # pragma: no cover
+        return False
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if _cuda_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the device machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    """``../shared/data`` beside the repo; skips the test where it is absent (a fresh clone)."""
+    if not SHARED_DATA.is_dir():
+        pytest.skip(f"real data samples not found at {SHARED_DATA}")
+    return SHARED_DATA
