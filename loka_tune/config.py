@@ -235,6 +235,12 @@ class GemmChoice:
             a_s = b_s = fmt
         a = _enum(Format, a_s, key)
         b = _enum(Format, b_s, key)
+        if (a == Format.BF16) != (b == Format.BF16):
+            raise ConfigError(
+                f"got {text!r}: mixing bf16 with an FP8 format in one GEMM is not supported;"
+                " use bf16 for both operands or FP8 for both",
+                key=key,
+            )
         if a == Format.BF16:
             if len(parts) == 1:
                 return cls(backend="bf16")
