@@ -1,0 +1,62 @@
+"""Reference large recommendation models in plain torch: DLRM, DCNv2, Wukong.
+
+Models know nothing of FP8: every weight GEMM is an ``nn.Linear`` that precision configs
+swap later. Build one with :func:`build_model`; presets ``tiny`` / ``paper`` / ``large``
+give the architecture, the caller gives the input spec:
+
+>>> from loka_tune.models import build_model
+>>> model = build_model("wukong", "tiny", num_dense=13, cardinalities=[1000] * 26)
+>>> model.prediction_head
+'head'
+
+Importing this package is cheap: the model modules load on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from loka_tune.models.registry import (
+    MODEL_NAMES,
+    PRESETS,
+    ModelSpec,
+    build_model,
+    model_names,
+    preset_config,
+    register_model,
+)
+
+__all__ = [
+    "MODEL_NAMES",
+    "PRESETS",
+    "ModelSpec",
+    "build_model",
+    "model_names",
+    "preset_config",
+    "register_model",
+    "RecModel",
+    "DLRM",
+    "DCNv2",
+    "Wukong",
+]
+
+_LAZY = {
+    "RecModel": "loka_tune.models.base",
+    "DLRM": "loka_tune.models.dlrm",
+    "DCNv2": "loka_tune.models.dcnv2",
+    "Wukong": "loka_tune.models.wukong",
+}
+
+
+def __getattr__(name: str) -> Any:
+    mod = _LAZY.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'loka_tune.models' has no attribute {name!r}")
+    value = getattr(importlib.import_module(mod), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

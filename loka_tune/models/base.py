@@ -1,0 +1,165 @@
+"""Pieces shared by the reference models: the model base class, MLPs, embedding tables.
+
+Every weight-carrying GEMM is an ``nn.Linear`` (that is what precision configs swap); the
+normalizations and activations come from :mod:`loka_tune.layers` so that the Mods passes
+recognise them.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from loka_tune.errors import ConfigError, DataError
+from loka_tune.layers import ACTIVATIONS, NORMS, make_activation, make_norm
+
+__all__ = [
+    "RecModel",
+    "MLPBlock",
+    "MLP",
+    "EmbeddingTables",
+    "check_options",
+    "check_positive",
+    "check_sizes",
+    "check_inputs_spec",
+]
+
+
+def check_options(norm: str, activation: str, bias: bool) -> None:
+    """Raise :class:`ConfigError` for an unknown ``norm`` / ``activation`` or a non-bool ``bias``."""
+    if norm not in NORMS:
+        raise ConfigError(f"unknown norm {norm!r}: choose one of {', '.join(NORMS)}", key="norm")
+    if activation not in ACTIVATIONS:
+        raise ConfigError(
+            f"unknown activation {activation!r}: choose one of {', '.join(ACTIVATIONS)}",
+            key="activation",
+        )
+    if not isinstance(bias, bool):
+        raise ConfigError(f"bias must be True or False, got {bias!r}", key="bias")
+
+
+def check_positive(key: str, value: Any) -> int:
+    """``value`` (any integer type, numpy included) as a positive int, else :class:`ConfigError`."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
+        raise ConfigError(f"must be a positive integer, got {value!r}", key=key)
+    return int(value)
+
+
+def check_sizes(key: str, value: Any) -> tuple[int, ...]:
+    """``value`` (a sequence of layer widths, possibly empty) as a tuple of positive ints."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise ConfigError(f"must be a list of layer widths such as [512, 256], got {value!r}", key=key)
+    return tuple(check_positive(f"{key}[{i}]", v) for i, v in enumerate(value))
+
+
+def check_inputs_spec(num_dense: Any, cardinalities: Any) -> tuple[int, tuple[int, ...]]:
+    """Validate the caller-given input spec: ``num_dense >= 0``, one cardinality >= 1 per feature."""
+    if isinstance(num_dense, bool) or not isinstance(num_dense, numbers.Integral) or num_dense < 0:
+        raise ConfigError(f"must be an integer >= 0, got {num_dense!r}", key="num_dense")
+    if isinstance(cardinalities, (str, bytes)) or not isinstance(cardinalities, Sequence):
+        raise ConfigError(
+            f"must be a list with one table size per sparse feature, got {cardinalities!r}",
+            key="cardinalities",
+        )
+    if len(cardinalities) == 0:
+        raise ConfigError("needs at least one sparse feature, got an empty list", key="cardinalities")
+    cards = tuple(check_positive(f"cardinalities[{i}]", c) for i, c in enumerate(cardinalities))
+    return int(num_dense), cards
+
+
+class RecModel(nn.Module):
+    """Base class of the reference models.
+
+    ``forward(dense (B, num_dense) float, sparse (B, n_sparse) int64) -> (B,) logits``.
+    ``prediction_head`` is the fully qualified name of the final ``nn.Linear`` (out 1), which
+    the No Bias pass and the precision configs leave alone. ``hparams`` holds the resolved
+    architecture hyperparameters (what a preset plus overrides gave).
+    """
+
+    prediction_head: str = "head"
+
+    def __init__(self, num_dense: int, cardinalities: Sequence[int]) -> None:
+        super().__init__()
+        self.num_dense, self.cardinalities = check_inputs_spec(num_dense, cardinalities)
+        self.num_sparse = len(self.cardinalities)
+        self.hparams: dict[str, Any] = {}
+
+    def check_inputs(self, dense: torch.Tensor, sparse: torch.Tensor) -> None:
+        """Raise :class:`DataError` when the batch layout does not match the model's inputs."""
+        if dense.dim() != 2 or dense.shape[1] != self.num_dense:
+            raise DataError(
+                f"dense features must have shape (B, {self.num_dense}), got {tuple(dense.shape)}: "
+                "build the model with the data source's num_dense"
+            )
+        if sparse.dim() != 2 or sparse.shape[1] != self.num_sparse:
+            raise DataError(
+                f"sparse features must have shape (B, {self.num_sparse}), got {tuple(sparse.shape)}: "
+                "build the model with the data source's cardinalities"
+            )
+        if dense.shape[0] != sparse.shape[0]:
+            raise DataError(
+                f"dense and sparse batch sizes differ: {dense.shape[0]} vs {sparse.shape[0]}"
+            )
+
+    def forward_batch(self, batch: Any) -> torch.Tensor:
+        """Logits (B,) for a :class:`loka_tune.data.base.Batch` (anything with .dense / .sparse)."""
+        return self(batch.dense, batch.sparse)
+
+
+class MLPBlock(nn.Module):
+    """One hidden layer: ``linear -> norm -> act`` (children named so that passes find them)."""
+
+    def __init__(self, in_dim: int, out_dim: int, *, norm: str, activation: str, bias: bool) -> None:
+        super().__init__()
+        self.linear = nn.Linear(in_dim, out_dim, bias=bias)
+        self.norm = make_norm(norm, out_dim)
+        self.act = make_activation(activation, out_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.norm(self.linear(x)))  # (..., out_dim)
+
+
+class MLP(nn.Sequential):
+    """A stack of :class:`MLPBlock` hidden layers (possibly none: then the identity).
+
+    ``out_dim`` is the width of the last block (``in_dim`` when there is none).
+    """
+
+    def __init__(
+        self, in_dim: int, hidden: Sequence[int], *, norm: str, activation: str, bias: bool
+    ) -> None:
+        blocks = []
+        d = in_dim
+        for h in hidden:
+            blocks.append(MLPBlock(d, h, norm=norm, activation=activation, bias=bias))
+            d = h
+        super().__init__(*blocks)
+        self.out_dim = d
+
+
+class EmbeddingTables(nn.ModuleList):
+    """One ``nn.EmbeddingBag(card, dim, mode="sum", sparse=True)`` per sparse feature.
+
+    Forward takes one id per feature per row, ``(B, n)`` int64, and returns ``(B, n, dim)``.
+    Tables are initialised uniform in +-sqrt(1/card) (the DLRM / torchrec default), which
+    keeps dot-product interactions of order one whatever the table size.
+    """
+
+    def __init__(self, cardinalities: Sequence[int], dim: int) -> None:
+        super().__init__(
+            nn.EmbeddingBag(card, dim, mode="sum", sparse=True) for card in cardinalities
+        )
+        with torch.no_grad():
+            for table, card in zip(self, cardinalities):
+                bound = math.sqrt(1.0 / card)
+                table.weight.uniform_(-bound, bound)
+
+    def forward(self, sparse: torch.Tensor) -> torch.Tensor:
+        # each row of the (B, 1) slice is a bag of one id
+        return torch.stack(
+            [table(sparse[:, f : f + 1]) for f, table in enumerate(self)], dim=1
+        )  # (B, n, dim)
