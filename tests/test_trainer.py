@@ -1,0 +1,351 @@
+"""The short-run trainer: determinism, pairing, sparse optimizers, stopping rules, metrics.
+
+Uses a tiny local model and an in-test data source, so it tests the trainer alone (the
+reference models and data sources have their own tests; the CLI tests use those).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from typing import Iterator
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from loka_tune.data.base import Batch
+from loka_tune.errors import ConfigError, DataError
+from loka_tune.objectives import (
+    RowwiseAdagrad,
+    TrainConfig,
+    build_optimizers,
+    evaluate,
+    split_parameters,
+    train,
+)
+from loka_tune.objectives.metrics import auc, log_loss
+
+NUM_DENSE = 4
+CARDS = (50, 20, 7)
+
+
+class TinySource:
+    """A deterministic CTR source: a fixed logistic teacher over dense + sparse features.
+
+    Train: infinite, reshuffled each epoch from ``seed``; eval: a fixed disjoint set.
+    """
+
+    name = "tiny"
+    num_dense = NUM_DENSE
+    cardinalities = CARDS
+
+    def __init__(self, n_train: int = 2048, n_eval: int = 1024) -> None:
+        g = torch.Generator().manual_seed(123)
+        n = n_train + n_eval
+        dense = torch.randn(n, NUM_DENSE, generator=g)
+        sparse = torch.stack([torch.randint(0, c, (n,), generator=g) for c in CARDS], dim=1)
+        w = torch.randn(NUM_DENSE, generator=g)
+        tables = [torch.randn(c, generator=g) * 1.5 for c in CARDS]
+        logit = dense @ w + sum(t[sparse[:, i]] for i, t in enumerate(tables)) - 1.0
+        labels = torch.bernoulli(torch.sigmoid(logit), generator=g)
+        self.train_rows = (dense[:n_train], sparse[:n_train], labels[:n_train])
+        self.eval_rows = (dense[n_train:], sparse[n_train:], labels[n_train:])
+
+    def batches(self, split: str, batch_size: int, seed: int = 0, device="cpu") -> Iterator[Batch]:
+        d, s, y = self.train_rows if split == "train" else self.eval_rows
+        if split == "eval":
+            for i in range(0, len(y), batch_size):
+                yield Batch(d[i : i + batch_size], s[i : i + batch_size], y[i : i + batch_size]).to(device)
+            return
+        g = torch.Generator().manual_seed(seed)
+        while True:
+            perm = torch.randperm(len(y), generator=g)
+            for i in range(0, len(y) - batch_size + 1, batch_size):
+                idx = perm[i : i + batch_size]
+                yield Batch(d[idx], s[idx], y[idx]).to(device)
+
+
+class RecordingSource:
+    """Wraps a source and records a checksum of every train batch it yields."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.num_dense = inner.num_dense
+        self.cardinalities = inner.cardinalities
+        self.checksums: list[str] = []
+
+    def batches(self, split, batch_size, seed=0, device="cpu"):
+        for b in self.inner.batches(split, batch_size, seed, device):
+            if split == "train":
+                h = hashlib.sha256()
+                for t in (b.dense, b.sparse, b.labels):
+                    h.update(t.detach().cpu().contiguous().numpy().tobytes())
+                self.checksums.append(h.hexdigest())
+            yield b
+
+
+class TinyModel(nn.Module):
+    """Sparse embedding bags + a small MLP; ``forward(dense, sparse) -> (B,) logits``."""
+
+    def __init__(self, dim: int = 4, scale: float = 1.0, sparse: bool = True) -> None:
+        super().__init__()
+        self.tables = nn.ModuleList(nn.EmbeddingBag(c, dim, mode="sum", sparse=sparse) for c in CARDS)
+        self.bottom = nn.Linear(NUM_DENSE, dim)
+        self.top = nn.Sequential(nn.Linear(dim * (len(CARDS) + 1), 16), nn.ReLU(), nn.Linear(16, 1))
+        self.scale = scale  # multiplies the first top layer's output: the "numerics" knob
+
+    def forward(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
+        embs = [t(sparse[:, i : i + 1]) for i, t in enumerate(self.tables)]  # each (B, dim)
+        x = torch.cat([self.bottom(dense), *embs], dim=1)  # (B, dim * (n + 1))
+        h = self.top[0](x) * self.scale
+        return self.top[2](self.top[1](h)).squeeze(1)  # (B,)
+
+
+class NaNAfter(TinyModel):
+    """Returns NaN logits from training forward call ``k`` on (0-based)."""
+
+    def __init__(self, k: int) -> None:
+        super().__init__()
+        self.k, self.calls = k, 0
+
+    def forward(self, dense, sparse):
+        out = super().forward(dense, sparse)
+        if self.training:
+            self.calls += 1
+            if self.calls > self.k:
+                out = out * float("nan")
+        return out
+
+
+def fresh(seed: int = 0, **kw) -> TinyModel:
+    torch.manual_seed(seed)
+    return TinyModel(**kw)
+
+
+CFG = TrainConfig(steps=60, batch_size=64, window=20, lr_dense=3e-3, lr_sparse=5e-2, device="cpu")
+
+
+def test_repeated_cpu_runs_are_bit_identical():
+    src = TinySource()
+    a = train(fresh(), src, CFG, progress=False)
+    b = train(fresh(), src, CFG, progress=False)
+    assert a.status == b.status == "ok"
+    assert a.steps_run == 60 and len(a.step_losses) == 60 and len(a.loss_curve) == 3
+    assert torch.equal(torch.tensor(a.step_losses), torch.tensor(b.step_losses))
+    assert torch.equal(torch.tensor(a.loss_curve, dtype=torch.float64), torch.tensor(b.loss_curve, dtype=torch.float64))
+    assert a.eval_logloss == b.eval_logloss and a.eval_auc == b.eval_auc
+    # a different seed gives a different data order, hence a different curve
+    c = train(fresh(), src, TrainConfig(**{**CFG.__dict__, "seed": 1}), progress=False)
+    assert c.step_losses != a.step_losses
+
+
+def test_paired_runs_see_identical_batches():
+    """Two runs that differ only in one layer's numerics consume the same batches in order."""
+    rec_a, rec_b = RecordingSource(TinySource()), RecordingSource(TinySource())
+    a = train(fresh(scale=1.0), rec_a, CFG, progress=False)
+    b = train(fresh(scale=0.5), rec_b, CFG, progress=False)
+    assert rec_a.checksums == rec_b.checksums and len(rec_a.checksums) == CFG.steps
+    assert a.step_losses != b.step_losses  # the numerics did differ
+    assert len(set(rec_a.checksums)) > 1
+
+
+def test_learns_and_reports_consistent_metrics():
+    src = TinySource()
+    model = fresh()
+    res = train(model, src, TrainConfig(**{**CFG.__dict__, "steps": 150}), progress=False)
+    assert res.ok
+    assert res.loss_curve[-1] < res.loss_curve[0]
+    assert res.eval_ne < 0.95 and res.eval_auc > 0.7
+    assert res.eval_count == 1024
+    # curve entries are the exact window means of the per-step losses
+    assert res.loss_curve[1] == pytest.approx(float(np.mean(res.step_losses[20:40])), rel=1e-12)
+    assert res.curve_steps[:2] == (20, 40) and res.train_logloss == res.loss_curve[-1]
+    # eval metrics agree with recomputing them from the trained model's logits
+    d, s, y = src.eval_rows
+    with torch.no_grad():
+        model.eval()
+        z = model(d, s)
+    assert res.eval_logloss == pytest.approx(log_loss(y, z), rel=1e-9)
+    assert res.eval_auc == pytest.approx(auc(y, z), rel=1e-9)
+    ev = evaluate(model, src, batch_size=100, device="cpu")  # batch size does not matter
+    assert ev["logloss"] == pytest.approx(res.eval_logloss, rel=1e-6) and ev["count"] == 1024
+    assert 0 < ev["ctr"] < 1
+    # timing and counts
+    assert res.step_time_s > 0 and res.examples_per_s == pytest.approx(64 / res.step_time_s)
+    assert res.num_params == sum(p.numel() for p in model.parameters())
+    assert res.num_sparse_params == 4 * sum(CARDS)
+    assert res.device == "cpu" and res.precision == "fp32"
+    d = json.loads(json.dumps(res.to_dict()))
+    assert d["status"] == "ok" and d["config"]["steps"] == 150 and len(d["loss_curve"]) == 8
+
+
+def test_partial_last_window():
+    res = train(fresh(), TinySource(), TrainConfig(**{**CFG.__dict__, "steps": 45}), progress=False)
+    assert res.curve_steps == (20, 40, 45)
+    assert res.loss_curve[-1] == pytest.approx(float(np.mean(res.step_losses[40:])), rel=1e-12)
+
+
+def test_nonfinite_forward_stops_without_raising():
+    res = train(NaNAfter(k=7), TinySource(), CFG, progress=False)
+    assert res.status == "nonfinite" and res.nonfinite_step == 7
+    assert res.steps_run == 8 and len(res.step_losses) == 8
+    assert math.isnan(res.step_losses[-1]) and all(math.isfinite(v) for v in res.step_losses[:-1])
+    assert math.isnan(res.eval_logloss) and res.eval_count == 0
+    d = json.loads(json.dumps(res.to_dict(step_losses=True)))  # strict JSON: nan -> null
+    assert d["eval_logloss"] is None and d["step_losses"][-1] is None
+
+
+def test_absurd_learning_rate_is_nonfinite_not_an_exception():
+    cfg = TrainConfig(**{**CFG.__dict__, "lr_dense": 1e30, "lr_sparse": 1e30})
+    res = train(fresh(), TinySource(), cfg, progress=False)
+    assert res.status == "nonfinite" and res.nonfinite_step is not None
+    assert res.nonfinite_step < cfg.steps and not res.ok
+
+
+def test_embeddings_use_a_sparse_optimizer_and_get_sparse_grads():
+    model = fresh()
+    emb, dense = split_parameters(model)
+    assert {id(p) for p in emb} == {id(t.weight) for t in model.tables}
+    assert len(emb) + len(dense) == len(list(model.parameters()))
+    opts = build_optimizers(model, CFG)
+    assert isinstance(opts[0], RowwiseAdagrad) and isinstance(opts[1], torch.optim.Adam)
+    sparse_ids = {id(p) for g in opts[0].param_groups for p in g["params"]}
+    dense_ids = {id(p) for g in opts[1].param_groups for p in g["params"]}
+    assert sparse_ids == {id(p) for p in emb} and not (sparse_ids & dense_ids)
+    cfg_sa = TrainConfig(**{**CFG.__dict__, "sparse_optimizer": "sparse_adam"})
+    assert isinstance(build_optimizers(model, cfg_sa)[0], torch.optim.SparseAdam)
+
+    # during a real run the embedding gradients are sparse, and only touched rows move
+    seen: list[bool] = []
+    orig = RowwiseAdagrad.step
+
+    def spy(self, closure=None):
+        seen.extend(p.grad.is_sparse for g in self.param_groups for p in g["params"] if p.grad is not None)
+        return orig(self, closure)
+
+    RowwiseAdagrad.step = spy
+    try:
+        train(model, TinySource(), TrainConfig(**{**CFG.__dict__, "steps": 3}), progress=False)
+    finally:
+        RowwiseAdagrad.step = orig
+    assert seen and all(seen)
+
+
+def test_rowwise_adagrad_matches_float64_reference():
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(10, 3))
+    w0 = w.detach().double().clone()
+    opt = RowwiseAdagrad([w], lr=0.1)
+    acc = torch.zeros(10, dtype=torch.float64)
+    for ids in ([1, 4, 4, 7], [4, 9]):
+        emb = nn.functional.embedding_bag
+        g = torch.randn(len(ids), 3)
+        out = emb(torch.tensor(ids).unsqueeze(1), w, mode="sum", sparse=True)  # (n, 3)
+        opt.zero_grad()
+        (out * g).sum().backward()
+        opt.step()
+        # reference: dense row gradients summed over duplicates
+        gd = torch.zeros(10, 3, dtype=torch.float64)
+        for i, r in enumerate(ids):
+            gd[r] += g[i].double()
+        rows = sorted(set(ids))
+        for r in rows:
+            acc[r] += (gd[r] ** 2).mean()
+            w0[r] -= 0.1 * gd[r] / (acc[r].sqrt() + 1e-8)
+    assert torch.allclose(w.detach().double(), w0, rtol=1e-6, atol=1e-6)
+    untouched = [r for r in range(10) if r not in (1, 4, 7, 9)]
+    assert torch.equal(opt.state[w]["sum"][untouched], torch.zeros(len(untouched)))
+
+
+def test_sparse_adam_needs_sparse_tables_and_rowwise_adagrad_takes_dense():
+    cfg_sa = TrainConfig(**{**CFG.__dict__, "sparse_optimizer": "sparse_adam"})
+    with pytest.raises(ConfigError, match="sparse=True"):
+        build_optimizers(fresh(sparse=False), cfg_sa)
+    res = train(fresh(sparse=False), TinySource(), TrainConfig(**{**CFG.__dict__, "steps": 20}), progress=False)
+    assert res.ok and res.loss_curve[0] > 0
+    res = train(fresh(), TinySource(), TrainConfig(**{**cfg_sa.__dict__, "steps": 20}), progress=False)
+    assert res.ok
+
+
+def test_on_step_prunes_at_window_ends():
+    calls: list[tuple[int, float]] = []
+
+    def prune(step: int, window_loss: float) -> bool:
+        calls.append((step, window_loss))
+        return step >= 40
+
+    res = train(fresh(), TinySource(), CFG, on_step=prune, progress=False)
+    assert res.status == "pruned" and res.steps_run == 40
+    assert [c[0] for c in calls] == [20, 40]
+    assert calls[0][1] == pytest.approx(res.loss_curve[0], rel=1e-12)
+    assert math.isnan(res.eval_logloss)  # a pruned run is not evaluated
+
+
+def test_progress_callable_and_silence(capsys):
+    seen: list[int] = []
+    train(fresh(), TinySource(), CFG, progress=lambda step, loss: seen.append(step))
+    assert seen == [10, 20, 30, 40, 50, 60]
+    out = capsys.readouterr()
+    assert out.out == "" and out.err == ""
+    train(fresh(), TinySource(), TrainConfig(**{**CFG.__dict__, "steps": 10}), progress=True)
+    assert "train TinyModel" in capsys.readouterr().err  # the tqdm bar went to stderr
+
+
+def test_deterministic_setting_is_restored():
+    before = torch.are_deterministic_algorithms_enabled()
+    train(fresh(), TinySource(), TrainConfig(**{**CFG.__dict__, "steps": 2}), progress=False)
+    assert torch.are_deterministic_algorithms_enabled() == before
+
+
+def test_finite_train_iterator_is_a_data_error():
+    class Finite(TinySource):
+        def batches(self, split, batch_size, seed=0, device="cpu"):
+            it = super().batches(split, batch_size, seed, device)
+            for _ in range(3) if split == "train" else iter(int, 1):
+                yield next(it)
+
+    with pytest.raises(DataError, match="after 3 batches"):
+        train(fresh(), Finite(), CFG, progress=False)
+
+
+@pytest.mark.parametrize(
+    "kw, key",
+    [
+        ({"steps": 0}, "steps"),
+        ({"batch_size": -1}, "batch_size"),
+        ({"lr_dense": float("nan")}, "lr_dense"),
+        ({"lr_sparse": 0.0}, "lr_sparse"),
+        ({"autocast": "fp16"}, "autocast"),
+        ({"device": "tpu"}, "device"),
+        ({"sparse_optimizer": "adam"}, "sparse_optimizer"),
+        ({"eval_batches": 0}, "eval_batches"),
+        ({"seed": -1}, "seed"),
+    ],
+)
+def test_config_validation(kw, key):
+    with pytest.raises(ConfigError) as e:
+        TrainConfig(**kw)
+    assert e.value.key == key and repr(next(iter(kw.values())))[:3] in str(e.value)
+
+
+def test_eval_batches_limits_eval():
+    res = train(fresh(), TinySource(), TrainConfig(**{**CFG.__dict__, "steps": 5, "eval_batches": 2, "eval_batch_size": 100}), progress=False)
+    assert res.eval_count == 200
+
+
+def test_cuda_request_without_cuda_is_config_error():
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    with pytest.raises(ConfigError, match="CUDA is not available"):
+        train(fresh(), TinySource(), TrainConfig(device="cuda", steps=1), progress=False)
+
+
+@pytest.mark.gpu
+def test_cuda_bf16_run():
+    res = train(fresh(), TinySource(), TrainConfig(**{**CFG.__dict__, "device": "cuda"}), progress=False)
+    assert res.ok and res.precision == "bf16" and res.device.startswith("cuda")
+    assert res.step_time_s > 0 and res.eval_ne < 1.0
