@@ -1,0 +1,187 @@
+"""``LokaLinear``: a drop-in ``nn.Linear`` whose three GEMMs each run through their own choice.
+
+For an input ``X`` ``(..., K)`` flattened to ``(M, K)`` and weight ``W`` ``(N, K)``:
+
+- fwd:   ``Y  = gemm(X, W)``          -> ``(M, N)``, plus bias
+- dgrad: ``dX = gemm(dY, W^T)``       -> ``(M, K)``
+- wgrad: ``dW = gemm(dY^T, X^T)``     -> ``(N, K)``
+- bias:  ``db = sum(dY, 0)`` in float32 (never quantized)
+
+where ``gemm(A, B) = A @ B.T`` is ``torch.ops.loka.gemm`` (see :mod:`loka_tune.kernels.ops`)
+with the role's :class:`~loka_tune.config.GemmChoice`. Plain ``bf16`` choices skip the custom
+op (a direct matmul). When all three are plain ``bf16``, ``forward`` is ``F.linear``.
+
+Compute dtype: the autocast dtype when autocast is on for the input's device, else the
+input's dtype; operands are cast to it, the output is in it, and gradients come back in the
+dtypes of ``X``, ``W`` and the bias. The module has exactly ``nn.Linear``'s parameters
+(``weight``, ``bias``), so state dicts load both ways.
+
+Non-finite operands make a quantized GEMM fall back to the unquantized one for that call;
+``LokaLinear.nonfinite_fallbacks`` counts them (see :mod:`loka_tune.kernels.ops`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from loka_tune.config import BF16, GemmChoice, SitePrecision
+from loka_tune.kernels import ops
+
+__all__ = ["LokaLinear", "find_linears", "is_eligible"]
+
+_TAGS = itertools.count()
+_PLAIN_BF16 = BF16.short_str()  # "bf16"
+
+
+def _gemm(a: torch.Tensor, b: torch.Tensor, choice: str, role: str, tag: str) -> torch.Tensor:
+    if choice == _PLAIN_BF16:
+        return a @ b.t()
+    return torch.ops.loka.gemm(a, b, choice, role, tag)
+
+
+class _LokaLinearFn(torch.autograd.Function):
+    """The autograd of a LokaLinear on a 2-D input; choices arrive as short_str ids."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        x: torch.Tensor,  # (M, K)
+        weight: torch.Tensor,  # (N, K)
+        bias: torch.Tensor | None,  # (N,)
+        fwd: str,
+        dgrad: str,
+        wgrad: str,
+        tag: str,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        xc, wc = x.to(dtype), weight.to(dtype)
+        y = _gemm(xc, wc, fwd, "fwd", tag)  # (M, N)
+        if bias is not None:
+            y = y + bias.to(dtype)
+        ctx.save_for_backward(xc, wc)
+        ctx.meta = (dgrad, wgrad, tag, dtype, x.dtype, weight.dtype, None if bias is None else bias.dtype)
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        xc, wc = ctx.saved_tensors
+        dgrad, wgrad, tag, dtype, x_dtype, w_dtype, b_dtype = ctx.meta
+        dy = dy.to(dtype)  # (M, N)
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            dx = _gemm(dy, wc.t(), dgrad, "dgrad", tag).to(x_dtype)  # (M, N) @ (K, N).T -> (M, K)
+        if ctx.needs_input_grad[1]:
+            dw = _gemm(dy.t(), xc.t(), wgrad, "wgrad", tag).to(w_dtype)  # (N, M) @ (K, M).T -> (N, K)
+        if b_dtype is not None and ctx.needs_input_grad[2]:
+            db = dy.to(torch.float32).sum(0).to(b_dtype)  # (N,)
+        return dx, dw, db, None, None, None, None, None
+
+
+class LokaLinear(nn.Linear):
+    """``nn.Linear`` with per-GEMM precision (fwd, dgrad, wgrad); see the module docstring.
+
+    ``precision``: a :class:`SitePrecision`, or a string / mapping it parses from
+    (``"e4m3.row.emulated"``, ``"fwd|dgrad|wgrad"``). ``name``: the site name (for messages).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        *,
+        precision: SitePrecision | str | dict[str, str] | None = None,
+        name: str = "",
+    ) -> None:
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.site_name = name
+        self._tag = f"{name or 'linear'}#{next(_TAGS)}"
+        self.precision = SitePrecision() if precision is None else precision  # type: ignore[assignment]
+
+    # ------------------------------------------------------------------ precision
+    @property
+    def precision(self) -> SitePrecision:
+        return self._precision
+
+    @precision.setter
+    def precision(self, value: SitePrecision | str | dict[str, str]) -> None:
+        p = SitePrecision.from_obj(value, key=f"precision of {self.site_name or 'LokaLinear'}")
+        self._precision = p
+        self._ids = (p.fwd.short_str(), p.dgrad.short_str(), p.wgrad.short_str())
+        self._plain = all(i == _PLAIN_BF16 for i in self._ids)
+
+    @property
+    def nonfinite_fallbacks(self) -> int:
+        """GEMM calls of this layer that met a non-finite operand and ran unquantized."""
+        return ops.nonfinite_count(self._tag)
+
+    def reset_nonfinite_fallbacks(self) -> None:
+        ops.reset_nonfinite(self._tag)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_linear(
+        cls, linear: nn.Linear, precision: SitePrecision | str | dict[str, str] | None = None, *, name: str = ""
+    ) -> "LokaLinear":
+        """A LokaLinear sharing ``linear``'s ``weight`` and ``bias`` Parameters (no copy).
+
+        The new module takes over ``linear``'s training flag and its forward hooks/pre-hooks.
+        """
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"from_linear takes an nn.Linear, got {type(linear).__name__}")
+        new = cls(
+            linear.in_features,
+            linear.out_features,
+            bias=linear.bias is not None,
+            device="meta",  # no allocation / init: the parameters are replaced below
+            precision=precision,
+            name=name,
+        )
+        new.weight = linear.weight
+        new.bias = linear.bias
+        new.train(linear.training)
+        for attr in ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs",
+                     "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called"):
+            if hasattr(linear, attr):
+                getattr(new, attr).update(getattr(linear, attr))
+        return new
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., K) -> (..., N)
+        if self._plain:
+            return F.linear(x, self.weight, self.bias)
+        dev = x.device.type
+        dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1])  # (M, K)
+        fwd, dgrad, wgrad = self._ids
+        y = _LokaLinearFn.apply(x2, self.weight, self.bias, fwd, dgrad, wgrad, self._tag, dtype)  # (M, N)
+        return y.reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, precision={self._precision.short_str()}"
+
+
+def is_eligible(module: nn.Module) -> bool:
+    """An eligible site: a plain ``nn.Linear`` (exact type) or a :class:`LokaLinear`.
+
+    Subclasses of ``nn.Linear`` with their own ``forward`` (and ``MultiheadAttention``'s
+    ``out_proj``, whose weight is used without calling it) are not swapped.
+    """
+    return type(module) is nn.Linear or isinstance(module, LokaLinear)
+
+
+def find_linears(model: nn.Module) -> dict[str, nn.Linear]:
+    """Eligible linear layers of ``model`` by fully qualified name, in module order.
+
+    The root module itself is not a site (it cannot be swapped in place); a layer reachable
+    under several names is listed once, under its first name.
+    """
+    return {name: m for name, m in model.named_modules() if name and is_eligible(m)}  # type: ignore[misc]
