@@ -60,6 +60,7 @@ __all__ = [
 ]
 
 SCHEMA_VERSION = 1  # bump on any incompatible change of the JSON layout
+_KIND = "loka-tune.precision-config"  # the "kind" field of a precision config file
 
 
 class Format(str, Enum):
@@ -147,6 +148,8 @@ class GemmChoice:
         object.__setattr__(self, "b_format", _enum(Format, self.b_format, "b_format"))
         object.__setattr__(self, "granularity", _enum(Granularity, self.granularity, "granularity"))
         object.__setattr__(self, "rounding", _enum(ScaleRounding, self.rounding, "rounding"))
+        if not isinstance(self.fast_accum, bool):
+            raise ConfigError(f"got {self.fast_accum!r}; expected true or false", key="fast_accum")
         if not isinstance(self.backend, str) or not _BACKEND_RE.match(self.backend):
             raise ConfigError(
                 f"got {self.backend!r}; a backend name is lower-case letters, digits and '_'"
@@ -255,6 +258,12 @@ class GemmChoice:
             )
         gran = _enum(Granularity, parts[1], key)
         flags, backend = parts[2:-1], parts[-1]
+        if backend in ("pow2", "fa"):
+            raise ConfigError(
+                f"got {text!r}; it ends with the flag {backend!r} where the backend name belongs:"
+                f" write '{text.strip()}.emulated' (or another backend)",
+                key=key,
+            )
         unknown = [f for f in flags if f not in ("pow2", "fa")]
         if unknown or len(set(flags)) != len(flags):
             raise ConfigError(
@@ -430,7 +439,7 @@ class ModsConfig:
         if unknown:
             raise ConfigError(f"unknown key(s) {sorted(unknown)}; valid keys: {sorted(fields_)}", key=key)
         kb = obj.get("keep_bias", ())
-        if isinstance(kb, str) or not isinstance(kb, (list, tuple)):
+        if isinstance(kb, str) or not isinstance(kb, (list, tuple)) or not all(isinstance(x, str) for x in kb):
             raise ConfigError(f"got {kb!r}; expected a list of module names", key=f"{key}.keep_bias")
         return cls(**{**obj, "keep_bias": tuple(kb)})
 
@@ -461,6 +470,16 @@ class SiteRule:
         if self.is_regex:
             return re.fullmatch(self.pattern[3:], name) is not None
         return self.pattern == name
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``json.loads`` hook: a key given twice in one object is an error (json keeps the last)."""
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise ConfigError(f"the key {k!r} appears twice in one JSON object; keep one", key=k)
+        out[k] = v
+    return out
 
 
 @dataclass(frozen=True)
@@ -534,7 +553,7 @@ class PrecisionConfig:
     def to_dict(self) -> dict[str, Any]:
         return {
             "schema_version": SCHEMA_VERSION,
-            "kind": "loka-tune.precision-config",
+            "kind": _KIND,
             "mods": self.mods.to_dict(),
             "default": self.default.to_dict(),
             "sites": {r.pattern: r.precision.to_dict() for r in self.sites},
@@ -555,12 +574,15 @@ class PrecisionConfig:
         version = obj.get("schema_version")
         if version is None:
             raise ConfigError("missing; add \"schema_version\": 1", key="schema_version")
-        if version != SCHEMA_VERSION:
+        if isinstance(version, bool) or version != SCHEMA_VERSION:
             raise ConfigError(
                 f"got {version!r}; this loka-tune reads schema version {SCHEMA_VERSION}"
                 " (re-export the config with this version)",
                 key="schema_version",
             )
+        kind = obj.get("kind", _KIND)
+        if kind != _KIND:
+            raise ConfigError(f"got {kind!r}; a precision config has kind {_KIND!r} (is this another file?)", key="kind")
         sites = obj.get("sites", {})
         if not isinstance(sites, Mapping):
             raise ConfigError(f"got {type(sites).__name__}; expected an object of name -> site", key="sites")
@@ -579,7 +601,7 @@ class PrecisionConfig:
     @classmethod
     def from_json(cls, text: str, *, source: str = "<string>") -> "PrecisionConfig":
         try:
-            obj = json.loads(text)
+            obj = json.loads(text, object_pairs_hook=_no_duplicate_keys)
         except json.JSONDecodeError as e:
             raise ConfigError(
                 f"{source} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})", key="(file)"
@@ -603,4 +625,8 @@ class PrecisionConfig:
                 f"no such file {str(path)!r}; export one with `loka-tune export STUDY --out {path}`",
                 key="(file)",
             )
-        return cls.from_json(path.read_text(), source=str(path))
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"cannot read {str(path)!r} as a UTF-8 JSON file: {e}", key="(file)") from None
+        return cls.from_json(text, source=str(path))
