@@ -12,7 +12,6 @@ from __future__ import annotations
 import difflib
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 
 from loka_tune.errors import ModError
@@ -20,8 +19,8 @@ from loka_tune.errors import ModError
 __all__ = [
     "Site",
     "walk",
+    "Walk",
     "replace",
-    "parent_of",
     "param_owner_count",
     "has_hooks",
     "is_uninitialized_lazy",
@@ -35,10 +34,12 @@ __all__ = [
 
 @dataclass
 class Site:
-    """One module object of the model and every name it is registered under."""
+    """One module object of the model, every name it is registered under, and the parent
+    of its first name (``None`` for the root) as they were when the model was walked."""
 
     module: nn.Module
     names: list[str]
+    parent: nn.Module | None = None
 
     @property
     def name(self) -> str:
@@ -62,13 +63,44 @@ def check_model(model: object) -> nn.Module:
 def walk(model: nn.Module) -> list[Site]:
     """Every distinct module of ``model`` (root included, name ``""``) in module order."""
     sites: dict[int, Site] = {}
+    by_name: dict[str, nn.Module] = {}
     for name, mod in model.named_modules(remove_duplicate=False):
+        by_name[name] = mod
         site = sites.get(id(mod))
         if site is None:
-            sites[id(mod)] = Site(mod, [name])
+            parent = None if name == "" else by_name[name.rpartition(".")[0]]
+            sites[id(mod)] = Site(mod, [name], parent)
         elif name not in site.names:
             site.names.append(name)
     return list(sites.values())
+
+
+class Walk:
+    """Iterate over :func:`walk`'s sites while replacing some of them.
+
+    Sites inside a subtree that was replaced earlier in the same walk are not yielded
+    (they are no longer part of the model).
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.sites = walk(model)
+        self._gone: list[str] = []
+
+    def __iter__(self):
+        for site in self.sites:
+            if self._gone and all(any(n.startswith(g + ".") for g in self._gone) for n in site.names):
+                continue
+            yield site
+
+    def replace(self, site: Site, new: nn.Module) -> None:
+        replace(self.model, site, new)
+        self._gone.extend(site.names)
+
+
+def replace(self, site: Site, new: nn.Module) -> None:
+        replace(self.model, site, new)
+        self._gone.extend(site.names)
 
 
 def parent_of(model: nn.Module, name: str) -> nn.Module | None:
@@ -163,9 +195,3 @@ def find_prediction_head(model: nn.Module) -> tuple[str | None, str]:
     if ones:
         return ones[-1][0], "the last nn.Linear with out_features == 1"
     return linears[-1][0], "the last nn.Linear (none has out_features == 1)"
-
-
-def tensor_desc(t: torch.Tensor | None) -> str:
-    if t is None:
-        return "None"
-    return f"{tuple(t.shape)}"

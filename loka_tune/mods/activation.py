@@ -11,7 +11,7 @@ from __future__ import annotations
 from torch import nn
 
 from loka_tune.layers import SwishLayerNorm
-from loka_tune.mods._walk import check_model, has_hooks, overrides_forward, replace, walk
+from loka_tune.mods._walk import Walk, check_model, has_hooks, overrides_forward
 from loka_tune.mods.report import Change, PassReport, Skip
 
 __all__ = ["hardswish"]
@@ -30,7 +30,8 @@ def hardswish(model: nn.Module) -> PassReport:
     """
     check_model(model)
     report = PassReport("hardswish")
-    for site in walk(model):
+    tree = Walk(model)
+    for site in tree:
         m = site.module
         if isinstance(m, (nn.SiLU, SwishLayerNorm)):
             if overrides_forward(m, nn.SiLU, SwishLayerNorm):
@@ -50,7 +51,7 @@ def hardswish(model: nn.Module) -> PassReport:
                 before = f"SwishLayerNorm(x * sigmoid({m.norm!r}))"
             else:
                 before = f"SiLU(inplace={inplace})"
-            replace(model, site, new)
+            tree.replace(site, new)
             report.changed.append(Change(site.name, site.kind, before, f"Hardswish(inplace={inplace})", site.aliases))
         elif not isinstance(m, nn.Hardswish):
             cls = site.kind.lower()

@@ -20,7 +20,6 @@ from loka_tune.mods._walk import (
     is_parametrized,
     is_uninitialized_lazy,
     param_owner_count,
-    parent_of,
     resolve_names,
     walk,
 )
@@ -78,7 +77,7 @@ def no_bias(model: nn.Module, keep: Iterable[str] = (), *, keep_head: bool = Tru
         if isinstance(m, nn.Linear):
             if m.bias is None:
                 continue
-            parent = parent_of(model, site.name)
+            parent = site.parent
             if id(m) in kept:
                 reason = kept[id(m)]
             elif isinstance(parent, nn.MultiheadAttention):

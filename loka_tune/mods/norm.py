@@ -27,8 +27,7 @@ from loka_tune.mods._walk import (
     check_model,
     has_hooks,
     overrides_forward,
-    replace,
-    walk,
+    Walk,
 )
 from loka_tune.mods.report import Change, PassReport, Skip
 
@@ -155,7 +154,8 @@ def blocknorm(model: nn.Module, block: int = 256, *, affine: bool = False) -> Pa
     )
     report.notes.append("widths not a multiple of the block: ragged last block normalized over its own size")
     other_norms = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LocalResponseNorm)
-    for site in walk(model):
+    tree = Walk(model)
+    for site in tree:
         m = site.module
         if isinstance(m, (nn.LayerNorm, nn.RMSNorm)):
             reason = None
@@ -189,7 +189,7 @@ def blocknorm(model: nn.Module, block: int = 256, *, affine: bool = False) -> Pa
             nfull, b, r = block_layout(width, block)
             layout = f"{nfull} block(s) of {b}" + (f" + a ragged block of {r}" if r else "")
             after = f"BlockNorm(block={block}, eps={m.eps}: {layout}" + (", weight" if w is not None else "") + ")"
-            replace(model, site, new)
+            tree.replace(site, new)
             report.changed.append(Change(site.name, site.kind, _norm_desc(m), after, site.aliases))
         elif isinstance(m, other_norms):
             report.skipped.append(

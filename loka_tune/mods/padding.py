@@ -51,10 +51,8 @@ from loka_tune.mods._walk import (
     is_uninitialized_lazy,
     overrides_forward,
     param_owner_count,
-    parent_of,
-    replace,
     resolve_names,
-    walk,
+    Walk,
 )
 from loka_tune.mods.report import Change, PassReport, Skip
 
@@ -241,9 +239,10 @@ def pad(model: nn.Module, multiple: int = 16, *, skip: tuple[str, ...] | list[st
                 skipped_ids.setdefault(id(m), f"{why} ({name!r})" if skip is not None else why)
     owners = param_owner_count(model)
 
-    for site in walk(model):
+    tree = Walk(model)
+    for site in tree:
         m = site.module
-        parent = parent_of(model, site.name)
+        parent = site.parent
         if isinstance(parent, PaddedLinear) and parent.linear is m:
             continue  # handled through its wrapper
         if isinstance(m, PaddedLinear):
@@ -261,7 +260,7 @@ def pad(model: nn.Module, multiple: int = 16, *, skip: tuple[str, ...] | list[st
                 )
             else:
                 new = PaddedLinear.from_linear(m.to_linear(), multiple)
-                replace(model, site, new)
+                tree.replace(site, new)
                 report.changed.append(
                     Change(site.name, site.kind,
                            f"{_linear_desc(m.in_features, m.out_features)} padded to ({m.padded_in}, {m.padded_out})",
@@ -296,7 +295,7 @@ def pad(model: nn.Module, multiple: int = 16, *, skip: tuple[str, ...] | list[st
             report.skipped.append(Skip(site.name, site.kind, reason))
             continue
         new = PaddedLinear.from_linear(m, multiple)
-        replace(model, site, new)
+        tree.replace(site, new)
         report.changed.append(
             Change(site.name, site.kind, _linear_desc(k, n),
                    f"PaddedLinear(K={k}->{new.padded_in}, N={n}->{new.padded_out})", site.aliases)
@@ -313,7 +312,8 @@ def unpad(model: nn.Module) -> PassReport:
     """
     check_model(model)
     report = PassReport("unpad")
-    for site in walk(model):
+    tree = Walk(model)
+    for site in tree:
         m = site.module
         if not isinstance(m, PaddedLinear):
             continue
@@ -324,7 +324,7 @@ def unpad(model: nn.Module) -> PassReport:
             report.skipped.append(Skip(site.name, site.kind, "the model itself: call .to_linear()"))
             continue
         nonzero = not m.padding_is_zero()
-        replace(model, site, m.to_linear())
+        tree.replace(site, m.to_linear())
         report.changed.append(
             Change(site.name, site.kind, f"padded ({m.padded_in}, {m.padded_out})",
                    f"Linear(K={m.in_features}, N={m.out_features})" + (" (nonzero padding dropped)" if nonzero else ""),
