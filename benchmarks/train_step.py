@@ -1,0 +1,207 @@
+"""Train-step time of a reference model on the GPU, where the time goes, and the probe's overhead.
+
+Measures, for one model/preset at one batch size on synthetic data generated on the GPU:
+  1. the step time (fwd + bwd + sparse row-wise Adagrad + dense Adam; bf16 autocast), median
+     and mean over a steady window, each step timed with CUDA events;
+  2. a breakdown of GPU kernel time by the aten op that launched it (torch.profiler, eager
+     mode): dense linear GEMMs (mm/addmm/_scaled_mm), other GEMMs (bmm: interactions),
+     embeddings, optimizer, everything else; and the time to generate one batch;
+  3. with ``--probe-every N``: the same loop with a ``loka_tune.Probe(model, every=N)``
+     attached, and its overhead on the mean step time (the collection steps included),
+     against plain runs before and after it (their difference is the noise).
+
+Example (the BENCHMARKS.md entries):
+    python benchmarks/train_step.py --model wukong --preset large --batch 8192 --steps 200 \
+        --num-sparse 40 --cardinality 100000 --probe-every 100 --out $OUT/train_step.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from loka_tune.data.synthetic import SyntheticCTR  # noqa: E402
+from loka_tune.models import build_model  # noqa: E402
+from loka_tune.objectives.trainer import TrainConfig, build_optimizers  # noqa: E402
+
+# aten op -> category of the GPU time it launches
+CATEGORIES = {
+    "aten::mm": "linear GEMMs",
+    "aten::addmm": "linear GEMMs",
+    "aten::_scaled_mm": "linear GEMMs",
+    "aten::bmm": "interaction GEMMs (bmm)",
+    "aten::baddbmm": "interaction GEMMs (bmm)",
+    "aten::embedding_bag": "embeddings",
+    "aten::_embedding_bag": "embeddings",
+    "aten::_embedding_bag_backward": "embeddings",
+    "aten::_embedding_bag_sparse_backward": "embeddings",
+    "aten::_embedding_bag_dense_backward": "embeddings",
+}
+
+
+def make_step(model, optimizers):
+    def step(batch) -> torch.Tensor:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = model(batch.dense, batch.sparse)  # (B,)
+        loss = F.binary_cross_entropy_with_logits(logits.float(), batch.labels)
+        for opt in optimizers:
+            opt.zero_grad(set_to_none=True)
+        loss.backward()
+        for opt in optimizers:
+            opt.step()
+        return loss
+
+    return step
+
+
+def timed_loop(step, batches, steps: int) -> list[float]:
+    """Seconds of every step (CUDA events), data generation excluded."""
+    times = []
+    for _ in range(steps):
+        batch = next(batches)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step(batch)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return times
+
+
+def summarize(times: list[float], warmup: int) -> dict[str, float]:
+    steady = times[warmup:]
+    return {
+        "median_ms": statistics.median(steady) * 1e3,
+        "mean_ms": statistics.fmean(steady) * 1e3,
+        "p90_ms": sorted(steady)[int(0.9 * (len(steady) - 1))] * 1e3,
+        "steps": len(steady),
+    }
+
+
+def profile_breakdown(step, batches, steps: int) -> dict[str, float]:
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        step(next(batches))
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step(next(batches))
+        torch.cuda.synchronize()
+    per_cat: dict[str, float] = defaultdict(float)
+    for evt in prof.key_averages():
+        dev_us = getattr(evt, "self_device_time_total", None)
+        if dev_us is None:
+            dev_us = evt.self_cuda_time_total
+        if dev_us <= 0:
+            continue
+        name = evt.key
+        if name in CATEGORIES:
+            cat = CATEGORIES[name]
+        elif "optim" in name.lower() or "_foreach" in name or "adam" in name.lower() or "adagrad" in name.lower():
+            cat = "optimizer"
+        elif name.startswith("aten::") or name.startswith("triton") or name.startswith("Optimizer"):
+            cat = "other ops (norms, activations, copies, ...)"
+        else:
+            continue  # raw kernel rows: their time is already under the op that launched them
+        per_cat[cat] += dev_us / 1e3 / steps  # ms per step
+    return dict(per_cat)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="wukong")
+    ap.add_argument("--preset", default="large")
+    ap.add_argument("--batch", type=int, default=8192)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--num-sparse", type=int, default=40)
+    ap.add_argument("--num-dense", type=int, default=13)
+    ap.add_argument("--cardinality", type=int, default=100_000)
+    ap.add_argument("--profile-steps", type=int, default=10)
+    ap.add_argument("--probe-every", type=int, default=0, help="also measure the probe's overhead (0: skip)")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("this benchmark needs a CUDA GPU", file=sys.stderr)
+        return 2
+
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    source = SyntheticCTR(num_dense=args.num_dense, cardinalities=[args.cardinality] * args.num_sparse)
+    model = build_model(
+        args.model, args.preset, num_dense=args.num_dense, cardinalities=source.cardinalities
+    ).to(dev)
+    optimizers = build_optimizers(model, TrainConfig(batch_size=args.batch))
+    step = make_step(model, optimizers)
+    batches = iter(source.batches("train", args.batch, seed=0, device=dev))
+
+    # data generation time (not part of the step)
+    next(batches)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(20):
+        next(batches)
+    torch.cuda.synchronize()
+    data_ms = (time.perf_counter() - t0) / 20 * 1e3
+
+    result: dict = {
+        "model": args.model, "preset": args.preset, "batch": args.batch, "steps": args.steps,
+        "num_sparse": args.num_sparse, "cardinality": args.cardinality,
+        "params": sum(p.numel() for p in model.parameters()),
+        "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+        "python": platform.python_version(), "date": time.strftime("%Y-%m-%d"),
+        "data_gen_ms_per_batch": data_ms,
+    }
+    plain = timed_loop(step, batches, args.steps)
+    result["plain"] = summarize(plain, args.warmup)
+    breakdown = profile_breakdown(step, batches, args.profile_steps)
+    total = sum(breakdown.values())
+    result["breakdown_ms_per_step"] = breakdown
+    result["gpu_kernel_ms_per_step"] = total
+    result["share_outside_linear_gemms"] = 1 - breakdown.get("linear GEMMs", 0.0) / total if total else None
+
+    if args.probe_every:
+        from loka_tune.probe import Probe
+
+        with Probe(model, every=args.probe_every) as probe:
+            probed = timed_loop(step, batches, args.steps)
+        plain2 = timed_loop(step, batches, args.steps)
+        result["probe"] = summarize(probed, args.warmup)
+        result["plain_after"] = summarize(plain2, args.warmup)
+        result["probe_collections"] = probe.collections
+        base = (result["plain"]["mean_ms"] + result["plain_after"]["mean_ms"]) / 2
+        result["probe_overhead_mean"] = result["probe"]["mean_ms"] / base - 1
+        result["plain_noise_mean"] = abs(result["plain"]["mean_ms"] - result["plain_after"]["mean_ms"]) / base
+
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2))
+    print(f"\n{args.model}/{args.preset} batch {args.batch} on {result['device']} (torch {torch.__version__})")
+    print(f"step time: median {result['plain']['median_ms']:.2f} ms, mean {result['plain']['mean_ms']:.2f} ms"
+          f" over {result['plain']['steps']} steps; data generation {data_ms:.2f} ms/batch (not in the step)")
+    print(f"{'category':48s} {'ms/step':>8s} {'share':>6s}")
+    for cat, ms in sorted(breakdown.items(), key=lambda kv: -kv[1]):
+        print(f"{cat:48s} {ms:8.2f} {ms / total:6.1%}")
+    print(f"share of GPU kernel time outside the linear GEMMs: {result['share_outside_linear_gemms']:.1%}")
+    if args.probe_every:
+        print(f"probe every {args.probe_every}: mean {result['probe']['mean_ms']:.2f} ms vs"
+              f" {result['plain']['mean_ms']:.2f} / {result['plain_after']['mean_ms']:.2f} ms plain"
+              f" -> overhead {result['probe_overhead_mean']:+.2%} (plain-vs-plain noise"
+              f" {result['plain_noise_mean']:.2%}; {result['probe_collections']} collections)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
