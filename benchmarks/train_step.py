@@ -51,18 +51,42 @@ CATEGORIES = {
 
 
 def make_step(model, optimizers):
-    def step(batch) -> torch.Tensor:
+    def step(batch, marks: list | None = None) -> torch.Tensor:
+        """One training step; with ``marks``, CUDA events after fwd, bwd and the optimizers."""
+
+        def mark() -> None:
+            if marks is not None:
+                e = torch.cuda.Event(enable_timing=True)
+                e.record()
+                marks.append(e)
+
+        mark()
         with torch.autocast("cuda", dtype=torch.bfloat16):
             logits = model(batch.dense, batch.sparse)  # (B,)
         loss = F.binary_cross_entropy_with_logits(logits.float(), batch.labels)
+        mark()
         for opt in optimizers:
             opt.zero_grad(set_to_none=True)
         loss.backward()
+        mark()
         for opt in optimizers:
             opt.step()
+        mark()
         return loss
 
     return step
+
+
+def phase_times(step, batches, steps: int) -> dict[str, float]:
+    """Median ms per step of forward, backward and optimizer phases (CUDA events)."""
+    out: dict[str, list[float]] = {"forward": [], "backward": [], "optimizer": []}
+    for _ in range(steps):
+        marks: list = []
+        step(next(batches), marks)
+        marks[-1].synchronize()
+        for i, k in enumerate(out):
+            out[k].append(marks[i].elapsed_time(marks[i + 1]))
+    return {k: statistics.median(v) for k, v in out.items()}
 
 
 def timed_loop(step, batches, steps: int) -> list[float]:
@@ -109,8 +133,8 @@ def profile_breakdown(step, batches, steps: int) -> dict[str, float]:
         name = evt.key
         if name in CATEGORIES:
             cat = CATEGORIES[name]
-        elif "optim" in name.lower() or "_foreach" in name or "adam" in name.lower() or "adagrad" in name.lower():
-            cat = "optimizer"
+        elif "_foreach" in name or "adam" in name.lower():
+            cat = "optimizer (dense Adam)"
         elif name.startswith("aten::") or name.startswith("triton") or name.startswith("Optimizer"):
             cat = "other ops (norms, activations, copies, ...)"
         else:
@@ -166,6 +190,7 @@ def main() -> int:
     }
     plain = timed_loop(step, batches, args.steps)
     result["plain"] = summarize(plain, args.warmup)
+    result["phases_ms"] = phase_times(step, batches, max(args.profile_steps, 10))
     breakdown = profile_breakdown(step, batches, args.profile_steps)
     total = sum(breakdown.values())
     result["breakdown_ms_per_step"] = breakdown
@@ -195,6 +220,7 @@ def main() -> int:
     for cat, ms in sorted(breakdown.items(), key=lambda kv: -kv[1]):
         print(f"{cat:48s} {ms:8.2f} {ms / total:6.1%}")
     print(f"share of GPU kernel time outside the linear GEMMs: {result['share_outside_linear_gemms']:.1%}")
+    print("phases (median ms): " + ", ".join(f"{k} {v:.2f}" for k, v in result["phases_ms"].items()))
     if args.probe_every:
         print(f"probe every {args.probe_every}: mean {result['probe']['mean_ms']:.2f} ms vs"
               f" {result['plain']['mean_ms']:.2f} / {result['plain_after']['mean_ms']:.2f} ms plain"
