@@ -1,0 +1,322 @@
+"""The online half of the probe: hooks that collect statistics during real training.
+
+>>> with Probe(model, every=100) as p:          # doctest: +SKIP
+...     for batch in batches: train_step(model, batch)
+>>> p.stats.save("probe_stats.npz")             # doctest: +SKIP
+
+Step counting: with ``step_on="forward"`` (default) every forward call of ``model`` in
+training mode counts as one step; with ``step_on="manual"`` the training loop calls
+``p.step()`` once per optimizer step. When the count reaches a multiple of ``every`` (steps
+``every``, ``2 every``, ...) the next training forward is a *collection*: the probe then
+
+- installs a forward hook on every site for that one forward (removed by a hook on the
+  model's forward when it returns), which merges the site's input ``X`` rows into its
+  :class:`~loka_tune.probe.moments.RunningMoments` and registers a tensor hook on the
+  site's output, which merges the output gradient ``dY`` during the backward pass;
+- folds every site's current weight into its matrix-normal model.
+
+Between collections the only cost is one forward pre-hook on the root module that
+increments a counter: no per-site hooks exist, so the overhead is nil on non-collection
+steps. Inputs with leading dims (3-D activations) are flattened into rows: each row is one
+independent draw of the feature vector.
+
+Non-finite batches: a collected ``X`` or ``dY`` holding NaN/inf is *not merged* (it would
+poison the running moments) and is counted per site (``TensorStats.nonfinite``); training
+goes on. :meth:`ProbeStats.check` (run by :func:`loka_tune.probe.measure`) then raises a
+:class:`ProbeError` naming those layers, unless the caller asks to skip them.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Callable, Iterable
+
+import numpy as np
+import torch
+from torch import nn
+
+from loka_tune.errors import ProbeError
+from loka_tune.probe.moments import DEFAULT_SKETCH_RANK, MAX_FULL_DIM, RunningMoments
+from loka_tune.probe.stats import QUANTILES, ProbeStats, SiteStats, TensorStats, WeightStats, find_sites
+from loka_tune.probe.weights import MatrixNormalEMA
+
+__all__ = ["Probe"]
+
+QUANTILE_SAMPLE = 1 << 16  # elements of |x| subsampled per collection for the quantiles
+REAL_ROWS = 256  # rows of the last batch kept per site for "real" replay (float32)
+
+
+class _StreamAcc:
+    """Accumulators of one operand stream (x or dy) of one site."""
+
+    def __init__(self, dim: int, max_full_dim: int, sketch_rank: int) -> None:
+        self.dim, self.max_full_dim, self.sketch_rank = dim, max_full_dim, sketch_rank
+        self.moments: RunningMoments | None = None  # created on first data (on its device)
+        self.batches = 0
+        self.nonfinite = 0
+        self.rows = 0
+        self.amax = 0.0
+        self.absq_sum = np.zeros(len(QUANTILES))
+        self.real: torch.Tensor | None = None
+
+    def add(self, x: torch.Tensor, gen: torch.Generator, real_idx: torch.Tensor | None) -> bool:
+        """Merge rows ``x (rows, dim)``; False (and counted) when they hold NaN/inf."""
+        if not bool(torch.isfinite(x).all()):
+            self.nonfinite += 1
+            return False
+        if self.moments is None:
+            self.moments = RunningMoments(
+                self.dim, max_full_dim=self.max_full_dim, sketch_rank=self.sketch_rank, device=x.device
+            )
+        self.moments.update(x)
+        self.batches += 1
+        self.rows = x.shape[0]
+        ax = x.detach().abs().flatten()
+        self.amax = max(self.amax, float(ax.max()) if ax.numel() else 0.0)
+        if ax.numel() > QUANTILE_SAMPLE:
+            idx = torch.randint(ax.numel(), (QUANTILE_SAMPLE,), generator=gen).to(ax.device)
+            ax = ax[idx]
+        q = torch.quantile(ax.float(), torch.tensor(QUANTILES, device=ax.device))
+        self.absq_sum += q.double().cpu().numpy()
+        if real_idx is not None:
+            self.real = x.detach()[real_idx.to(x.device)].float().cpu()
+        return True
+
+    def snapshot(self) -> TensorStats:
+        t = TensorStats(dim=self.dim, batches=self.batches, nonfinite=self.nonfinite, rows=self.rows,
+                        amax=self.amax)
+        m = self.moments
+        if m is None or m.n == 0:
+            return t
+        t.count = m.n
+        t.mean = m.mean.cpu().numpy()
+        t.var = m.variance().cpu().numpy()
+        if m.full:
+            t.cov = m.covariance().cpu().numpy()
+        else:
+            vals, vecs = m.low_rank()
+            t.lr_vals, t.lr_vecs = vals.cpu().numpy(), vecs.cpu().numpy()
+        t.kurtosis = m.excess_kurtosis().cpu().numpy()
+        t.absq = self.absq_sum / max(self.batches, 1)
+        t.real = None if self.real is None else self.real.numpy()
+        return t
+
+
+class _Site:
+    def __init__(self, name: str, mod: nn.Linear, probe: "Probe") -> None:
+        self.name, self.mod = name, mod
+        k, n = mod.in_features, mod.out_features
+        self.x = _StreamAcc(k, probe.max_full_dim, probe.sketch_rank)
+        self.dy = _StreamAcc(n, probe.max_full_dim, probe.sketch_rank)
+        self.w: MatrixNormalEMA | None = None
+        self.w_amax = 0.0
+        self.w_absq = np.zeros(len(QUANTILES))
+        self.w_kurt = 0.0
+        self.w_nonfinite = 0
+
+
+class Probe:
+    """Collect per-site statistics of ``model`` during training (see the module docstring).
+
+    Args:
+        model: the model; its eligible linears (:func:`find_sites`) are the sites.
+        every: collect once every ``every`` steps (default 100).
+        step_on: ``"forward"`` (each training-mode forward of ``model`` is a step) or
+            ``"manual"`` (call :meth:`step` once per training step).
+        sites: optional names or ``re:<regex>`` patterns restricting the sites.
+        keep_real: keep the last collected batch of each site (``real_rows`` random rows of X
+            and the same rows of dY) for "real" replay.
+        max_full_dim: feature dims above it keep diagonal + low-rank statistics.
+        sketch_rank: rank of that low-rank sketch.
+        weight_ema: EMA factor of the weight model.
+        seed: seeds the subsampling (quantiles, real rows).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        every: int = 100,
+        *,
+        step_on: str = "forward",
+        sites: Iterable[str] | None = None,
+        keep_real: bool = True,
+        real_rows: int = REAL_ROWS,
+        max_full_dim: int = MAX_FULL_DIM,
+        sketch_rank: int = DEFAULT_SKETCH_RANK,
+        weight_ema: float = 0.5,
+        seed: int = 0,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise ProbeError(f"Probe needs an nn.Module, got {type(model).__name__}")
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ProbeError(f"every must be a positive integer (collect every N steps), got {every=!r}")
+        if step_on not in ("forward", "manual"):
+            raise ProbeError(f"step_on must be 'forward' or 'manual', got {step_on=!r}")
+        if not 0.0 < weight_ema <= 1.0:
+            raise ProbeError(f"weight_ema must be in (0, 1], got {weight_ema=!r}")
+        if max_full_dim < 1 or sketch_rank < 1 or real_rows < 1:
+            raise ProbeError(f"max_full_dim, sketch_rank and real_rows must be >= 1, got"
+                             f" {max_full_dim=}, {sketch_rank=}, {real_rows=}")
+        self.model, self.every, self.step_on = model, every, step_on
+        self.keep_real, self.real_rows = keep_real, int(real_rows)
+        self.max_full_dim, self.sketch_rank, self.weight_ema = int(max_full_dim), int(sketch_rank), weight_ema
+        found = find_sites(model)
+        if sites is not None:
+            found = _select(found, list(sites))
+        if not found:
+            raise ProbeError(
+                f"{type(model).__name__} has no eligible nn.Linear layer"
+                + ("" if sites is None else f" matching {list(sites)!r}")
+                + ": the probe watches linear layers (nn.Linear and subclasses)"
+            )
+        self._sites = {name: _Site(name, mod, self) for name, mod in found.items()}
+        self._gen = torch.Generator().manual_seed(seed)
+        self.steps = 0  # training steps counted
+        self.collections = 0
+        self._due = False
+        self._root_handles: list[Any] = []
+        self._site_handles: list[Any] = []
+
+    # ------------------------------------------------------------------ lifecycle
+    def __enter__(self) -> "Probe":
+        self.attach()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.detach()
+
+    def attach(self) -> "Probe":
+        """Install the root hooks (idempotent)."""
+        if not self._root_handles:
+            self._root_handles = [
+                self.model.register_forward_pre_hook(self._pre),
+                self.model.register_forward_hook(self._post),
+            ]
+        return self
+
+    def detach(self) -> None:
+        """Remove every hook the probe installed; the collected statistics stay."""
+        self._remove_site_hooks()
+        for h in self._root_handles:
+            h.remove()
+        self._root_handles = []
+
+    @property
+    def site_names(self) -> list[str]:
+        return list(self._sites)
+
+    def step(self) -> None:
+        """Count one training step (``step_on="manual"`` only)."""
+        if self.step_on != "manual":
+            raise ProbeError("Probe.step() is for step_on='manual'; this probe counts forward calls")
+        self.steps += 1
+        if self.steps % self.every == 0:
+            self._due = True
+
+    def collect_next(self) -> None:
+        """Make the next training-mode forward a collection, whatever the step count."""
+        self._due = True
+
+    # ------------------------------------------------------------------ hooks
+    def _pre(self, module: nn.Module, args: Any) -> None:
+        self._remove_site_hooks()  # a forward that raised may have left some
+        if not module.training:
+            return
+        if self.step_on == "forward":
+            self.steps += 1
+            if self.steps % self.every == 0:
+                self._due = True
+        if not self._due:
+            return
+        self._due = False
+        self.collections += 1
+        with torch.no_grad():
+            for site in self._sites.values():
+                self._collect_weight(site)
+        for site in self._sites.values():
+            self._site_handles.append(site.mod.register_forward_hook(self._make_hook(site)))
+
+    def _post(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._remove_site_hooks()
+
+    def _remove_site_hooks(self) -> None:
+        for h in self._site_handles:
+            h.remove()
+        self._site_handles = []
+
+    def _make_hook(self, site: _Site) -> Callable[..., None]:
+        def hook(mod: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
+            if not inputs or not torch.is_tensor(inputs[0]) or not torch.is_tensor(output):
+                return
+            with torch.no_grad():
+                x = inputs[0].detach().reshape(-1, site.x.dim)  # (M, K)
+                idx = None
+                if self.keep_real:
+                    m = x.shape[0]
+                    idx = torch.randperm(m, generator=self._gen)[: self.real_rows].sort().values
+                site.x.add(x, self._gen, idx)
+            if output.requires_grad:
+                output.register_hook(self._make_grad_hook(site, idx))
+
+        return hook
+
+    def _make_grad_hook(self, site: _Site, idx: torch.Tensor | None) -> Callable[[torch.Tensor], None]:
+        def grad_hook(g: torch.Tensor) -> None:
+            with torch.no_grad():
+                site.dy.add(g.detach().reshape(-1, site.dy.dim), self._gen, idx)  # (M, N)
+
+        return grad_hook
+
+    def _collect_weight(self, site: _Site) -> None:
+        w = site.mod.weight.detach()  # (N, K)
+        if not bool(torch.isfinite(w).all()):
+            site.w_nonfinite += 1  # reported by WeightStats.problem()
+            return
+        if site.w is None:
+            site.w = MatrixNormalEMA(
+                w.shape[0], w.shape[1], ema=self.weight_ema, max_full_dim=self.max_full_dim, device=w.device
+            )
+        site.w.update(w)
+        aw = w.abs().flatten().float()
+        site.w_amax = float(aw.max())
+        if aw.numel() > QUANTILE_SAMPLE:
+            aw = aw[torch.randint(aw.numel(), (QUANTILE_SAMPLE,), generator=self._gen).to(aw.device)]
+        site.w_absq = torch.quantile(aw, torch.tensor(QUANTILES, device=aw.device)).double().cpu().numpy()
+        wc = w.double() - w.double().mean()
+        var = float((wc * wc).mean())
+        site.w_kurt = float((wc**4).mean()) / var**2 - 3.0 if var > 0 else 0.0
+
+    # ------------------------------------------------------------------ read-out
+    @property
+    def stats(self) -> ProbeStats:
+        """A snapshot of everything collected so far (plain numpy; safe to keep and save)."""
+        sites = {}
+        for name, s in self._sites.items():
+            m = s.mod
+            ws = WeightStats(rows=m.out_features, cols=m.in_features, ema=self.weight_ema,
+                             nonfinite=s.w_nonfinite)
+            if s.w is not None:
+                ws.count, ws.residuals = s.w.count, s.w.residuals
+                ws.mean = s.w.mean.float().cpu().numpy()
+                ws.last = s.w.last.float().cpu().numpy()
+                ws.u, ws.v = s.w.u.float().cpu().numpy(), s.w.v.float().cpu().numpy()
+                ws.amax, ws.absq, ws.kurtosis = s.w_amax, s.w_absq, s.w_kurt
+            sites[name] = SiteStats(
+                name, m.in_features, m.out_features, s.x.snapshot(), s.dy.snapshot(), ws,
+                bias=getattr(m, "bias", None) is not None,
+            )
+        return ProbeStats(sites, self.every, self.steps, self.collections, type(self.model).__name__)
+
+
+def _select(found: dict[str, nn.Linear], patterns: list[str]) -> dict[str, nn.Linear]:
+    bad = [p for p in patterns if not p.startswith("re:") and p not in found]
+    if bad:
+        raise ProbeError(f"unknown site(s) {bad!r}: the model's linear layers are {list(found)[:10]!r}"
+                         + (" ..." if len(found) > 10 else ""))
+    out = {}
+    for name, mod in found.items():
+        for p in patterns:
+            if (p.startswith("re:") and re.fullmatch(p[3:], name)) or p == name:
+                out[name] = mod
+                break
+    return out

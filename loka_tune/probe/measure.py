@@ -1,0 +1,386 @@
+"""The offline half of the probe: error and speed of every candidate at every site and GEMM.
+
+For each site, each distribution (``learned`` / ``normal`` / ``real``, see
+:mod:`loka_tune.probe.synth`) and each of ``samples`` draws ``(X, dY, W)`` (float64), the three
+GEMMs are built in the canonical form of :mod:`loka_tune.config` (``A @ B.T``):
+
+=======  ============  =============
+role     A             B
+=======  ============  =============
+fwd      X   (M, K)    W   (N, K)
+dgrad    dY  (M, N)    W^T (K, N)
+wgrad    dY^T (N, M)   X^T (K, M)
+=======  ============  =============
+
+The reference is the float64 product of the draws. Each candidate gets the operands cast to
+``operand_dtype`` (default bf16, the dtype a GPU run feeds its GEMMs) and runs through its
+backend (``emulated`` on the CPU); its output is compared with the reference:
+
+- **MERE** = ``mean |out - ref| / max(|ref|, guard)``, ``guard = guard_frac * rms(ref)`` with
+  :data:`GUARD_FRAC` = 1e-3: without a guard, outputs that happen to be ~0 make the mean
+  relative error unbounded (its expectation diverges logarithmically for a continuous
+  ``ref``); with it, elements smaller than 0.1% of the output's rms count as if they were
+  that large. The mean over elements is then averaged (and its std taken) over the draws.
+- **SQNR** = ``10 log10(sum ref^2 / sum (out - ref)^2)`` dB, mean and std over the draws.
+
+Speed comes from a :class:`~loka_tune.probe.speed.SpeedModel` at the site's real shape
+(not the CPU-capped rows), so each result says ``time_source`` ``measured`` or ``modeled``.
+
+Default threshold :data:`DEFAULT_MAX_ERROR` (MERE 0.25): see the constant for where it comes from.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+import torch
+
+from loka_tune.config import GemmChoice, GemmRole, Format, ROLES
+from loka_tune.errors import LokaError, ProbeError
+from loka_tune.probe.report import CandidateResult, ProbeReport, SkippedCandidate, _check_thresholds, _fast, _safe
+from loka_tune.probe.speed import SpeedModel, default_speed_model
+from loka_tune.probe.stats import ProbeStats, SiteStats
+from loka_tune.probe.synth import DISTS, MAX_ROWS, SiteSampler
+
+__all__ = [
+    "GUARD_FRAC",
+    "DEFAULT_MAX_ERROR",
+    "DEFAULT_MIN_SPEEDUP",
+    "DEFAULT_CANDIDATES",
+    "mere",
+    "sqnr_db",
+    "role_operands",
+    "resolve_candidates",
+    "measure",
+]
+
+GUARD_FRAC = 1e-3  # MERE guard: |ref| below 0.1% of rms(ref) counts as 0.1% of rms(ref)
+# Safe if MERE <= 0.25. Calibration (bf16 operands, guard 1e-3, standard-normal X, dY, W at
+# (M, K, N) = (1024, 512, 512) and (4096, 64, 256), every role): bf16 0.012 (51 dB); e4m3 with
+# tensor / row / block / mx scaling 0.17-0.19 (28.5 dB: a 3-bit mantissa is ~4% rms error per
+# output, which the relative metric weighs up ~5x through the outputs near 0); e5m2 gradients
+# 0.29-0.30 (24.6 dB). 0.25 passes e4m3 on well-scaled operands with a ~30% margin and fails
+# anything as bad as losing a mantissa bit (e5m2) or worse: outliers or a large common mean
+# that the scaling cannot follow. (The paper's 0.2 is on its own, unpublished guard: with
+# ours, 0.2 would sit within 5% of plain e4m3 on random data.)
+DEFAULT_MAX_ERROR = 0.25
+DEFAULT_MIN_SPEEDUP = 1.05  # the paper's "fast": at least 5% faster than bf16
+DEFAULT_CANDIDATES = (
+    "bf16",
+    "e4m3.tensor.emulated",
+    "e4m3.row.emulated",
+    "e4m3.block.emulated",
+    "mxfp8.mx.emulated",
+    "e5m2+e4m3.tensor.emulated",
+    "e5m2+e4m3.row.emulated",
+)
+
+
+# ---------------------------------------------------------------------------- metrics
+def mere(out: torch.Tensor, ref: torch.Tensor, guard_frac: float = GUARD_FRAC) -> float:
+    """Mean element-wise relative error of ``out`` against ``ref`` with the rms guard (float64)."""
+    out, ref = out.to(torch.float64), ref.to(torch.float64)
+    rms = float(ref.pow(2).mean().sqrt())
+    if rms == 0.0:
+        return 0.0 if bool(torch.equal(out, ref)) else math.inf
+    denom = ref.abs().clamp_min(guard_frac * rms)
+    return float(((out - ref).abs() / denom).mean())
+
+
+def sqnr_db(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """``10 log10(sum ref^2 / sum (out - ref)^2)`` (``inf`` when exact)."""
+    out, ref = out.to(torch.float64), ref.to(torch.float64)
+    noise = float((out - ref).pow(2).sum())
+    signal = float(ref.pow(2).sum())
+    if noise == 0.0:
+        return math.inf
+    if signal == 0.0:
+        return -math.inf
+    return 10.0 * math.log10(signal / noise)
+
+
+def role_operands(role: GemmRole | str, x: torch.Tensor, dy: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Canonical ``(A, B)`` of ``role`` for ``X (M, K)``, ``dY (M, N)``, ``W (N, K)``: output ``A @ B.T``."""
+    role = GemmRole(role)
+    if role == GemmRole.FWD:
+        return x, w  # (M, K), (N, K) -> Y (M, N)
+    if role == GemmRole.DGRAD:
+        return dy, w.T  # (M, N), (K, N) -> dX (M, K)
+    return dy.T, x.T  # (N, M), (K, M) -> dW (N, K)
+
+
+# ---------------------------------------------------------------------------- candidates
+def resolve_candidates(candidates: Iterable[GemmChoice | str] | None, *, include_bf16: bool = True) -> list[GemmChoice]:
+    """Parse candidates (``None``: :data:`DEFAULT_CANDIDATES`), dedupe, bf16 first when asked."""
+    raw = list(DEFAULT_CANDIDATES if candidates is None else candidates)
+    out: list[GemmChoice] = []
+    for c in raw:
+        try:
+            ch = c if isinstance(c, GemmChoice) else GemmChoice.parse(str(c), key="candidates")
+        except LokaError as e:
+            raise ProbeError(f"bad candidate {c!r}: {e}") from None
+        if ch not in out:
+            out.append(ch)
+    if include_bf16 and not any(c.is_bf16 for c in out):
+        out.insert(0, GemmChoice())
+    if not out:
+        raise ProbeError("no candidates to measure: give at least one GEMM choice, e.g. 'e4m3.row.emulated'")
+    return out
+
+
+def _why_not(choice: GemmChoice, role: GemmRole, device: str, shape: tuple[int, int, int]) -> str | None:
+    """Why ``choice`` is not measured for ``role`` (None: measure it)."""
+    if choice.b_format == Format.E5M2:
+        return "e5m2 is for gradient operands; B (a weight or an activation) must be e4m3"
+    if choice.a_format == Format.E5M2 and role == GemmRole.FWD:
+        return "e5m2 is for gradient operands; A of fwd is the activation X"
+    from loka_tune.kernels.registry import get_backend
+
+    try:
+        return get_backend(choice.backend).supports(choice, role, device=device, shape=shape)
+    except LokaError as e:
+        return str(e)
+
+
+def _backend_gemm(choice: GemmChoice, a: torch.Tensor, b: torch.Tensor, role: GemmRole) -> torch.Tensor:
+    from loka_tune.kernels.registry import get_backend
+
+    return get_backend(choice.backend).gemm(a, b, choice, role)
+
+
+# ---------------------------------------------------------------------------- measure
+def measure(
+    stats: ProbeStats,
+    candidates: Iterable[GemmChoice | str] | None = None,
+    *,
+    samples: int = 64,
+    dists: Sequence[str] = ("learned", "normal"),
+    device: str | torch.device = "cpu",
+    cost_device: str = "h200",
+    speed_model: SpeedModel | None = None,
+    timing_cache: Any = None,
+    max_rows: int = MAX_ROWS,
+    operand_dtype: torch.dtype = torch.bfloat16,
+    guard_frac: float = GUARD_FRAC,
+    max_error: float = DEFAULT_MAX_ERROR,
+    min_speedup: float = DEFAULT_MIN_SPEEDUP,
+    roles: Iterable[GemmRole | str] = ROLES,
+    sites: Iterable[str] | None = None,
+    weights: str = "model",
+    skip_bad_sites: bool = False,
+    seed: int = 0,
+    progress: bool = False,
+    num_threads: int | None = 1,
+) -> ProbeReport:
+    """Measure every candidate at every site and role of ``stats``; see the module docstring.
+
+    Args:
+        stats: what a :class:`~loka_tune.probe.Probe` collected (``ProbeStats``).
+        candidates: GEMM choices or their ids (default :data:`DEFAULT_CANDIDATES`); the plain
+            ``bf16`` choice is added when absent (the baseline every speed-up is against).
+        samples: draws per site for ``learned`` and ``normal`` (``real`` has one batch).
+        dists: distributions to measure; the report holds all of them.
+        device: where the GEMMs run (``cpu``: the ``emulated`` backend).
+        cost_device: the GPU the speed model prices (``h200``, ``h100``, ``b200``).
+        speed_model / timing_cache: override the speed model / give a GPU timing cache.
+        max_rows: cap on the rows M of the sampled operands.
+        operand_dtype: dtype the candidates get their operands in (the reference is float64).
+        guard_frac: the MERE guard as a fraction of rms(ref).
+        max_error / min_speedup: thresholds of the ``safe`` / ``fast`` verdicts.
+        roles: GEMM roles to measure.
+        sites: restrict to these site names.
+        weights: ``"model"`` (matrix-normal draws) or ``"current"`` (the last weight) for ``learned``.
+        skip_bad_sites: skip sites with unusable stats (NaN/inf, nothing collected) and list
+            them in ``report.skipped`` instead of raising :class:`ProbeError`.
+        seed: seeds every draw (a site's draws do not depend on the other sites).
+        num_threads: torch CPU threads during the measurement (restored afterwards; None:
+            leave as is). 1 by default: the probe's GEMMs are small, and multi-threaded
+            small matmuls on a busy CPU are orders of magnitude slower (thread contention).
+    """
+    if num_threads is not None and str(device).startswith("cpu"):
+        old = torch.get_num_threads()
+        torch.set_num_threads(int(num_threads))
+        try:
+            return measure(
+                stats, candidates, samples=samples, dists=dists, device=device, cost_device=cost_device,
+                speed_model=speed_model, timing_cache=timing_cache, max_rows=max_rows,
+                operand_dtype=operand_dtype, guard_frac=guard_frac, max_error=max_error,
+                min_speedup=min_speedup, roles=roles, sites=sites, weights=weights,
+                skip_bad_sites=skip_bad_sites, seed=seed, progress=progress, num_threads=None,
+            )
+        finally:
+            torch.set_num_threads(old)
+    if not isinstance(stats, ProbeStats):
+        raise ProbeError(f"measure() needs ProbeStats (Probe(...).stats or ProbeStats.load), got {type(stats).__name__}")
+    if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
+        raise ProbeError(f"samples must be a positive integer, got {samples=!r}")
+    dists = list(dict.fromkeys(dists))
+    bad = [d for d in dists if d not in DISTS]
+    if bad or not dists:
+        raise ProbeError(f"unknown distribution(s) {bad or dists!r}: choose among {', '.join(DISTS)}")
+    if not (guard_frac > 0 and math.isfinite(guard_frac)):
+        raise ProbeError(f"guard_frac must be a small positive fraction, got {guard_frac=!r}")
+    _check_thresholds(max_error, min_speedup)
+    try:
+        roles = [GemmRole(r) for r in roles]
+    except ValueError:
+        raise ProbeError(f"roles must be among 'fwd', 'dgrad', 'wgrad', got {list(roles)!r}") from None
+    cands = resolve_candidates(candidates)
+    speed = speed_model if speed_model is not None else default_speed_model(cost_device, timing_cache)
+    device = str(device)
+
+    skipped: list[SkippedCandidate] = []
+    names = list(stats.sites)
+    if sites is not None:
+        want = list(sites)
+        unknown = [s for s in want if s not in stats.sites]
+        if unknown:
+            raise ProbeError(f"unknown site(s) {unknown!r}; the stats have {names[:10]!r}")
+        names = [n for n in names if n in want]
+    problems = stats.problems()
+    if stats.collections == 0 or not stats.sites:
+        stats.check()  # raises with the reason
+    if problems:
+        if not skip_bad_sites:
+            stats.check()
+        for n in [n for n in names if n in problems]:
+            skipped.append(SkippedCandidate(n, "*", "*", f"unusable statistics: {problems[n]}"))
+        names = [n for n in names if n not in problems]
+    if "real" in dists:
+        no_real = [n for n in names if stats.sites[n].x.real is None or stats.sites[n].dy.real is None]
+        for n in no_real:
+            skipped.append(SkippedCandidate(n, "*", "*", "dist 'real': no captured batch (keep_real=False)"))
+
+    t0 = time.perf_counter()
+    results: list[CandidateResult] = []
+    site_meta: dict[str, Any] = {}
+    it = names
+    if progress:
+        from tqdm import tqdm
+
+        it = tqdm(names, desc="probe: measure", unit="site")
+    time_cache: dict[tuple[str, str, int, int, int], tuple[float, str]] = {}
+    for si, name in enumerate(it):
+        site = stats.sites[name]
+        valid: dict[GemmRole, list[GemmChoice]] = {}
+        for role in roles:
+            shape = site.shape(role.value)
+            valid[role] = []
+            for c in cands:
+                why = _why_not(c, role, device, shape)
+                if why is None:
+                    valid[role].append(c)
+                else:
+                    skipped.append(SkippedCandidate(name, role.value, c.short_str(), why))
+        meta_site = _site_meta(site)
+        for di, dist in enumerate(dists):
+            if dist == "real" and (site.x.real is None or site.dy.real is None):
+                continue
+            sampler = SiteSampler(site, dist, max_rows=max_rows, weights=weights,
+                                  seed=int(np.random.SeedSequence([seed, _stable_hash(name), di]).generate_state(1)[0]))
+            n_draws = 1 if dist == "real" else samples
+            errs = _measure_site(sampler, valid, n_draws, device, operand_dtype, guard_frac)
+            meta_site.setdefault("rows_sampled", {})[dist] = sampler.rows
+            if dist == "learned":
+                meta_site["jitter"] = sampler.jitter
+            for role in roles:
+                m, k, n = site.shape(role.value)
+                t_bf16 = _time(speed, time_cache, GemmChoice(), m, k, n, role)
+                for c in valid[role]:
+                    e = np.asarray(errs[(role, c.short_str())], dtype=np.float64)  # (draws, 2)
+                    t, src = _time(speed, time_cache, c, m, k, n, role)
+                    spd = t_bf16[0] / t if t > 0 and math.isfinite(t) else math.nan
+                    mm, sq = e[:, 0], e[:, 1]
+                    results.append(CandidateResult(
+                        site=name, role=role.value, choice=c.short_str(), m=m, k=k, n=n,
+                        mere=float(mm.mean()), mere_std=float(mm.std()),
+                        sqnr_db=_mean_db(sq), sqnr_std=float(np.std(sq[np.isfinite(sq)])) if np.isfinite(sq).any() else 0.0,
+                        time_s=t, bf16_time_s=t_bf16[0], speedup=spd, time_source=src,
+                        safe=_safe(float(mm.mean()), max_error), fast=_fast(spd, min_speedup),
+                        dist=dist, samples=n_draws, rows=sampler.rows,
+                    ))
+        site_meta[name] = meta_site
+    meta = {
+        "samples": samples,
+        "dists": dists,
+        "device": device,
+        "cost_device": cost_device,
+        "speed_model": type(speed).__name__,
+        "max_rows": max_rows,
+        "operand_dtype": str(operand_dtype).replace("torch.", ""),
+        "guard_frac": guard_frac,
+        "weights": weights,
+        "seed": seed,
+        "candidates": [c.short_str() for c in cands],
+        "roles": [r.value for r in roles],
+        "stats": {"model": stats.model, "steps": stats.steps, "collections": stats.collections,
+                  "every": stats.every, **stats.meta},
+        "sites": site_meta,
+        "measure_s": round(time.perf_counter() - t0, 3),
+    }
+    return ProbeReport(results, skipped, float(max_error), float(min_speedup), meta, stats)
+
+
+def _measure_site(
+    sampler: SiteSampler,
+    valid: dict[GemmRole, list[GemmChoice]],
+    n_draws: int,
+    device: str,
+    operand_dtype: torch.dtype,
+    guard_frac: float,
+) -> dict[tuple[GemmRole, str], list[tuple[float, float]]]:
+    errs: dict[tuple[GemmRole, str], list[tuple[float, float]]] = {
+        (r, c.short_str()): [] for r, cs in valid.items() for c in cs
+    }
+    with torch.no_grad():
+        for _ in range(n_draws):
+            x, dy, w = (torch.from_numpy(np.ascontiguousarray(a)).to(device) for a in sampler.draw())
+            for role, cs in valid.items():
+                if not cs:
+                    continue
+                a64, b64 = role_operands(role, x, dy, w)
+                ref = a64 @ b64.T  # float64 reference
+                a, b = a64.to(operand_dtype), b64.to(operand_dtype)
+                for c in cs:
+                    out = _backend_gemm(c, a, b, role)
+                    errs[(role, c.short_str())].append((mere(out, ref, guard_frac), sqnr_db(out, ref)))
+    return errs
+
+
+def _time(speed: SpeedModel, cache: dict, choice: GemmChoice, m: int, k: int, n: int,
+          role: GemmRole) -> tuple[float, str]:
+    key = (choice.short_str(), role.value, m, k, n)
+    if key not in cache:
+        t, src = speed.seconds(choice, m, k, n, role)
+        cache[key] = (float(t), str(src))
+    return cache[key]
+
+
+def _mean_db(sq: np.ndarray) -> float:
+    fin = sq[np.isfinite(sq)]
+    if fin.size == sq.size:
+        return float(sq.mean())
+    return math.inf if fin.size == 0 and np.all(sq > 0) else float(np.mean(sq))
+
+
+def _stable_hash(s: str) -> int:
+    h = 2166136261
+    for ch in s.encode():
+        h = ((h ^ ch) * 16777619) & 0xFFFFFFFF
+    return h
+
+
+def _site_meta(site: SiteStats) -> dict[str, Any]:
+    def kurt(k: Any) -> float | None:
+        return None if k is None else round(float(np.median(k)), 4)
+
+    return {
+        "M": site.rows, "K": site.in_features, "N": site.out_features,
+        "x_amax": site.x.amax, "x_kurtosis_median": kurt(site.x.kurtosis),
+        "dy_amax": site.dy.amax, "dy_kurtosis_median": kurt(site.dy.kurtosis),
+        "w_amax": site.w.amax, "w_kurtosis": site.w.kurtosis,
+        "cov": "full" if site.x.full else "diag+lowrank",
+    }

@@ -1,0 +1,159 @@
+"""Streaming moments of activations and gradients, merged batch by batch in float64.
+
+:class:`RunningMoments` keeps, for a stream of row batches ``x (rows, d)`` (rows are treated
+as independent draws: recommendation models have no cross-batch operation):
+
+- ``n``, the feature mean ``(d,)`` and the scatter matrix ``M2 = sum (x - mean)(x - mean)^T``,
+  merged with the batched Welford/Chan update (Chan, Golub & LeVeque 1979):
+  ``M2 = M2_a + M2_b + delta delta^T n_a n_b / n`` with ``delta = mean_b - mean_a``;
+- per-feature third and fourth central moments (Pebay 2008 pairwise formulas), which give
+  the excess kurtosis of each feature;
+
+everything in float64 on the device of the data (no host sync per batch on a GPU).
+
+Feature dims above ``max_full_dim`` (default :data:`MAX_FULL_DIM` = 2048: a 2048^2 float64
+matrix is 32 MiB, the largest we keep per tensor) do not keep the full ``M2``: they keep the
+exact diagonal and a Frequent Directions sketch (Liberty 2013; Ghashami et al. 2016) of
+``M2`` with ``sketch_rank`` rows. The Chan merge is exactly "append rows" in that picture:
+``M2`` equals ``A^T A`` for ``A`` = the within-batch centred rows of every batch stacked with
+one row ``sqrt(n_a n_b / n) delta`` per merge, so the sketch sees those rows and satisfies the
+FD guarantee ``0 <= M2 - B^T B`` and ``||M2 - B^T B||_2 <= ||A - A_k||_F^2 / (l - k)`` for
+every ``k < l`` (``l = sketch_rank``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["MAX_FULL_DIM", "RunningMoments", "FrequentDirections"]
+
+MAX_FULL_DIM = 2048  # largest feature dim with a full covariance (32 MiB float64 per tensor)
+DEFAULT_SKETCH_RANK = 64  # rows of the Frequent Directions sketch above MAX_FULL_DIM
+
+
+class FrequentDirections:
+    """A Frequent Directions sketch ``B (<= l, d)`` with ``B^T B ~= A^T A`` for appended rows ``A``."""
+
+    def __init__(self, dim: int, rank: int, *, device: torch.device | str | None = None) -> None:
+        assert rank >= 1 and dim >= 1
+        self.dim, self.rank = dim, rank
+        self._b = torch.zeros(0, dim, dtype=torch.float64, device=device)  # (<= 2 l, d)
+
+    def append(self, rows: torch.Tensor) -> None:
+        """Add rows ``(r, d)`` (float64) to the sketch."""
+        rows = rows.reshape(-1, self.dim)
+        step = 2 * self.rank
+        for i in range(0, rows.shape[0], step):
+            self._b = torch.cat([self._b, rows[i : i + step]])
+            if self._b.shape[0] > 2 * self.rank:
+                self._shrink()
+
+    def _shrink(self) -> None:
+        _, s, vt = torch.linalg.svd(self._b, full_matrices=False)  # s descending
+        if s.shape[0] > self.rank:
+            s2 = (s[: self.rank] ** 2 - s[self.rank] ** 2).clamp_min(0.0)
+            self._b = s2.sqrt()[:, None] * vt[: self.rank]  # (l, d)
+
+    def eig(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sketch as ``(values (r,), vectors (r, d))``: ``B^T B = V^T diag(values) V``, r <= l."""
+        if self._b.shape[0] == 0:
+            return self._b.new_zeros(0), self._b.new_zeros(0, self.dim)
+        _, s, vt = torch.linalg.svd(self._b, full_matrices=False)
+        r = min(self.rank, s.shape[0])
+        return s[:r] ** 2, vt[:r]
+
+
+class RunningMoments:
+    """Streaming count / mean / covariance (+ per-feature kurtosis) of row batches.
+
+    ``update(x)`` takes any float tensor whose last dim is ``dim`` (leading dims are
+    flattened into rows). Non-finite batches must be filtered by the caller.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        *,
+        max_full_dim: int = MAX_FULL_DIM,
+        sketch_rank: int = DEFAULT_SKETCH_RANK,
+        device: torch.device | str | None = None,
+    ) -> None:
+        self.dim = int(dim)
+        self.full = self.dim <= max_full_dim
+        self.n = 0
+        f64 = dict(dtype=torch.float64, device=device)
+        self.mean = torch.zeros(self.dim, **f64)
+        self.m2 = torch.zeros(self.dim, self.dim, **f64) if self.full else None  # scatter matrix
+        self.m2d = torch.zeros(self.dim, **f64)  # its diagonal (always exact)
+        self.m3 = torch.zeros(self.dim, **f64)
+        self.m4 = torch.zeros(self.dim, **f64)
+        self.sketch = None if self.full else FrequentDirections(self.dim, sketch_rank, device=device)
+
+    def update(self, x: torch.Tensor) -> None:
+        xb = x.detach().reshape(-1, self.dim).to(torch.float64)  # (rows, d)
+        nb = xb.shape[0]
+        if nb == 0:
+            return
+        if xb.device != self.mean.device:
+            xb = xb.to(self.mean.device)
+        mb = xb.mean(0)  # (d,)
+        xc = xb - mb  # (rows, d) centred within the batch
+        xc2 = xc * xc
+        m2d_b = xc2.sum(0)
+        m3_b = (xc2 * xc).sum(0)
+        m4_b = (xc2 * xc2).sum(0)
+        m2_b = xc.T @ xc if self.full else None  # (d, d)
+        if self.n == 0:
+            self.n, self.mean = nb, mb
+            self.m2d, self.m3, self.m4 = m2d_b, m3_b, m4_b
+            if self.full:
+                self.m2 = m2_b
+            else:
+                self.sketch.append(xc)
+            return
+        na, n = self.n, self.n + nb
+        delta = mb - self.mean  # (d,)
+        d2 = delta * delta
+        m2a, m3a = self.m2d, self.m3
+        # Pebay's pairwise formulas, each using the *old* lower moments
+        self.m4 = (
+            self.m4 + m4_b
+            + d2 * d2 * (na * nb * (na * na - na * nb + nb * nb) / n**3)
+            + 6.0 * d2 * (na * na * m2d_b + nb * nb * m2a) / n**2
+            + 4.0 * delta * (na * m3_b - nb * m3a) / n
+        )
+        self.m3 = (
+            m3a + m3_b + d2 * delta * (na * nb * (na - nb) / n**2) + 3.0 * delta * (na * m2d_b - nb * m2a) / n
+        )
+        self.m2d = m2a + m2d_b + d2 * (na * nb / n)
+        if self.full:
+            self.m2 = self.m2 + m2_b + torch.outer(delta, delta) * (na * nb / n)
+        else:
+            self.sketch.append(xc)
+            self.sketch.append((delta * math.sqrt(na * nb / n))[None])  # the Chan cross term
+        self.mean = self.mean + delta * (nb / n)
+        self.n = n
+
+    # ------------------------------------------------------------------ read-outs
+    def covariance(self, ddof: int = 1) -> torch.Tensor:
+        """The ``(d, d)`` covariance (full mode only): ``M2 / (n - ddof)``."""
+        assert self.full, "covariance() needs full mode; use variance() and low_rank()"
+        return self.m2 / max(self.n - ddof, 1)
+
+    def variance(self, ddof: int = 1) -> torch.Tensor:
+        """The exact per-feature variance ``(d,)``."""
+        return self.m2d / max(self.n - ddof, 1)
+
+    def low_rank(self, ddof: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sketch mode: ``(values (r,), vectors (r, d))`` with ``cov ~= V^T diag(values) V``."""
+        assert not self.full
+        vals, vecs = self.sketch.eig()
+        return vals / max(self.n - ddof, 1), vecs
+
+    def excess_kurtosis(self) -> torch.Tensor:
+        """Per-feature excess kurtosis ``n M4 / M2^2 - 3`` (0 for a normal; 0 where a feature is constant)."""
+        m2 = self.m2d
+        k = self.n * self.m4 / (m2 * m2).clamp_min(1e-300) - 3.0
+        return torch.where(m2 > 0, k, torch.zeros_like(k))

@@ -1,0 +1,355 @@
+"""The probe's verdict: per site x GEMM role x candidate, the error and the speed-up.
+
+:class:`ProbeReport` holds one :class:`CandidateResult` per (site, role, candidate, dist):
+error (MERE and SQNR, mean and std over the draws), time (measured or modeled) and the two
+verdicts, ``safe`` (``mere <= max_error``) and ``fast`` (``speedup >= min_speedup``).
+Thresholds can be changed afterwards without measuring again (:meth:`ProbeReport.with_thresholds`).
+
+Outputs: ``to_json`` / ``save`` / ``load`` (versioned JSON; non-finite numbers are written as
+the strings ``"nan"`` / ``"inf"``), :meth:`table` (a terminal table: per site and role, the best
+safe and fast choice), :meth:`heatmap` (a PNG: rows ``site.role``, columns candidates, colour
+log10 MERE, unsafe cells marked ``x``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any, Iterable
+
+from loka_tune.errors import ProbeError
+
+__all__ = ["REPORT_SCHEMA_VERSION", "CandidateResult", "SkippedCandidate", "ProbeReport"]
+
+REPORT_SCHEMA_VERSION = 1
+REPORT_KIND = "loka-tune.probe-report"
+
+
+@dataclass(frozen=True)
+class CandidateResult:
+    """One candidate GEMM choice at one site and role, under one input distribution."""
+
+    site: str
+    role: str  # "fwd" | "dgrad" | "wgrad"
+    choice: str  # GemmChoice.short_str()
+    m: int  # canonical (m, k, n) of A @ B.T at the site's real M (what the time is for)
+    k: int
+    n: int
+    mere: float  # mean over draws of the mean element-wise relative error
+    mere_std: float
+    sqnr_db: float  # mean over draws of the SQNR in dB
+    sqnr_std: float
+    time_s: float
+    bf16_time_s: float
+    speedup: float  # bf16_time_s / time_s
+    time_source: str  # "measured" | "modeled"
+    safe: bool
+    fast: bool
+    dist: str = "learned"  # "learned" | "normal" | "real"
+    samples: int = 0  # draws the error is averaged over
+    rows: int = 0  # rows M of the sampled operands (<= m of fwd: capped on the CPU)
+
+
+@dataclass(frozen=True)
+class SkippedCandidate:
+    """A (site, role, candidate) the probe did not measure, and why."""
+
+    site: str
+    role: str
+    choice: str
+    reason: str
+
+
+def _enc(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
+    return v
+
+
+_FLOAT_FIELDS = ("mere", "mere_std", "sqnr_db", "sqnr_std", "time_s", "bf16_time_s", "speedup")
+
+
+def _dec_result(d: dict[str, Any]) -> CandidateResult:
+    names = {f.name for f in fields(CandidateResult)}
+    unknown = set(d) - names
+    if unknown:
+        raise ProbeError(f"unknown field(s) {sorted(unknown)} in a probe result; valid: {sorted(names)}")
+    return CandidateResult(**{k: (float(v) if k in _FLOAT_FIELDS else v) for k, v in d.items()})
+
+
+@dataclass
+class ProbeReport:
+    """Results of :func:`loka_tune.probe.measure` (see the module docstring)."""
+
+    results: list[CandidateResult] = field(default_factory=list)
+    skipped: list[SkippedCandidate] = field(default_factory=list)
+    max_error: float = 0.2
+    min_speedup: float = 1.05
+    meta: dict[str, Any] = field(default_factory=dict)  # measurement settings, sites, provenance
+    stats: Any = None  # the ProbeStats measured (not serialized; set by run_probe / measure)
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def dists(self) -> list[str]:
+        return list(dict.fromkeys(r.dist for r in self.results))
+
+    @property
+    def primary_dist(self) -> str:
+        """``learned`` when present (the probe's answer), else the first distribution measured."""
+        d = self.dists
+        return "learned" if "learned" in d else (d[0] if d else "learned")
+
+    @property
+    def sites(self) -> list[str]:
+        return list(dict.fromkeys(r.site for r in self.results))
+
+    @property
+    def candidates(self) -> list[str]:
+        return list(dict.fromkeys(r.choice for r in self.results))
+
+    def for_site(self, site: str, role: str, dist: str | None = None) -> list[CandidateResult]:
+        """The results of one site and role (under ``dist``, default :attr:`primary_dist`)."""
+        role = str(getattr(role, "value", role))
+        dist = dist or self.primary_dist
+        return [r for r in self.results if r.site == site and r.role == role and r.dist == dist]
+
+    def best(self, site: str, role: str, dist: str | None = None) -> CandidateResult | None:
+        """The fastest candidate that is safe and fast, else the bf16 result (None if absent)."""
+        rs = self.for_site(site, role, dist)
+        ok = [r for r in rs if r.safe and r.fast and math.isfinite(r.time_s)]
+        if ok:
+            return min(ok, key=lambda r: r.time_s)
+        bf = [r for r in rs if r.choice.startswith("bf16")]
+        return bf[0] if bf else None
+
+    def with_thresholds(self, max_error: float | None = None, min_speedup: float | None = None) -> "ProbeReport":
+        """A copy whose verdicts use new thresholds (no re-measurement)."""
+        me = self.max_error if max_error is None else float(max_error)
+        ms = self.min_speedup if min_speedup is None else float(min_speedup)
+        _check_thresholds(me, ms)
+        res = [replace(r, safe=_safe(r.mere, me), fast=_fast(r.speedup, ms)) for r in self.results]
+        return ProbeReport(res, list(self.skipped), me, ms, dict(self.meta), self.stats)
+
+    def summary(self) -> dict[str, Any]:
+        """Per distribution: counts of results / safe / fast / both, and per candidate the
+        geometric-mean MERE over all (site, role) pairs and the safe and fast counts."""
+        out: dict[str, Any] = {}
+        for dist in self.dists:
+            rs = [r for r in self.results if r.dist == dist]
+            per: dict[str, Any] = {}
+            for c in dict.fromkeys(r.choice for r in rs):
+                cr = [r for r in rs if r.choice == c]
+                per[c] = {
+                    "geomean_mere": _geomean([r.mere for r in cr]),
+                    "geomean_speedup": _geomean([r.speedup for r in cr]),
+                    "n": len(cr),
+                    "safe": sum(r.safe for r in cr),
+                    "fast": sum(r.fast for r in cr),
+                    "safe_fast": sum(r.safe and r.fast for r in cr),
+                }
+            out[dist] = {
+                "results": len(rs),
+                "safe": sum(r.safe for r in rs),
+                "fast": sum(r.fast for r in rs),
+                "safe_fast": sum(r.safe and r.fast for r in rs),
+                "candidates": per,
+            }
+        return out
+
+    # ------------------------------------------------------------------ files
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": REPORT_KIND,
+            "schema_version": REPORT_SCHEMA_VERSION,
+            "max_error": self.max_error,
+            "min_speedup": self.min_speedup,
+            "meta": self.meta,
+            "summary": self.summary(),
+            "results": [{k: _enc(v) for k, v in asdict(r).items()} for r in self.results],
+            "skipped": [asdict(s) for s in self.skipped],
+        }
+
+    def to_json(self, indent: int | None = 1) -> str:
+        return json.dumps(_deep_enc(self.to_dict()), indent=indent, default=str, allow_nan=False)
+
+    def save(self, path: str | Path) -> Path:
+        """Write the report as JSON (atomically)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(self.to_json() + "\n")
+        tmp.replace(path)
+        return path
+
+    @classmethod
+    def from_dict(cls, obj: dict[str, Any], *, source: str = "<dict>") -> "ProbeReport":
+        if not isinstance(obj, dict) or obj.get("kind") != REPORT_KIND:
+            raise ProbeError(f"{source} is not a probe report (kind {REPORT_KIND!r} expected)")
+        if obj.get("schema_version") != REPORT_SCHEMA_VERSION:
+            raise ProbeError(
+                f"{source} has probe-report schema version {obj.get('schema_version')!r}; this"
+                f" loka-tune reads version {REPORT_SCHEMA_VERSION}: run the probe again"
+            )
+        return cls(
+            [_dec_result(d) for d in obj.get("results", [])],
+            [SkippedCandidate(**d) for d in obj.get("skipped", [])],
+            float(obj["max_error"]),
+            float(obj["min_speedup"]),
+            dict(obj.get("meta", {})),
+        )
+
+    @classmethod
+    def from_json(cls, text: str, *, source: str = "<string>") -> "ProbeReport":
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ProbeError(f"{source} is not valid JSON (line {e.lineno}: {e.msg})") from None
+        return cls.from_dict(obj, source=source)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "ProbeReport":
+        path = Path(path)
+        if not path.is_file():
+            raise ProbeError(f"no probe report at {str(path)!r}: run `loka-tune probe ... --out DIR` first")
+        return cls.from_json(path.read_text(), source=str(path))
+
+    # ------------------------------------------------------------------ rendering
+    def table(self, dist: str | None = None) -> str:
+        """A terminal table: per site and role, the best safe-and-fast choice (else bf16),
+        its MERE and speed-up, and how many candidates were safe / fast / both; then the
+        per-candidate geomean MERE."""
+        dist = dist or self.primary_dist
+        rows = [("site", "role", "m x k x n", "best", "MERE", "SQNR dB", "speedup", "safe", "fast", "both")]
+        keys = list(dict.fromkeys((r.site, r.role) for r in self.results if r.dist == dist))
+        for site, role in keys:
+            rs = self.for_site(site, role, dist)
+            b = self.best(site, role, dist)
+            r0 = rs[0]
+            rows.append((
+                site, role, f"{r0.m}x{r0.k}x{r0.n}",
+                b.choice if b else "-", _fmt(b.mere, 3) if b else "-", _fmt(b.sqnr_db, 1) if b else "-",
+                _fmt(b.speedup, 2) if b else "-",
+                f"{sum(r.safe for r in rs)}/{len(rs)}", f"{sum(r.fast for r in rs)}/{len(rs)}",
+                f"{sum(r.safe and r.fast for r in rs)}/{len(rs)}",
+            ))
+        out = [f"probe report [{dist}]: max_error {self.max_error:g} MERE, min_speedup {self.min_speedup:g}x,"
+               f" time {self._time_sources(dist)}"]
+        out.append(_render(rows))
+        summ = self.summary().get(dist, {})
+        if summ:
+            crow = [("candidate", "geomean MERE", "geomean speedup", "safe", "fast", "both")]
+            for c, s in summ["candidates"].items():
+                crow.append((c, _fmt(s["geomean_mere"], 4), _fmt(s["geomean_speedup"], 2),
+                             f"{s['safe']}/{s['n']}", f"{s['fast']}/{s['n']}", f"{s['safe_fast']}/{s['n']}"))
+            out.append("")
+            out.append(_render(crow))
+        if len(self.dists) > 1:
+            others = [d for d in self.dists if d != dist]
+            s_all = self.summary()
+            lines = ["", "geomean MERE by distribution:"]
+            crow = [("candidate", dist, *others)]
+            for c in summ.get("candidates", {}):
+                crow.append((c, *(_fmt(s_all[d]["candidates"].get(c, {}).get("geomean_mere", math.nan), 4)
+                                  for d in (dist, *others))))
+            out += lines + [_render(crow)]
+        if self.skipped:
+            out.append(f"\n{len(self.skipped)} candidate(s) skipped, e.g. {self.skipped[0].site}"
+                       f" {self.skipped[0].role} {self.skipped[0].choice}: {self.skipped[0].reason}")
+        return "\n".join(out)
+
+    def _time_sources(self, dist: str) -> str:
+        src = sorted({r.time_source for r in self.results if r.dist == dist})
+        return "/".join(src) or "-"
+
+    def heatmap(self, path: str | Path, dist: str | None = None, *, title: str | None = None) -> Path:
+        """Write a PNG: rows ``site.role``, columns candidates, colour log10 MERE, unsafe = 'x'."""
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+            import numpy as np
+        except ImportError as e:  # pragma: no cover - matplotlib is a dependency
+            raise ProbeError(f"heatmap needs matplotlib ({e}); pip install matplotlib") from None
+        dist = dist or self.primary_dist
+        rs = [r for r in self.results if r.dist == dist]
+        if not rs:
+            raise ProbeError(f"no results for distribution {dist!r}; have {self.dists}")
+        rows = list(dict.fromkeys(f"{r.site}.{r.role}" for r in rs))
+        cols = list(dict.fromkeys(r.choice for r in rs))
+        val = np.full((len(rows), len(cols)), np.nan)
+        unsafe = np.zeros_like(val, dtype=bool)
+        for r in rs:
+            i, j = rows.index(f"{r.site}.{r.role}"), cols.index(r.choice)
+            val[i, j] = math.log10(max(r.mere, 1e-12)) if math.isfinite(r.mere) else np.nan
+            unsafe[i, j] = not r.safe
+        h = max(3.0, 0.28 * len(rows) + 1.8)
+        w = max(5.0, 0.55 * len(cols) + 0.07 * max(len(s) for s in rows) + 2.5)
+        fig, ax = plt.subplots(figsize=(w, h), dpi=110)
+        cmap = plt.get_cmap("viridis").copy()
+        cmap.set_bad("lightgrey")
+        im = ax.imshow(np.ma.masked_invalid(val), aspect="auto", cmap=cmap, interpolation="nearest")
+        for i, j in zip(*np.nonzero(unsafe)):
+            ax.text(j, i, "x", ha="center", va="center", color="red", fontsize=9, fontweight="bold")
+        ax.set_xticks(range(len(cols)), cols, rotation=40, ha="right", fontsize=8)
+        ax.set_yticks(range(len(rows)), rows, fontsize=7)
+        cb = fig.colorbar(im, ax=ax)
+        cb.set_label("log10 MERE")
+        ax.set_title(title or f"probe [{dist}]: log10 MERE (x = unsafe, MERE > {self.max_error:g})", fontsize=9)
+        fig.tight_layout()
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path)
+        plt.close(fig)
+        return path
+
+
+def _safe(mere: float, max_error: float) -> bool:
+    return math.isfinite(mere) and mere <= max_error
+
+
+def _fast(speedup: float, min_speedup: float) -> bool:
+    return math.isfinite(speedup) and speedup >= min_speedup
+
+
+def _check_thresholds(max_error: float, min_speedup: float) -> None:
+    if not (math.isfinite(max_error) and max_error > 0):
+        raise ProbeError(f"max_error must be a positive MERE, got {max_error=!r}")
+    if not (math.isfinite(min_speedup) and min_speedup > 0):
+        raise ProbeError(f"min_speedup must be a positive ratio, got {min_speedup=!r}")
+
+
+def _geomean(xs: Iterable[float]) -> float:
+    vals = [x for x in xs if math.isfinite(x) and x > 0]
+    if not vals:
+        return math.nan
+    return math.exp(math.fsum(math.log(x) for x in vals) / len(vals))
+
+
+def _fmt(x: float, digits: int) -> str:
+    if x is None or not math.isfinite(x):
+        return "-" if x is None or math.isnan(x) else ("inf" if x > 0 else "-inf")
+    if digits >= 3 and 0 < abs(x) < 10 ** -(digits - 1):
+        return f"{x:.{max(digits - 2, 1)}e}"
+    return f"{x:.{digits}f}"
+
+
+def _render(rows: list[tuple[str, ...]]) -> str:
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
+    lines = []
+    for n, r in enumerate(rows):
+        lines.append("  ".join(str(c).ljust(w) if i < 2 or n == 0 else str(c).rjust(w)
+                               for i, (c, w) in enumerate(zip(r, widths))).rstrip())
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _deep_enc(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: _deep_enc(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_deep_enc(v) for v in obj]
+    return _enc(obj)

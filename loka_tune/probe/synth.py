@@ -1,0 +1,167 @@
+"""Synthetic replay: draw GEMM operands (X, dY, W) from what the probe learned.
+
+Distributions (``dist``):
+
+- ``"learned"``: ``X ~ N(mean_x, cov_x)`` and ``dY ~ N(mean_dy, cov_dy)`` row by row (rows iid,
+  X and dY drawn independently), ``W`` from the matrix-normal model (``weights="model"``,
+  :mod:`loka_tune.probe.weights`) or the weight at the last collection (``weights="current"``).
+  Full covariances are factored by Cholesky with jitter escalation (``jitter * mean(diag)``
+  added, jitter from 0 then 1e-12 up by 10x to 1e-2; eigenvalue clipping if even that fails).
+  A feature dim above ``max_full_dim`` (default 2048) was stored as exact diagonal + low-rank
+  sketch and is drawn as ``mean + V^T (sqrt(vals) z_r) + sqrt(resid_diag) z_d``
+  (diagonal + top-r eigenvectors).
+- ``"normal"``: every operand standard normal, same shapes (the usual random-input test).
+- ``"real"``: the last captured batch of the site (``keep_real=True``), the same rows of X and
+  dY, and the current weight; one draw only.
+
+Rows: draws have ``rows = min(site M, max_rows)`` rows (default :data:`MAX_ROWS` = 4096 on the
+CPU, where float64 references of bigger GEMMs are slow); the speed side of the probe uses the
+real M. wgrad reduces over these rows, so its error is that of a ``max_rows`` reduction.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from loka_tune.errors import ProbeError
+from loka_tune.probe.stats import SiteStats, TensorStats, WeightStats
+
+__all__ = ["MAX_ROWS", "DISTS", "psd_factor", "SiteSampler"]
+
+MAX_ROWS = 4096  # cap on the rows M of a sampled GEMM (float64 reference cost on the CPU)
+DISTS = ("learned", "normal", "real")
+_JITTERS = (0.0, 1e-12, 1e-11, 1e-10, 1e-9, 1e-8, 1e-7, 1e-6, 1e-5, 1e-4, 1e-3, 1e-2)
+
+
+def psd_factor(cov: np.ndarray) -> tuple[np.ndarray, float]:
+    """``L`` with ``L L^T ~= cov`` (Cholesky, jitter escalation) and the relative jitter used.
+
+    Jitter ``j * mean(diag(cov))`` is added for ``j`` in 0, 1e-12, ..., 1e-2 until the Cholesky
+    succeeds; if none does (an indefinite matrix), negative eigenvalues are clipped to 0 and
+    the symmetric square root is returned with jitter ``nan``.
+    """
+    cov = np.asarray(cov, dtype=np.float64)
+    cov = 0.5 * (cov + cov.T)
+    scale = float(np.mean(np.diag(cov))) if cov.size else 0.0
+    if scale <= 0.0:
+        return np.zeros_like(cov), 0.0
+    eye = np.eye(cov.shape[0])
+    for j in _JITTERS:
+        try:
+            return np.linalg.cholesky(cov + (j * scale) * eye), j
+        except np.linalg.LinAlgError:
+            continue
+    vals, vecs = np.linalg.eigh(cov)
+    return vecs * np.sqrt(np.clip(vals, 0.0, None)), float("nan")
+
+
+class _GaussianRows:
+    """Sampler of rows ``N(mean, cov)`` from one :class:`TensorStats`."""
+
+    def __init__(self, t: TensorStats) -> None:
+        self.mean = np.asarray(t.mean, dtype=np.float64)
+        self.jitter = 0.0
+        if t.cov is not None:
+            self.factor, self.jitter = psd_factor(t.cov)  # (d, d)
+            self.lr = None
+        else:
+            vals = np.clip(np.asarray(t.lr_vals, dtype=np.float64), 0.0, None)
+            vecs = np.asarray(t.lr_vecs, dtype=np.float64)  # (r, d)
+            self.lr = vecs.T * np.sqrt(vals)  # (d, r)
+            low_diag = (self.lr * self.lr).sum(1)
+            self.resid_sd = np.sqrt(np.clip(np.asarray(t.var, dtype=np.float64) - low_diag, 0.0, None))
+            self.factor = None
+
+    def draw(self, rows: int, rng: np.random.Generator) -> np.ndarray:
+        d = self.mean.shape[0]
+        if self.factor is not None:
+            z = rng.standard_normal((rows, d))
+            return self.mean + z @ self.factor.T  # (rows, d)
+        z_r = rng.standard_normal((rows, self.lr.shape[1]))
+        z_d = rng.standard_normal((rows, d))
+        return self.mean + z_r @ self.lr.T + z_d * self.resid_sd
+
+
+class _MatrixNormal:
+    """Sampler of ``W = M + A Z B^T`` from a :class:`WeightStats`."""
+
+    def __init__(self, w: WeightStats) -> None:
+        self.mean = np.asarray(w.mean, dtype=np.float64)
+        u = np.asarray(w.u, dtype=np.float64)
+        v = np.asarray(w.v, dtype=np.float64)
+        self.a = psd_factor(u)[0] if u.ndim == 2 else np.sqrt(np.clip(u, 0.0, None))
+        self.b = psd_factor(v)[0] if v.ndim == 2 else np.sqrt(np.clip(v, 0.0, None))
+
+    def draw(self, rng: np.random.Generator) -> np.ndarray:
+        z = rng.standard_normal(self.mean.shape)  # (N, K)
+        az = self.a @ z if self.a.ndim == 2 else self.a[:, None] * z
+        return self.mean + (az @ self.b.T if self.b.ndim == 2 else az * self.b[None, :])
+
+
+class SiteSampler:
+    """Draws ``(X (rows, K), dY (rows, N), W (N, K))`` float64 operands of one site."""
+
+    def __init__(
+        self,
+        site: SiteStats,
+        dist: str = "learned",
+        *,
+        max_rows: int = MAX_ROWS,
+        weights: str = "model",
+        seed: int = 0,
+    ) -> None:
+        if dist not in DISTS:
+            raise ProbeError(f"unknown distribution {dist!r}: choose one of {', '.join(DISTS)}")
+        if weights not in ("model", "current"):
+            raise ProbeError(f"weights must be 'model' or 'current', got {weights!r}")
+        if max_rows < 1:
+            raise ProbeError(f"max_rows must be >= 1, got {max_rows!r}")
+        self.site, self.dist, self.weights = site, dist, weights
+        self.rng = np.random.default_rng(seed)
+        self.rows = max(1, min(site.rows or 1, max_rows))
+        if dist == "real":
+            if site.x.real is None or site.dy.real is None:
+                raise ProbeError(
+                    f"site {site.name!r} has no captured batch: collect with Probe(..., keep_real=True)"
+                    " to replay real batches"
+                )
+            n = min(site.x.real.shape[0], site.dy.real.shape[0])
+            self.rows = n
+        elif dist == "learned":
+            self._x = _GaussianRows(site.x)
+            self._dy = _GaussianRows(site.dy)
+            self._w = _MatrixNormal(site.w) if weights == "model" and site.w.residuals > 0 else None
+
+    @property
+    def jitter(self) -> dict[str, float]:
+        """The relative Cholesky jitter used for X and dY (``learned`` only)."""
+        if self.dist != "learned":
+            return {}
+        return {"x": self._x.jitter, "dy": self._dy.jitter}
+
+    def draw(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """One ``(X, dY, W)`` draw, float64."""
+        s, rows = self.site, self.rows
+        k, n = s.in_features, s.out_features
+        if self.dist == "normal":
+            r = self.rng
+            return r.standard_normal((rows, k)), r.standard_normal((rows, n)), r.standard_normal((n, k))
+        if self.dist == "real":
+            w = np.asarray(s.w.last, dtype=np.float64)
+            return (np.asarray(s.x.real[:rows], dtype=np.float64),
+                    np.asarray(s.dy.real[:rows], dtype=np.float64), w)
+        x = self._x.draw(rows, self.rng)
+        dy = self._dy.draw(rows, self.rng)
+        if self._w is not None:
+            w = self._w.draw(self.rng)
+        else:
+            w = np.asarray(s.w.last if self.weights == "current" else s.w.mean, dtype=np.float64)
+        return x, dy, w
+
+
+def draws_as_tensors(
+    x: np.ndarray, dy: np.ndarray, w: np.ndarray, device: str | torch.device = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float64 torch copies of one draw on ``device``."""
+    return tuple(torch.from_numpy(np.ascontiguousarray(a)).to(device) for a in (x, dy, w))  # type: ignore[return-value]
