@@ -184,7 +184,8 @@ def compute_scale(amax: torch.Tensor, fmt: Format | str, rounding: ScaleRounding
     fmax = FMAX[fmt]
     amax = amax.to(torch.float32)
     # Clamp amax below so the scale stays finite; zero tiles are set to scale 1 afterwards.
-    scale = fmax / amax.clamp(min=fmax / _F32_MAX)
+    # A true IEEE division (a Python scalar over a tensor may become reciprocal-times).
+    scale = torch.full_like(amax, fmax) / amax.clamp(min=fmax / _F32_MAX)
     scale = scale.clamp(max=_F32_MAX)
     if rounding == ScaleRounding.POW2 or fmt == Format.MXFP8:
         mant, exp = torch.frexp(scale)  # scale = mant * 2**exp, mant in [0.5, 1)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import importlib
 import itertools
+import re
 from abc import ABC, abstractmethod
 from typing import Callable, ClassVar, Iterable, Sequence, TypeVar
 
@@ -43,6 +44,7 @@ __all__ = [
     "LAZY_BACKENDS",
     "register_backend",
     "register_lazy_backend",
+    "unregister_backend",
     "get_backend",
     "list_backends",
     "check_supported",
@@ -152,6 +154,7 @@ class Backend(ABC):
 
 
 _B = TypeVar("_B", bound=type[Backend])
+_NAME_RE = re.compile(r"^[a-z][a-z0-9_]*$")  # as GemmChoice.backend
 
 _REGISTRY: dict[str, type[Backend]] = {}
 _INSTANCES: dict[str, Backend] = {}
@@ -177,6 +180,12 @@ def register_backend(name: str, *, override: bool = False) -> Callable[[_B], _B]
     ``override=True`` (re-registering the same class, e.g. on module reload, is fine).
     """
 
+    if not isinstance(name, str) or not _NAME_RE.match(name):
+        raise BackendError(
+            f"got backend name {name!r}; a backend name is lower-case letters, digits and '_',"
+            " starting with a letter (it appears in choice ids such as 'e4m3.row.<backend>')"
+        )
+
     def deco(cls: _B) -> _B:
         if not (isinstance(cls, type) and issubclass(cls, Backend)):
             raise TypeError(f"@register_backend({name!r}) decorates Backend subclasses, got {cls!r}")
@@ -192,6 +201,13 @@ def register_backend(name: str, *, override: bool = False) -> Callable[[_B], _B]
         return cls
 
     return deco
+
+
+def unregister_backend(name: str) -> None:
+    """Forget backend ``name`` (registered class, instance and lazy entry); for tests and plugins."""
+    _REGISTRY.pop(name, None)
+    _INSTANCES.pop(name, None)
+    LAZY_BACKENDS.pop(name, None)
 
 
 def register_lazy_backend(name: str, module: str, install_hint: str = "") -> None:
