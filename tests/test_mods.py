@@ -660,3 +660,17 @@ def test_reference_models_apply_mods_pad_exact_and_idempotent(name: str) -> None
     snap = _snapshot(model)
     assert apply_mods(model, mods).n_changed == 0
     _assert_unchanged(model, snap)
+
+
+def test_passes_keep_dtype_device_and_requires_grad() -> None:
+    model = nn.Sequential(nn.Linear(13, 40), nn.LayerNorm(40), nn.SiLU(), nn.Linear(40, 1)).to(torch.bfloat16)
+    model[0].weight.requires_grad_(False)
+    apply_mods(model, ModsConfig(no_bias=True, blocknorm=16, hardswish=True, pad=16))
+    assert isinstance(model[0], PaddedLinear) and model[0].linear.weight.dtype == torch.bfloat16
+    assert not model[0].linear.weight.requires_grad
+    y = model(torch.randn(3, 13, dtype=torch.bfloat16))
+    assert y.dtype == torch.bfloat16 and torch.isfinite(y).all()
+    with torch.device("meta"):
+        meta = nn.Sequential(nn.Linear(13, 40), nn.LayerNorm(40), nn.Linear(40, 1))
+    rep = apply_mods(meta, ModsConfig(no_bias=True, blocknorm=16, pad=16))
+    assert rep.n_changed == 3 and meta[0].linear.weight.is_meta
