@@ -1,0 +1,83 @@
+"""``fbgemm``: FBGEMM GenAI (``fbgemm-gpu-genai``) FP8 GEMMs (CUTLASS, sm90).
+
+- ``row``: ``quantize_fp8_per_row`` (FBGEMM's own quantizer, exact scales) +
+  ``f8f8bf16_rowwise``; ``tensor``: ``quantize_fp8_per_tensor`` + ``f8f8bf16`` (the combined
+  scale stays on the device: no host sync, CUDA-graph safe). FBGEMM's quantizers need
+  contiguous inputs, so dgrad's ``W^T`` and wgrad's ``dY^T``, ``X^T`` are copied first (a
+  transpose pass each).
+- ``block``: ``f8f8bf16_groupwise`` (DeepGEMM-style: A in 1x128 groups, B in 128x128
+  blocks), quantized by our fused Triton kernels (FBGEMM's block quantizers are Triton
+  kernels too, and its Triton GEMMs fail under Triton 3.6). Its B must be a weight
+  (128x128), so it serves fwd and dgrad only; wgrad's 1x128 x 1x128 is the ``triton``
+  backend's.
+
+e4m3 only (the kernels are instantiated for e4m3). Exact scales only for tensor/row (the
+quantize ops have no power-of-two rounding); block takes both.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from loka_tune.config import Format, GemmChoice, GemmRole, Granularity, ScaleRounding
+from loka_tune.errors import BackendError
+from loka_tune.kernels.backends import GPUBackend, quantize_operand
+from loka_tune.kernels.registry import Shape, register_backend
+
+__all__ = ["FBGEMMBackend"]
+
+try:  # registers torch.ops.fbgemm.* (quantize_fp8_per_row, f8f8bf16_rowwise, ...)
+    import fbgemm_gpu.experimental.gen_ai  # noqa: F401
+except ImportError:
+    raise
+except Exception as e:  # a broken build (ABI mismatch with torch): say so, as an ImportError
+    raise ImportError(f"fbgemm_gpu.experimental.gen_ai failed to load: {e}") from e
+
+
+@register_backend("fbgemm")
+class FBGEMMBackend(GPUBackend):
+    formats = frozenset({Format.E4M3})
+    granularities = frozenset({Granularity.TENSOR, Granularity.ROW, Granularity.BLOCK})
+    fast_accum_modes = (False, True)
+    alignment = 16
+    min_capability = (9, 0)
+    max_capability = (9, 0)  # sm90 CUTLASS kernels
+    install_hint = "fbgemm-gpu-genai (`pip install fbgemm-gpu-genai`)"
+
+    def extra_reason(self, choice: GemmChoice, role: GemmRole, shape: Shape | None) -> str | None:
+        g = choice.granularity
+        if g == Granularity.BLOCK:
+            if role == GemmRole.WGRAD:
+                return ("f8f8bf16_groupwise scales B in 128x128 weight blocks; wgrad's B (X^T) is an"
+                        " activation scaled 1x128: use the 'triton' backend for blockwise wgrad")
+            if choice.fast_accum:
+                return "blockwise GEMMs promote every 128 elements: 'fa' does not apply"
+            if shape is not None:
+                _, k, n = shape
+                for dim, v in (("k", k), ("n", n)):
+                    if v is not None and v % 128:
+                        return f"f8f8bf16_groupwise needs {dim} to be a multiple of 128, got {v}"
+            return None
+        if choice.rounding != ScaleRounding.EXACT:
+            return "FBGEMM's quantize ops compute exact scales (no power-of-two rounding)"
+        return None
+
+    def gemm_impl(self, a: torch.Tensor, b: torch.Tensor, choice: GemmChoice, role: GemmRole) -> torch.Tensor:
+        g = choice.granularity
+        ops = torch.ops.fbgemm
+        if g == Granularity.BLOCK:
+            qa = quantize_operand(a, choice.a_format, g, choice.rounding, is_weight=False, scale_mn_major=True)
+            qb = quantize_operand(b, choice.b_format, g, choice.rounding, is_weight=True, scale_mn_major=True)
+            # FBGEMM wants MN-major scales: x (k/128, m), w (k/128, n/128) contiguous
+            out = ops.f8f8bf16_groupwise(qa.data, qb.data, qa.inv_scale.t(), qb.inv_scale.t())
+        elif g == Granularity.ROW:
+            xq, xs = ops.quantize_fp8_per_row(a.contiguous())  # (m, k) fp8, (m,) dequant factors
+            wq, ws = ops.quantize_fp8_per_row(b.contiguous())
+            out = ops.f8f8bf16_rowwise(xq, wq, xs, ws, use_fast_accum=choice.fast_accum)
+        elif g == Granularity.TENSOR:
+            xq, xs = ops.quantize_fp8_per_tensor(a.contiguous())
+            wq, ws = ops.quantize_fp8_per_tensor(b.contiguous())
+            out = ops.f8f8bf16(xq, wq, (xs * ws).reshape(1), use_fast_accum=choice.fast_accum)
+        else:  # pragma: no cover - supports() rejects it
+            raise BackendError(f"fbgemm cannot run {choice.short_str()}")
+        return out if out.dtype == a.dtype else out.to(a.dtype)

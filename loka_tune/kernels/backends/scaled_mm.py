@@ -1,0 +1,57 @@
+"""``torch_scaled_mm``: cuBLASLt / CUTLASS FP8 GEMMs through ``torch._scaled_mm``.
+
+Quantization: our fused Triton kernels (reference semantics; transposed operands of dgrad
+and wgrad are quantized and transposed in one pass). GEMM: ``torch._scaled_mm(A, B^T)`` with
+A row-major and B column-major (the only FP8 layout Hopper's tensor cores take: B is the
+canonical ``(n, k)`` K-contiguous operand, transposed as a view).
+
+- ``tensor``: one dequantization factor per operand (cuBLASLt), any output dtype;
+- ``row``: ``scale_a (m, 1)``, ``scale_b (1, n)`` (torch's rowwise kernel, bf16 output only:
+  other output dtypes are computed in bf16 and cast);
+- ``fast_accum``: ``use_fast_accum``.
+
+Not here: blockwise 1x128 / 128x128 scaling (use ``fbgemm`` or ``triton``), mxfp8 (Blackwell),
+e5m2 x e5m2 (no such cuBLASLt kernel). k and n must be multiples of 16 (cuBLASLt FP8
+leading-dimension rule).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from loka_tune.config import Format, GemmChoice, GemmRole, Granularity
+from loka_tune.kernels.backends import GPUBackend, quantize_operand
+from loka_tune.kernels.registry import Shape, register_backend
+
+__all__ = ["ScaledMMBackend"]
+
+
+@register_backend("torch_scaled_mm")
+class ScaledMMBackend(GPUBackend):
+    formats = frozenset({Format.E4M3, Format.E5M2})
+    granularities = frozenset({Granularity.TENSOR, Granularity.ROW})
+    fast_accum_modes = (False, True)
+    alignment = 16
+    min_capability = (8, 9)
+    install_hint = "a CUDA build of torch>=2.5 (torch._scaled_mm)"
+
+    def extra_reason(self, choice: GemmChoice, role: GemmRole, shape: Shape | None) -> str | None:
+        if choice.a_format == Format.E5M2 and choice.b_format == Format.E5M2:
+            return "cuBLASLt has no e5m2 x e5m2 FP8 GEMM (use e5m2+e4m3 or e4m3)"
+        if choice.granularity == Granularity.ROW and Format.E5M2 in (choice.a_format, choice.b_format):
+            return "torch's rowwise-scaled FP8 GEMM takes e4m3 operands only"
+        return None
+
+    def gemm_impl(self, a: torch.Tensor, b: torch.Tensor, choice: GemmChoice, role: GemmRole) -> torch.Tensor:
+        g, r = choice.granularity, choice.rounding
+        qa = quantize_operand(a, choice.a_format, g, r, is_weight=False)  # (m, k)
+        qb = quantize_operand(b, choice.b_format, g, r, is_weight=False)  # (n, k)
+        if g == Granularity.TENSOR:
+            sa, sb = qa.inv_scale.reshape(()), qb.inv_scale.reshape(())
+            out_dtype = a.dtype if a.dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.bfloat16
+        else:
+            sa, sb = qa.inv_scale, qb.inv_scale.t()  # (m, 1), (1, n)
+            out_dtype = torch.bfloat16
+        out = torch._scaled_mm(qa.data, qb.data.t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype,
+                               use_fast_accum=choice.fast_accum)  # (m, n)
+        return out if out.dtype == a.dtype else out.to(a.dtype)

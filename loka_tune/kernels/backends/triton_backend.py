@@ -1,0 +1,44 @@
+"""``triton``: our fused Triton quantization + our Triton FP8 GEMMs.
+
+Every granularity of the reference semantics except ``mx``: tensorwise, rowwise (one scale
+per row along each operand's reduction dimension: for wgrad that is per *column* of dY and
+X, computed from the transposed views in the same pass that writes the transposed FP8
+copy), and blockwise (1x128 activations / gradients, 128x128 weights; wgrad 1x128 on both
+operands). e4m3 and e5m2 operands (mixed too), exact or power-of-two scales, fast
+accumulation on or off (off: promotion to fp32 every 128 elements; block always promotes).
+See :mod:`loka_tune.kernels.triton_quant` and :mod:`loka_tune.kernels.triton_gemm`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from loka_tune.config import Format, GemmChoice, GemmRole, Granularity
+from loka_tune.kernels import triton_gemm, triton_quant  # noqa: F401 - needs triton
+from loka_tune.kernels.backends import GPUBackend, quantize_operand
+from loka_tune.kernels.registry import Shape, register_backend
+
+__all__ = ["TritonBackend"]
+
+
+@register_backend("triton")
+class TritonBackend(GPUBackend):
+    formats = frozenset({Format.E4M3, Format.E5M2})
+    granularities = frozenset({Granularity.TENSOR, Granularity.ROW, Granularity.BLOCK})
+    fast_accum_modes = (False, True)
+    min_capability = (9, 0)  # tuned for Hopper's wgmma; Ada would run but untested
+    install_hint = "triton (`pip install triton`)"
+
+    def extra_reason(self, choice: GemmChoice, role: GemmRole, shape: Shape | None) -> str | None:
+        if choice.granularity == Granularity.BLOCK and choice.fast_accum:
+            return "blockwise GEMMs promote every 128 elements: 'fa' does not apply"
+        return None
+
+    def gemm_impl(self, a: torch.Tensor, b: torch.Tensor, choice: GemmChoice, role: GemmRole) -> torch.Tensor:
+        g, r = choice.granularity, choice.rounding
+        b_weight = g == Granularity.BLOCK and role in (GemmRole.FWD, GemmRole.DGRAD)
+        qa = quantize_operand(a, choice.a_format, g, r, is_weight=False)  # (m, k)
+        qb = quantize_operand(b, choice.b_format, g, r, is_weight=b_weight)  # (n, k)
+        out = triton_gemm.fp8_gemm(qa.data, qb.data, qa.inv_scale, qb.inv_scale, g, b_block128=b_weight,
+                                   fast_accum=choice.fast_accum)
+        return out if out.dtype == a.dtype else out.to(a.dtype)
