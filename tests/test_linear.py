@@ -42,6 +42,15 @@ SHAPES = [(33, 70, 45), (256, 129, 130), (16, 64, 32)]  # (M, K, N): K, N not mu
 FP8_CHOICES = [c.short_str() for c in candidate_choices(roles=("wgrad",))]  # incl. e5m2 gradients
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():  # type: ignore[no-untyped-def]
+    """Tiny GEMMs: one intra-op thread avoids OpenMP stalls on a busy machine (restored after)."""
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(prev)
+
+
 def _data(m: int, k: int, n: int, seed: int) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k, generator=g, dtype=torch.float64)
@@ -273,6 +282,7 @@ def _wrong_axis(a: torch.Tensor, b: torch.Tensor, choice: GemmChoice, role: str)
     "choice",
     ["e4m3.row.emulated", "e4m3.row.pow2.emulated", "e4m3.block.emulated", "mxfp8.mx.emulated"],
 )
+
 @pytest.mark.parametrize("case", sorted(CASES), ids=lambda c: f"{c[0]}-{c[1]}")
 def test_scales_run_along_the_reduction_dim(choice: str, case: tuple[str, str]) -> None:
     role, operand = case
@@ -327,6 +337,20 @@ def test_from_linear_shares_parameters_and_state_dicts_load_both_ways() -> None:
         lin.precision = "e4m3.rows.emulated"
     with pytest.raises(TypeError):
         LokaLinear.from_linear(nn.Conv1d(1, 1, 1), "bf16")  # type: ignore[arg-type]
+
+
+def test_copies_have_their_own_nonfinite_counter() -> None:
+    import copy
+
+    lin = LokaLinear(8, 4, precision="e4m3.row.emulated")
+    x = torch.randn(2, 8)
+    x[0, 0] = float("nan")
+    lin(x)
+    twin = copy.deepcopy(lin)
+    assert lin.nonfinite_fallbacks == 1 and twin.nonfinite_fallbacks == 0
+    twin(x)
+    assert lin.nonfinite_fallbacks == 1 and twin.nonfinite_fallbacks == 1
+    assert twin.precision == lin.precision and torch.equal(twin.weight, lin.weight)
 
 
 def test_find_linears() -> None:

@@ -1,0 +1,46 @@
+"""Numerics and execution: reference FP8 quantization, the GEMM backend registry, the
+``loka::gemm`` custom op and :class:`LokaLinear`.
+
+Importing this package is cheap (no torch import): the names below load their module on
+first access. Modules: :mod:`~loka_tune.kernels.quant` (reference quantization),
+:mod:`~loka_tune.kernels.registry` (backends), :mod:`~loka_tune.kernels.emulated` (the oracle
+backend), :mod:`~loka_tune.kernels.ops` (the custom op), :mod:`~loka_tune.kernels.linear`
+(the module). GPU backends live in :mod:`loka_tune.kernels.backends` and load lazily.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# public name -> module that defines it
+_LAZY = {
+    "QTensor": "loka_tune.kernels.quant",
+    "quantize": "loka_tune.kernels.quant",
+    "dequantize": "loka_tune.kernels.quant",
+    "fake_quantize": "loka_tune.kernels.quant",
+    "sqnr_db": "loka_tune.kernels.quant",
+    "Backend": "loka_tune.kernels.registry",
+    "register_backend": "loka_tune.kernels.registry",
+    "get_backend": "loka_tune.kernels.registry",
+    "list_backends": "loka_tune.kernels.registry",
+    "check_supported": "loka_tune.kernels.registry",
+    "candidate_choices": "loka_tune.kernels.registry",
+    "LokaLinear": "loka_tune.kernels.linear",
+    "find_linears": "loka_tune.kernels.linear",
+}
+
+__all__ = list(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    mod = _LAZY.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'loka_tune.kernels' has no attribute {name!r}")
+    value = getattr(importlib.import_module(mod), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

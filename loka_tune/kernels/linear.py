@@ -125,6 +125,11 @@ class LokaLinear(nn.Linear):
     def reset_nonfinite_fallbacks(self) -> None:
         ops.reset_nonfinite(self._tag)
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Unpickled / deep-copied layers get their own non-finite counter."""
+        super().__setstate__(state)
+        self._tag = f"{self.site_name or 'linear'}#{next(_TAGS)}"
+
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_linear(

@@ -1,0 +1,306 @@
+"""``apply``: put a :class:`~loka_tune.config.PrecisionConfig` into a model, in place.
+
+>>> summary = apply(model, "best.json")          # doctest: +SKIP
+>>> print(summary)                               # doctest: +SKIP
+
+Steps: (1) run the config's Mods (``loka_tune.mods.apply_mods``) when any is enabled and not
+already applied to this model; (2) find the eligible linear layers
+(:func:`~loka_tune.kernels.linear.find_linears`); (3) check that every per-site rule matches
+one of them; (4) resolve each site's :class:`SitePrecision` (exact name, then ``re:`` rule,
+then default), check each GEMM choice against its backend on the layer's device and shape;
+(5) swap: a site that resolves to plain bf16 for all three GEMMs is (or becomes again) a plain
+``nn.Linear``; every other site becomes a :class:`~loka_tune.kernels.linear.LokaLinear`
+sharing the layer's parameters (or, if it already is one, gets the new precision). Applying
+again with another config therefore just updates precisions: ``apply`` is idempotent.
+
+Errors: a per-site rule that matches no layer -> :class:`ConfigError` naming the rule and
+listing real site names; an unknown backend name -> :class:`BackendError`; a choice its
+backend cannot run here (device, alignment, format, missing install) ->
+:class:`UnsupportedChoiceError` naming the site, or with ``strict=False`` that GEMM runs in
+bf16 and the summary records why.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections import Counter
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Mapping
+
+from torch import nn
+
+from loka_tune.config import BF16, ROLES, GemmRole, PrecisionConfig, SitePrecision
+from loka_tune.errors import BackendError, ConfigError, ModError, UnsupportedChoiceError
+
+__all__ = ["ApplySummary", "apply", "export", "load_config", "as_config"]
+
+_MODS_ATTR = "_loka_mods_applied"  # set on the model: the ModsConfig already applied
+
+
+@dataclass
+class ApplySummary:
+    """What :func:`apply` did.
+
+    ``replaced``: site -> precision id (``SitePrecision.short_str``) of every layer that is now a
+    LokaLinear. ``unchanged``: sites left (or turned back into) plain ``nn.Linear`` (bf16).
+    ``shapes``: site -> ``(in_features, out_features)``. ``counts``: GEMM choice id -> number of
+    GEMMs using it over all sites (three per site). ``fallbacks``: site -> {role: reason} for the
+    GEMMs that ``strict=False`` sent to bf16. ``mods``: the ``ModsReport`` of the Mods run
+    (``None`` if none ran); ``mods_note`` says why they did not run, if enabled.
+    """
+
+    replaced: dict[str, str] = field(default_factory=dict)
+    unchanged: list[str] = field(default_factory=list)
+    shapes: dict[str, tuple[int, int]] = field(default_factory=dict)
+    counts: dict[str, int] = field(default_factory=dict)
+    fallbacks: dict[str, dict[str, str]] = field(default_factory=dict)
+    mods: Any = None
+    mods_note: str = ""
+    config_key: str = ""
+
+    @property
+    def n_sites(self) -> int:
+        return len(self.replaced) + len(self.unchanged)
+
+    def to_dict(self) -> dict[str, Any]:
+        mods = self.mods.to_dict() if hasattr(self.mods, "to_dict") else (None if self.mods is None else str(self.mods))
+        return {
+            "replaced": dict(self.replaced),
+            "unchanged": list(self.unchanged),
+            "shapes": {k: list(v) for k, v in self.shapes.items()},
+            "counts": dict(self.counts),
+            "fallbacks": {k: dict(v) for k, v in self.fallbacks.items()},
+            "mods": mods,
+            "mods_note": self.mods_note,
+        }
+
+    def __str__(self) -> str:
+        rows = [(s, self.replaced.get(s)) for s in self.shapes]
+        head = ("site", "K x N", "fwd", "dgrad", "wgrad", "note")
+        table: list[tuple[str, ...]] = [head]
+        for site, pid in rows:
+            k, n = self.shapes[site]
+            prec = SitePrecision.parse(pid) if pid else SitePrecision()
+            fb = self.fallbacks.get(site, {})
+            note = "bf16 (nn.Linear)" if pid is None else ""
+            if fb:
+                note = "fallback to bf16: " + ", ".join(sorted(fb))
+            table.append((site, f"{k} x {n}", *(prec[r].short_str() for r in ROLES), note))
+        widths = [max(len(r[i]) for r in table) for i in range(len(head))]
+        lines = [
+            f"apply: {len(self.replaced)} of {self.n_sites} linear site(s) replaced by LokaLinear,"
+            f" {len(self.unchanged)} unchanged (bf16)"
+        ]
+        for i, r in enumerate(table):
+            lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+            if i == 0:
+                lines.append("  ".join("-" * w for w in widths))
+        lines.append("GEMMs per choice: " + ", ".join(f"{c}: {n}" for c, n in sorted(self.counts.items())))
+        if self.mods is not None:
+            lines.append(str(self.mods))
+        elif self.mods_note:
+            lines.append(f"Mods: {self.mods_note}")
+        return "\n".join(lines)
+
+
+def as_config(config: PrecisionConfig | Mapping[str, Any] | str | Path) -> PrecisionConfig:
+    """A PrecisionConfig from itself, its dict form, or the path of its JSON file."""
+    if isinstance(config, PrecisionConfig):
+        return config
+    if isinstance(config, Mapping):
+        return PrecisionConfig.from_dict(config)
+    if isinstance(config, (str, Path)):
+        return PrecisionConfig.load(config)
+    raise ConfigError(
+        f"got {type(config).__name__} {config!r:.80}; expected a PrecisionConfig, a dict or the path of a JSON file",
+        key="(config)",
+    )
+
+
+def load_config(path: str | Path) -> PrecisionConfig:
+    """Read a PrecisionConfig JSON file (:class:`ConfigError` naming the bad key if malformed)."""
+    return PrecisionConfig.load(path)
+
+
+def export(config: PrecisionConfig | Mapping[str, Any] | str | Path, path: str | Path) -> Path:
+    """Write ``config`` as JSON to ``path`` (atomically); returns the path."""
+    return as_config(config).save(path)
+
+
+def _run_mods(model: nn.Module, cfg: PrecisionConfig) -> tuple[Any, str]:
+    if not cfg.mods.any:
+        return None, ""
+    prev = model.__dict__.get(_MODS_ATTR)
+    if prev == cfg.mods:
+        return None, f"{cfg.mods.short_str()} already applied to this model (skipped)"
+    try:
+        from loka_tune import mods as mods_pkg
+    except ImportError as e:  # pragma: no cover - the package exists in the tree
+        raise ModError(f"the config enables Mods ({cfg.mods.short_str()}) but loka_tune.mods cannot be imported: {e}") from e
+    apply_mods = getattr(mods_pkg, "apply_mods", None)
+    if apply_mods is None:
+        try:
+            from loka_tune.mods.pipeline import apply_mods
+        except ImportError:
+            raise ModError(
+                f"the config enables Mods ({cfg.mods.short_str()}) but this loka-tune has no"
+                " loka_tune.mods.apply_mods; set \"mods\" to all-off in the config or update loka-tune"
+            ) from None
+    report = apply_mods(model, cfg.mods)
+    if prev is not None:
+        note = f"Mods {prev.short_str()} had been applied before; now also ran {cfg.mods.short_str()}"
+    else:
+        note = ""
+    model.__dict__[_MODS_ATTR] = cfg.mods
+    return report, note
+
+
+def _role_shape(role: GemmRole, k: int, n: int) -> tuple[int | None, int | None, int | None]:
+    """Canonical (m, k, n) of a role for a layer K -> N; the batch dim M is unknown here."""
+    if role == GemmRole.FWD:
+        return (None, k, n)
+    if role == GemmRole.DGRAD:
+        return (None, n, k)
+    return (n, None, k)
+
+
+def _check_site(
+    site: str, lin: nn.Linear, prec: SitePrecision, strict: bool
+) -> tuple[SitePrecision, dict[str, str]]:
+    """Check each GEMM choice of ``site``; returns the precision to use and its fallbacks."""
+    from loka_tune.kernels.registry import check_supported, get_backend, list_backends
+
+    dev = lin.weight.device
+    k, n = lin.in_features, lin.out_features
+    fallbacks: dict[str, str] = {}
+    new: dict[str, Any] = {}
+    for role in ROLES:
+        choice = prec[role]
+        if choice == BF16:
+            continue
+        if choice.backend not in list_backends():
+            raise BackendError(
+                f"site {site!r}, {role.value} GEMM {choice.short_str()!r}: unknown backend"
+                f" {choice.backend!r}; known backends: {', '.join(list_backends())}"
+            )
+        try:
+            backend = get_backend(choice.backend)
+            devices = sorted(backend.devices) if dev.type == "meta" else [dev]
+            last: UnsupportedChoiceError | None = None
+            for d in devices:
+                try:
+                    check_supported(choice, role, d, _role_shape(role, k, n), site=site)
+                    last = None
+                    break
+                except UnsupportedChoiceError as e:
+                    last = e
+            if last is not None:
+                raise last
+        except BackendError as e:  # includes UnsupportedChoiceError
+            if strict:
+                if isinstance(e, UnsupportedChoiceError):
+                    raise
+                raise UnsupportedChoiceError(
+                    f"site {site!r}, {role.value} GEMM {choice.short_str()!r}: {e}."
+                    " Install it, choose another backend, or apply with strict=False to use bf16 here."
+                ) from e
+            fallbacks[role.value] = str(e)
+            new[role.value] = BF16
+    return (replace(prec, **new) if new else prec), fallbacks
+
+
+def _parents(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
+    """id(child) -> every (parent, key) that holds it (Sequential, ModuleDict, attributes...)."""
+    out: dict[int, list[tuple[nn.Module, str]]] = {}
+    for parent in model.modules():
+        for key, child in parent._modules.items():
+            if child is not None:
+                out.setdefault(id(child), []).append((parent, key))
+    return out
+
+
+def _to_plain(lin: nn.Linear) -> nn.Linear:
+    """A plain nn.Linear sharing ``lin``'s parameters and forward hooks."""
+    plain = nn.Linear(lin.in_features, lin.out_features, bias=lin.bias is not None, device="meta")
+    plain.weight = lin.weight
+    plain.bias = lin.bias
+    plain.train(lin.training)
+    for attr in ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs",
+                 "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called"):
+        if hasattr(lin, attr):
+            getattr(plain, attr).update(getattr(lin, attr))
+    return plain
+
+
+def apply(
+    model: nn.Module,
+    config: PrecisionConfig | Mapping[str, Any] | str | Path,
+    *,
+    strict: bool = True,
+) -> ApplySummary:
+    """Apply ``config`` (a PrecisionConfig, its dict form or a JSON path) to ``model`` in place.
+
+    See the module docstring for the steps and errors. Returns an :class:`ApplySummary`.
+    """
+    from loka_tune.kernels.linear import LokaLinear, find_linears
+
+    cfg = as_config(config)
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"apply takes an nn.Module, got {type(model).__name__}", key="(model)")
+    if isinstance(model, nn.Linear):
+        raise ConfigError(
+            "the model is itself a single nn.Linear, which cannot be swapped in place; wrap it in a"
+            " module (e.g. nn.Sequential(linear)) or use LokaLinear.from_linear(linear, precision)",
+            key="(model)",
+        )
+    summary = ApplySummary(config_key=cfg.key())
+    summary.mods, summary.mods_note = _run_mods(model, cfg)
+
+    linears = find_linears(model)
+    names = list(linears)
+    unmatched = cfg.unmatched_rules(names)
+    if unmatched:
+        pat = unmatched[0]
+        close = difflib.get_close_matches(pat.removeprefix("re:"), names, n=3, cutoff=0.5)
+        some = close or names[:5]
+        raise ConfigError(
+            f"the rule {pat!r} matches no linear layer of this model"
+            + (f" ({len(unmatched) - 1} more rule(s) match nothing either: {unmatched[1:4]})" if len(unmatched) > 1 else "")
+            + f"; the model has {len(names)} linear site(s), e.g. {some}"
+            + (" (did you mean one of these?)" if close else "")
+            + ". Fix the name, use a 're:' pattern, or remove the rule (a config for another model?)",
+            key=f"sites.{pat}",
+        )
+
+    plan: dict[str, SitePrecision] = {}
+    for site, lin in linears.items():
+        prec, fb = _check_site(site, lin, cfg.resolve(site), strict)
+        plan[site] = prec
+        if fb:
+            summary.fallbacks[site] = fb
+
+    parents = _parents(model)
+    counts: Counter[str] = Counter()
+    for site, lin in linears.items():
+        prec = plan[site]
+        summary.shapes[site] = (lin.in_features, lin.out_features)
+        for r in ROLES:
+            counts[prec[r].short_str()] += 1
+        plain = all(prec[r] == BF16 for r in ROLES)
+        if plain:
+            new: nn.Module = _to_plain(lin) if isinstance(lin, LokaLinear) else lin
+            summary.unchanged.append(site)
+        elif isinstance(lin, LokaLinear):
+            lin.precision = prec
+            lin.site_name = site
+            new = lin
+            summary.replaced[site] = prec.short_str()
+        else:
+            new = LokaLinear.from_linear(lin, prec, name=site)
+            summary.replaced[site] = prec.short_str()
+        if new is not lin:
+            for parent, key in parents.get(id(lin), []):
+                parent._modules[key] = new
+    summary.counts = dict(counts)
+    return summary
