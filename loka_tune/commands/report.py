@@ -1,0 +1,70 @@
+"""``loka-tune report STUDY``: the leaderboard of a study, and its plots."""
+
+from __future__ import annotations
+
+import argparse
+
+HELP = "print a study's leaderboard and write its plots (speed vs loss, best choice map)"
+
+DESCRIPTION = """\
+STUDY is a study file (.toml) or a study name with --storage. Prints the trials (feasible
+ones first, fastest first) and writes speed_vs_loss.png and best_choice_map.png into --out-dir
+(default: the study's output dir).
+
+examples:
+  loka-tune report studies/quickstart.toml
+  loka-tune report quickstart --storage sqlite:///runs/quickstart/optuna.db --out-dir plots/
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("study", help="a study file (.toml), or a study name with --storage")
+    parser.add_argument("--storage", default=None, help="Optuna storage URL")
+    parser.add_argument("--out-dir", default=None, help="where the plots go (default: the study's output dir)")
+    parser.add_argument("--limit", type=int, default=20, help="rows of the leaderboard (default 20)")
+    parser.add_argument("--no-plots", action="store_true", help="print only")
+
+
+def format_leaderboard(rows: list[dict], *, limit: int | None = 20) -> str:
+    """The leaderboard as an aligned text table."""
+    def f(v, fmt: str) -> str:  # noqa: ANN001
+        return "-" if v is None else format(v, fmt)
+
+    head = f"{'trial':>5} {'state':<8} {'feas':<4} {'step_s':>10} {'speedup':>8} {'relLL%':>9} {'NE':>7} {'AUC':>6}" \
+           f" {'fp8':>4} {'mods':<12} note"
+    lines = [head, "-" * len(head)]
+    for r in rows[:limit] if limit else rows:
+        note = r["reason"] or (f"cache of {r.get('cached_from')}" if r["cache_hit"] else r.get("seeded") or "")
+        lines.append(f"{r['trial']:>5} {r['state']:<8} {'yes' if r['feasible'] else 'no':<4}"
+                     f" {f(r['step_time_s'], '.4g'):>10} {f(r['speedup'], '.3f'):>8} {f(r['rel_logloss_pct'], '+.4f'):>9}"
+                     f" {f(r['eval_ne'], '.4f'):>7} {f(r['eval_auc'], '.4f'):>6} {r['fp8_gemms']:>4} {r['mods']:<12} {note}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from loka_tune.commands.export import open_existing
+    from loka_tune.space.candidates import SearchSpace
+    from loka_tune.tune import ATTR_BASELINE, ATTR_SPACE, leaderboard
+
+    cfg, study = open_existing(args.study, args.storage)
+    rows = leaderboard(study)
+    for r in rows:
+        r.setdefault("cached_from", None)
+    bl = study.user_attrs.get(ATTR_BASELINE) or {}
+    st = study.user_attrs.get("loka.study") or {}
+    budget = (st.get("objective") or {}).get("budget_pct")
+    print(f"study {study.study_name!r}: {len(rows)} finished trials; baseline log loss"
+          f" {(bl.get('eval_logloss') or [float('nan')])[0]:.5f}, noise floor {bl.get('noise_floor_pct', float('nan')):.4g}%,"
+          f" budget {budget}%, speed {bl.get('speed_source')}")
+    print(format_leaderboard(rows, limit=args.limit))
+    if not args.no_plots and ATTR_SPACE in study.user_attrs:
+        from loka_tune.tracking import write_plots
+
+        out = Path(args.out_dir) if args.out_dir else (cfg.output_dir if cfg is not None else Path("."))
+        paths = write_plots(study, SearchSpace.from_dict(study.user_attrs[ATTR_SPACE]), out,
+                            budget_pct=float(budget or 0.0), speed_source=str(bl.get("speed_source")))
+        for p in paths:
+            print(f"wrote {p}")
+    return 0

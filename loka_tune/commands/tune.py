@@ -1,0 +1,115 @@
+"""``loka-tune tune STUDY.toml``: run (or join, or resume) a tuning study."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+HELP = "search the fastest FP8 precision config under a loss budget (an Optuna study)"
+
+DESCRIPTION = """\
+Run a study file (see studies/quickstart.toml): bf16 baseline runs on 2-3 seeds (the noise
+floor), the Probe during the first, the search space pruned by the probe, then Optuna trials
+(each a fresh model + a precision config + a paired short run) until the trial budget is
+spent. Prints one line per trial to stderr; results live in the study's output dir
+(runs/<name>/: optuna.db, mlflow.db, plots).
+
+Resume: run the same command again; completed trials are kept and never re-run.
+Several workers (one per GPU, or across machines) share one study through its storage:
+  loka-tune tune study.toml --workers 4                       # 4 local processes (SQLite)
+  loka-tune tune study.toml --storage postgresql://user:pw@db-host:5432/loka   # on each machine
+With --workers N the first process prepares the study (baseline, probe, space), then N
+worker processes share the trials. A killed worker's trial is marked failed after
+[storage] grace_s without a heartbeat and re-queued.
+
+examples:
+  loka-tune tune studies/quickstart.toml
+  loka-tune tune studies/wukong_h200.toml --device cuda --n-trials 40
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("study", help="the study file (TOML)")
+    parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: the study's training.device)")
+    parser.add_argument("--storage", default=None,
+                        help="Optuna storage URL: sqlite:///PATH or postgresql://USER:PW@HOST:PORT/DB"
+                             " (default: the study's [storage] url, a SQLite file in its output dir)")
+    parser.add_argument("--n-trials", type=int, default=None, help="total trials of the study (overrides the file)")
+    parser.add_argument("--timeout", type=float, default=None, help="stop starting trials after this many seconds")
+    parser.add_argument("--workers", type=int, default=1, help="local worker processes (default 1)")
+    parser.add_argument("--force", action="store_true",
+                        help="run even if the loss budget is below the baseline's noise floor")
+    parser.add_argument("--no-tracking", action="store_true", help="do not log to MLflow")
+    parser.add_argument("--out-dir", default=None, help="the study's output dir (overrides [study] output_dir)")
+
+
+def _load(args: argparse.Namespace):  # noqa: ANN202
+    from dataclasses import replace
+    from pathlib import Path
+
+    from loka_tune.study import load_study
+
+    cfg = load_study(args.study)
+    if args.out_dir:
+        out = Path(args.out_dir).resolve()
+        old = cfg.output_dir
+        storage = cfg.storage
+        tracking = cfg.tracking
+        if storage.url == f"sqlite:///{old / 'optuna.db'}":
+            storage = replace(storage, url=f"sqlite:///{out / 'optuna.db'}")
+        if tracking.uri == f"sqlite:///{old / 'mlflow.db'}":
+            tracking = replace(tracking, uri=f"sqlite:///{out / 'mlflow.db'}")
+        cfg = replace(cfg, study=replace(cfg.study, output_dir=out), storage=storage, tracking=tracking)
+    return cfg
+
+
+def run(args: argparse.Namespace) -> int:
+    from loka_tune import tune
+    from loka_tune.errors import StudyError
+
+    if args.workers < 1:
+        raise StudyError(f"--workers must be >= 1, got {args.workers}")
+    if args.n_trials is not None and args.n_trials < 1:
+        raise StudyError(f"--n-trials must be >= 1, got {args.n_trials}")
+    cfg = _load(args)
+    t0 = time.time()
+    tracking = False if args.no_tracking else None
+    if args.workers == 1:
+        study = tune.run_study(cfg, device=args.device, storage_url=args.storage, n_trials=args.n_trials,
+                               timeout_s=args.timeout, force=args.force, tracking=tracking)
+    else:
+        # prepare once here (baseline, probe, space, first trials), then N workers share the trials
+        study = tune.run_study(cfg, device=args.device, storage_url=args.storage, n_trials=0,
+                               force=args.force, tracking=tracking, progress=False)
+        cmd = [sys.executable, "-m", "loka_tune", "tune", args.study]
+        for flag, v in (("--device", args.device), ("--storage", args.storage), ("--n-trials", args.n_trials),
+                        ("--timeout", args.timeout), ("--out-dir", args.out_dir)):
+            if v is not None:
+                cmd += [flag, str(v)]
+        cmd += ["--force"] if args.force else []
+        cmd += ["--no-tracking"] if args.no_tracking else []
+        env = dict(os.environ)
+        procs = []
+        for i in range(args.workers):
+            e = dict(env)
+            if (args.device or "").startswith("cuda") and args.device == "cuda":
+                e.setdefault("CUDA_VISIBLE_DEVICES", str(i))  # one GPU per worker
+            procs.append(subprocess.Popen(cmd, env=e))
+        codes = [p.wait() for p in procs]
+        if any(codes):
+            print(f"loka-tune tune: worker exit codes {codes}", file=sys.stderr)
+        study = tune.open_study(cfg, tune.make_storage(cfg, args.storage))
+    best = tune.best_trial(study, raise_if_none=False)
+    wall = time.time() - t0
+    if best is None:
+        print(f"study {cfg.name!r}: no feasible trial yet ({wall:.0f}s); see `loka-tune report {args.study}`")
+        return 1
+    a = best.user_attrs
+    print(f"study {cfg.name!r}: best trial {best.number}: step {best.value:.6g}s ({a.get('speed_source')}),"
+          f" speed-up {a.get('speedup'):.3f}x, rel. log loss {a.get('rel_logloss_pct'):+.4f}%"
+          f" (budget {cfg.objective.budget_pct}%) [{wall:.0f}s]")
+    print(f"export it: loka-tune export {args.study} --out best.json")
+    return 0
