@@ -411,7 +411,14 @@ def test_torch_compile_fullgraph_inductor() -> None:
 def test_list_backends_lists_lazy_ones_without_importing() -> None:
     names = list_backends()
     assert {"bf16", "emulated", "torch_scaled_mm", "fbgemm", "triton", "torchao"} <= set(names)
-    assert "loka_tune.kernels.backends.fbgemm" not in sys.modules or "fbgemm" in names
+    code = (
+        "import sys; from loka_tune.kernels.registry import list_backends, LAZY_BACKENDS;"
+        "names = list_backends();"
+        "assert {'torch_scaled_mm', 'fbgemm', 'triton', 'torchao'} <= set(names), names;"
+        "loaded = [m for m, _ in LAZY_BACKENDS.values() if m in sys.modules and 'backends' in m];"
+        "assert not loaded, loaded"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_get_backend_errors() -> None:
