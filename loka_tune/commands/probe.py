@@ -66,7 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="cap on the rows M of sampled GEMMs (default: 4096)")
     m.add_argument("--weights", default="model", choices=("model", "current"),
                    help="learned weights: matrix-normal draws or the current weight (default: model)")
-    m.add_argument("--max-error", type=float, default=None, help="safe if MERE <= this (default: 0.25)")
+    m.add_argument("--max-error", type=float, default=None, help="safe if MERE <= this (default: 0.2)")
     m.add_argument("--min-speedup", type=float, default=None, help="fast if speed-up >= this (default: 1.05)")
     m.add_argument("--cost-device", default="h200", help="GPU priced by the cost model (default: h200)")
     m.add_argument("--timing-cache", type=Path, default=None, metavar="FILE",

@@ -288,8 +288,7 @@ class ProbeReport:
         h = max(3.0, 0.28 * len(rows) + 1.8)
         w = max(5.0, 0.55 * len(cols) + 0.07 * max(len(s) for s in rows) + 2.5)
         fig, ax = plt.subplots(figsize=(w, h), dpi=110)
-        cmap = plt.get_cmap("viridis").copy()
-        cmap.set_bad("lightgrey")
+        cmap = plt.get_cmap("viridis").with_extremes(bad="lightgrey")  # grey: not measured
         im = ax.imshow(np.ma.masked_invalid(val), aspect="auto", cmap=cmap, interpolation="nearest")
         for i, j in zip(*np.nonzero(unsafe)):
             ax.text(j, i, "x", ha="center", va="center", color="red", fontsize=9, fontweight="bold")

@@ -1,0 +1,327 @@
+"""Probe, offline half: synthetic replay, error metrics, measurement, speed, the report."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from loka_tune.config import GemmChoice
+from loka_tune.errors import ProbeError
+from loka_tune.probe import (
+    DEFAULT_MAX_ERROR,
+    GUARD_FRAC,
+    Probe,
+    ProbeReport,
+    ProbeStats,
+    RooflineSpeed,
+    TimedSpeed,
+    measure,
+    mere,
+    run_probe,
+    sqnr_db,
+)
+from loka_tune.probe.measure import role_operands
+from loka_tune.probe.synth import SiteSampler, psd_factor
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def _probe_linear(x_fn, k: int = 16, n: int = 8, steps: int = 6, every: int = 1, seed: int = 0, **kw) -> ProbeStats:
+    """Stats of one nn.Linear(k, n) fed ``x_fn(step)`` rows, trained by SGD on a random linear loss."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(k, n))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    c = torch.randn(n)
+    with Probe(model, every=every, **kw) as p:
+        for i in range(steps):
+            opt.zero_grad()
+            y = model(x_fn(i))
+            (y * c + 0.5 * y * y).mean().backward()  # dY (M, N) = (c + y) / (M N)
+            opt.step()
+    return p.stats
+
+
+@pytest.fixture(scope="module")
+def gauss_stats() -> ProbeStats:
+    g = torch.Generator().manual_seed(5)
+    mix = torch.randn(16, 16, generator=g) / 4
+    return _probe_linear(lambda i: torch.randn(256, 16, generator=g) @ mix + torch.linspace(-1, 2, 16))
+
+
+# ---------------------------------------------------------------------------- synthetic replay
+@pytest.mark.parametrize("sketch", [False, True], ids=["full_cov", "diag_lowrank"])
+def test_synthetic_rows_reproduce_mean_and_covariance(sketch: bool) -> None:
+    g = torch.Generator().manual_seed(0)
+    low = torch.randn(3, 16, generator=g) * 2
+    scale = torch.logspace(-1, 0.5, 16)
+
+    def x_fn(i: int) -> torch.Tensor:
+        return (torch.randn(512, 3, generator=g) @ low + torch.randn(512, 16, generator=g) * scale) + 3.0
+
+    stats = _probe_linear(x_fn, steps=4, **({"max_full_dim": 8, "sketch_rank": 8} if sketch else {}))
+    t = stats.sites["0"].x
+    assert t.full is (not sketch)
+    smp = SiteSampler(stats.sites["0"], "learned", seed=1)
+    assert smp.rows == 512  # the site's M
+    x = np.concatenate([smp.draw()[0] for _ in range(40)])
+    rows = x.shape[0]
+    cov = t.covariance()  # what the sampler should reproduce (the sketch's model when sketched)
+    sd = np.sqrt(np.diag(cov))
+    # mean: each feature's sample mean has std sd / sqrt(n): allow 5 of them
+    assert np.all(np.abs(x.mean(0) - t.mean) <= 5 * sd / math.sqrt(rows))
+    # covariance: var(s_ij) = (s_ii s_jj + s_ij^2) / n for Gaussian rows: allow 5 std
+    tol = 5 * np.sqrt((np.outer(sd**2, sd**2) + cov**2) / rows)
+    assert np.all(np.abs(np.cov(x, rowvar=False) - cov) <= tol)
+    if sketch:  # the exact diagonal is kept; the low-rank part carries most of the covariance
+        np.testing.assert_allclose(np.diag(cov), t.var, rtol=1e-12)
+        full = stats.sites["0"].x
+        assert np.linalg.norm(t.covariance(), 2) > 0.9 * np.linalg.norm(np.diag(full.var), 2)
+
+
+def test_psd_factor_jitter_escalation_and_clipping() -> None:
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((6, 2))
+    singular = a @ a.T  # rank 2
+    lf, j = psd_factor(singular)
+    assert j >= 0 and np.allclose(lf @ lf.T, singular, atol=1e-6 * np.abs(singular).max())
+    indefinite = np.diag([1.0, 2.0, -0.5])
+    lf, j = psd_factor(indefinite)
+    assert math.isnan(j)
+    np.testing.assert_allclose(lf @ lf.T, np.diag([1.0, 2.0, 0.0]), atol=1e-12)
+    lf, j = psd_factor(np.zeros((3, 3)))
+    assert not lf.any()
+
+
+def test_sampler_errors_and_real_replay(gauss_stats: ProbeStats) -> None:
+    site = gauss_stats.sites["0"]
+    with pytest.raises(ProbeError, match="unknown distribution"):
+        SiteSampler(site, "uniform")
+    real = SiteSampler(site, "real")
+    x, dy, w = real.draw()
+    assert x.shape == (256, 16) and dy.shape == (256, 8)
+    np.testing.assert_array_equal(w, site.w.last)
+    norm = SiteSampler(site, "normal", max_rows=100)
+    x, dy, w = norm.draw()
+    assert x.shape == (100, 16) and abs(x.mean()) < 0.2 and abs(x.std() - 1) < 0.1
+    stats = _probe_linear(lambda i: torch.randn(8, 16), keep_real=False, steps=2)
+    with pytest.raises(ProbeError, match="keep_real=True"):
+        SiteSampler(stats.sites["0"], "real")
+
+
+# ---------------------------------------------------------------------------- metrics
+def test_mere_and_sqnr_definitions() -> None:
+    ref = torch.tensor([1.0, -2.0, 4.0, 0.0], dtype=torch.float64)
+    out = ref * 1.1
+    rms = math.sqrt((1 + 4 + 16) / 4)
+    # |err|/|ref| = 0.1 for the three non-zeros; the zero is exact
+    assert mere(out, ref) == pytest.approx(0.3 / 4)
+    out2 = ref.clone()
+    out2[3] = 0.01
+    assert mere(out2, ref) == pytest.approx(0.01 / (GUARD_FRAC * rms) / 4)  # guarded, not infinite
+    assert mere(out2, ref, guard_frac=0.1) == pytest.approx(0.01 / (0.1 * rms) / 4)
+    assert sqnr_db(out, ref) == pytest.approx(20.0)  # err = 0.1 ref -> 20 dB
+    assert sqnr_db(ref, ref) == math.inf
+    assert mere(ref, ref) == 0.0
+
+
+def test_role_operands_are_the_autograd_gemms() -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(3, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    dy = torch.randn(7, 3, generator=g, dtype=torch.float64)
+    (x @ w.T).backward(dy)
+    for role, want in (("fwd", x @ w.T), ("dgrad", x.grad), ("wgrad", w.grad)):
+        a, b = role_operands(role, x.detach(), dy, w.detach())
+        torch.testing.assert_close(a @ b.T, want.detach())
+
+
+# ---------------------------------------------------------------------------- measure
+CANDS = ["e4m3.tensor.emulated", "e4m3.row.emulated", "e5m2+e4m3.row.emulated", "mxfp8.mx.emulated"]
+
+
+@pytest.fixture(scope="module")
+def report(gauss_stats: ProbeStats) -> ProbeReport:
+    return measure(gauss_stats, CANDS, samples=6, dists=("learned", "normal", "real"))
+
+
+def test_measure_errors_shapes_and_verdicts(report: ProbeReport) -> None:
+    assert report.candidates[0] == "bf16"  # the baseline is added
+    assert set(report.dists) == {"learned", "normal", "real"}
+    r = {(x.role, x.choice, x.dist): x for x in report.results}
+    # canonical shapes at the site's real M (256 rows per call)
+    assert (r["fwd", "bf16", "learned"].m, r["fwd", "bf16", "learned"].k, r["fwd", "bf16", "learned"].n) == (256, 16, 8)
+    assert (r["dgrad", "bf16", "learned"].m, r["dgrad", "bf16", "learned"].k, r["dgrad", "bf16", "learned"].n) == (256, 8, 16)
+    assert (r["wgrad", "bf16", "learned"].m, r["wgrad", "bf16", "learned"].k, r["wgrad", "bf16", "learned"].n) == (8, 256, 16)
+    assert ("fwd", "e5m2+e4m3.row.emulated", "learned") not in r
+    assert any(s.role == "fwd" and s.choice.startswith("e5m2") and "gradient" in s.reason for s in report.skipped)
+    for role in ("fwd", "dgrad", "wgrad"):
+        bf = r[role, "bf16", "normal"]
+        e4 = r[role, "e4m3.row.emulated", "normal"]
+        assert bf.mere < 0.05 and bf.sqnr_db > 40 and bf.speedup == pytest.approx(1.0)
+        assert 0.08 < e4.mere < DEFAULT_MAX_ERROR and 24 < e4.sqnr_db < 33  # 3 mantissa bits
+        assert e4.samples == 6 and e4.mere_std > 0 and e4.time_source == "modeled"
+        if role != "fwd":
+            e5 = r[role, "e5m2+e4m3.row.emulated", "normal"]
+            assert e5.mere > 1.3 * e4.mere and e5.sqnr_db < e4.sqnr_db - 2  # one mantissa bit fewer
+        assert r[role, "e4m3.row.emulated", "real"].samples == 1
+        assert r[role, "e4m3.row.emulated", "real"].mere_std == 0.0
+        for x in (bf, e4):
+            assert x.safe == (x.mere <= report.max_error) and x.fast == (x.speedup >= report.min_speedup)
+    # mxfp8 has no modeled backend on Hopper: no time, never fast
+    mx = r["fwd", "mxfp8.mx.emulated", "learned"]
+    assert math.isnan(mx.time_s) and not mx.fast
+
+
+def test_learned_distributions_expose_what_random_inputs_miss() -> None:
+    """Inputs with a large component along u and a weight orthogonal to u: Y = X W^T cancels
+    it exactly, but the quantization error of X (~4% of |X|) does not cancel. Only the
+    learned covariance carries this; on standard-normal operands every e4m3 GEMM looks fine."""
+    g = torch.Generator().manual_seed(3)
+    k, n = 16, 8
+    u = torch.randn(k, generator=g)
+    u /= u.norm()
+    lin = nn.Linear(k, n, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(n, k, generator=g) @ (torch.eye(k) - torch.outer(u, u)))
+    model = nn.Sequential(lin)
+    with Probe(model, every=1) as p:
+        for _ in range(3):
+            x = 20 * torch.randn(512, 1, generator=g) * u + torch.randn(512, k, generator=g)  # (M, K)
+            (model(x) * torch.randn(512, n, generator=g)).sum().backward()
+    cands = ["e4m3.tensor.emulated", "e4m3.row.emulated", "e4m3.block.emulated"]
+    rep = measure(p.stats, cands, samples=4, roles=["fwd"])
+    for c in cands:
+        learned = next(r for r in rep.results if r.choice == c and r.dist == "learned")
+        normal = next(r for r in rep.results if r.choice == c and r.dist == "normal")
+        assert learned.mere > 3 * normal.mere and learned.sqnr_db < normal.sqnr_db - 10, c
+        assert not learned.safe and normal.safe
+    assert rep.best("0", "fwd").choice == "bf16"
+
+
+def test_weight_model_draws_predict_the_current_weight_errors() -> None:
+    g = torch.Generator().manual_seed(6)
+    mix = torch.randn(64, 64, generator=g) / 8
+    stats = _probe_linear(lambda i: torch.randn(512, 64, generator=g) @ mix + 0.5, k=64, n=32, steps=8)
+    assert stats.sites["0"].w.residuals == 7
+    kw = dict(samples=8, dists=("learned",), seed=1)
+    cands = ["e4m3.tensor.emulated", "e4m3.row.emulated"]
+    a = measure(stats, cands, weights="model", **kw)
+    b = measure(stats, cands, weights="current", **kw)
+    for ra, rb in zip(a.results, b.results):
+        assert (ra.site, ra.role, ra.choice) == (rb.site, rb.role, rb.choice)
+        assert ra.mere == pytest.approx(rb.mere, rel=0.1), (ra.role, ra.choice)
+
+
+def test_measure_is_deterministic_and_validates(gauss_stats: ProbeStats) -> None:
+    a = measure(gauss_stats, ["e4m3.row.emulated"], samples=2, dists=("learned",), seed=7)
+    b = measure(gauss_stats, ["e4m3.row.emulated"], samples=2, dists=("learned",), seed=7)
+    assert [r.mere for r in a.results] == [r.mere for r in b.results]
+    with pytest.raises(ProbeError, match="samples"):
+        measure(gauss_stats, samples=0)
+    with pytest.raises(ProbeError, match="unknown distribution"):
+        measure(gauss_stats, dists=("uniform",))
+    with pytest.raises(ProbeError, match="bad candidate 'e4m3.rows.emulated'"):
+        measure(gauss_stats, ["e4m3.rows.emulated"])
+    with pytest.raises(ProbeError, match="unknown site"):
+        measure(gauss_stats, sites=["nope"])
+    with pytest.raises(ProbeError, match="max_error"):
+        measure(gauss_stats, max_error=0)
+    with pytest.raises(ProbeError, match="ProbeStats"):
+        measure({"not": "stats"})
+
+
+# ---------------------------------------------------------------------------- speed
+def test_roofline_and_timed_speed() -> None:
+    rf = RooflineSpeed()
+    bf, fp8 = GemmChoice(), GemmChoice.parse("e4m3.row.emulated")
+    small = rf.seconds(fp8, 1024, 64, 64, "fwd")[0] / rf.seconds(bf, 1024, 64, 64, "fwd")[0]
+    big = rf.seconds(fp8, 16384, 8192, 8192, "fwd")[0] / rf.seconds(bf, 16384, 8192, 8192, "fwd")[0]
+    assert small > 1.5 and big < 0.7  # quantization + launches lose on small GEMMs, FP8 wins on big
+
+    class Cache:
+        def lookup(self, choice, m, k, n, role, device="h200"):
+            return 1e-5 if choice.short_str() == "e4m3.row.emulated" else None
+
+    ts = TimedSpeed(Cache(), rf)
+    assert ts.seconds(fp8, 8, 8, 8, "fwd") == (1e-5, "measured")
+    assert ts.seconds(bf, 8, 8, 8, "fwd")[1] == "modeled"
+
+
+def test_measure_with_a_custom_speed_model(gauss_stats: ProbeStats) -> None:
+    class Fixed:
+        def seconds(self, choice, m, k, n, role):
+            return (1.0 if choice.is_bf16 else 0.5), "measured"
+
+    rep = measure(gauss_stats, ["e4m3.row.emulated"], samples=1, dists=("normal",), speed_model=Fixed())
+    fp8 = [r for r in rep.results if r.choice != "bf16"]
+    assert all(r.speedup == 2.0 and r.fast and r.time_source == "measured" for r in fp8)
+    assert rep.best("0", "fwd").choice == "e4m3.row.emulated"
+
+
+# ---------------------------------------------------------------------------- the report
+def test_report_roundtrip_table_heatmap_thresholds(report: ProbeReport, tmp_path) -> None:
+    path = report.save(tmp_path / "r.json")
+    text = path.read_text()
+    json.loads(text)  # strict JSON: NaN times were written as "nan"
+    assert "NaN" not in text
+    back = ProbeReport.load(path)
+    assert len(back.results) == len(report.results) and back.skipped == report.skipped
+    for a, b in zip(report.results, back.results):
+        for f in ("mere", "sqnr_db", "time_s", "speedup"):
+            va, vb = getattr(a, f), getattr(b, f)
+            assert (math.isnan(va) and math.isnan(vb)) or va == vb
+        assert (a.site, a.role, a.choice, a.dist, a.safe, a.fast) == (b.site, b.role, b.choice, b.dist, b.safe, b.fast)
+    summ = report.summary()
+    assert set(summ) == {"learned", "normal", "real"}
+    c = summ["normal"]["candidates"]
+    assert c["e5m2+e4m3.row.emulated"]["geomean_mere"] > c["e4m3.row.emulated"]["geomean_mere"] > c["bf16"]["geomean_mere"]
+    table = report.table()
+    assert "probe report [learned]" in table and "e4m3.row.emulated" in table and "0  " in table
+    assert "geomean MERE by distribution" in table
+    strict = report.with_thresholds(max_error=0.05)
+    assert sum(r.safe for r in strict.results) < sum(r.safe for r in report.results)
+    assert all(r.safe == (r.mere <= 0.05) for r in strict.results)
+    assert len(report.for_site("0", "dgrad", "normal")) == 5  # bf16 + 4 candidates
+    png = report.heatmap(tmp_path / "h.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+    with pytest.raises(ProbeError, match="no results for distribution"):
+        report.heatmap(tmp_path / "x.png", dist="nope")
+    with pytest.raises(ProbeError, match="not a probe report"):
+        ProbeReport.from_json('{"kind": "other"}')
+
+
+# ---------------------------------------------------------------------------- run_probe
+def test_run_probe_trains_then_measures_and_reanalyses(tmp_path) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 4), nn.ReLU(), nn.Linear(4, 2))
+
+    def train_fn(m: nn.Module, source) -> None:
+        opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+        for x in source:
+            opt.zero_grad()
+            m(x).square().mean().backward()
+            opt.step()
+
+    data = [torch.randn(32, 6) for _ in range(6)]
+    rep = run_probe(model, data, ["e4m3.row.emulated"], train_fn=train_fn, every=2, samples=2)
+    assert rep.sites == ["0", "2"] and rep.stats.collections == 3
+    path = rep.stats.save(tmp_path / "s.npz")
+    again = run_probe(model, candidates=["e4m3.row.emulated"], stats=path, samples=2)
+    assert [r.mere for r in again.results] == [r.mere for r in rep.results]
+    with pytest.raises(ProbeError, match="train_fn"):
+        run_probe(model, data)
+    with pytest.raises(ProbeError, match="another model"):
+        run_probe(nn.Sequential(nn.Linear(6, 3)), stats=path)
+    with pytest.raises(ProbeError, match="never collected"):
+        run_probe(model, data[:1], train_fn=train_fn, every=5)
