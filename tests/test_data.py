@@ -590,6 +590,8 @@ def test_synthetic_bad_arguments() -> None:
         (dict(cardinalities=(10, 0)), "cardinalities"),
         (dict(missing_rate=1.0), "missing_rate"),
         (dict(eval_examples=0), "eval_examples"),
+        (dict(cardinalities="abc"), "cardinalities"),
+        (dict(cardinalities=(10, 2**40)), "cardinalities"),
     ]:
         with pytest.raises(ConfigError) as e:
             SyntheticCTR(**kw)
@@ -623,6 +625,7 @@ def test_parse_data_spec_forms(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     assert s.cardinalities == (100,) * 4 and s.target_base_rate == 0.1 and s.name == "tiny"
     s = parse_data_spec("synthetic:cardinalities=10/20/30,num_dense=2", eval_examples=64)
     assert s.cardinalities == (10, 20, 30) and s.num_dense == 2 and s.eval_examples == 64
+    assert parse_data_spec("synthetic:cardinalities=7,num_dense=0").cardinalities == (7,)
 
     path = tmp_path / "c.tsv"
     _write_criteo(path, 100)

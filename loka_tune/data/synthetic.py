@@ -83,7 +83,15 @@ class SyntheticCTR:
         teacher_dim: int = 4,
         teacher_logit_std: float = 1.5,
     ) -> None:
-        cardinalities = tuple(int(c) for c in cardinalities)
+        if isinstance(cardinalities, int):
+            cardinalities = (cardinalities,)
+        try:
+            cardinalities = tuple(int(c) for c in cardinalities)
+        except (TypeError, ValueError):
+            raise ConfigError(
+                f"must be a list of ints, one per sparse feature, got {cardinalities!r}",
+                key="cardinalities",
+            ) from None
         _check(num_dense >= 0, "num_dense", f"must be >= 0, got {num_dense=}")
         _check(len(cardinalities) >= 1, "cardinalities", "needs at least one sparse feature")
         _check(
@@ -368,8 +376,9 @@ def _calibrate(t: dict, teacher_seed: int, base_rate: float, logit_std: float) -
     """Fit dense standardization, term scales and the bias on a fixed CPU sample."""
     g = torch.Generator().manual_seed(mix_seed(teacher_seed, "calibrate"))
     dense, _, rows = _sample(t, _CALIBRATION_ROWS, g, "cpu")
-    t["dense_mean"] = dense.mean(0)
-    t["dense_std"] = dense.std(0).clamp_min(1e-6)
+    D = dense.shape[1]
+    t["dense_mean"] = dense.mean(0) if D else torch.zeros(0)
+    t["dense_std"] = dense.std(0).clamp_min(1e-6) if D else torch.ones(0)
     terms = _terms(t, dense, rows).double()  # (n, 4)
     std = terms.std(0)
     active = std > 1e-9  # e.g. no dense features: those terms are constant and dropped
