@@ -415,13 +415,37 @@ def make_storage(cfg: StudyConfig, url: str | None = None) -> Any:
         engine_kwargs = {"connect_args": {"timeout": 60}}  # wait on a locked SQLite file
     else:
         engine_kwargs = {"pool_pre_ping": True}
+    retry_cb = getattr(optuna.storages, "RetryHeartbeatStaleTrialCallback", None)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        warnings.simplefilter("ignore", FutureWarning)
+        if retry_cb is not None:  # optuna >= 4.9
+            return optuna.storages.RDBStorage(
+                url, engine_kwargs=engine_kwargs, heartbeat_interval=cfg.storage.heartbeat_s,
+                grace_period=cfg.storage.grace_s,
+                heartbeat_stale_trial_callback=retry_cb(max_retry=cfg.storage.max_retry))
         return optuna.storages.RDBStorage(
             url, engine_kwargs=engine_kwargs, heartbeat_interval=cfg.storage.heartbeat_s,
             grace_period=cfg.storage.grace_s,
-            failed_trial_callback=optuna.storages.RetryFailedTrialCallback(max_retry=cfg.storage.max_retry),
-        )
+            failed_trial_callback=optuna.storages.RetryFailedTrialCallback(max_retry=cfg.storage.max_retry))
+
+
+def _has_set_constraint() -> bool:
+    try:
+        import optuna
+    except ImportError:  # pragma: no cover
+        return False
+    return hasattr(optuna.trial.Trial, "set_constraint")
+
+
+_HAS_SET_CONSTRAINT = _has_set_constraint()
+
+
+def _set_constraint(trial: Any, rel_pct: float | None, budget: float) -> None:
+    """Feasible when relative log loss - budget <= 0 (unknown: infeasible)."""
+    if _HAS_SET_CONSTRAINT:
+        v = 1e9 if rel_pct is None or not math.isfinite(rel_pct) else float(rel_pct) - float(budget)
+        trial.set_constraint("rel_logloss_minus_budget_pct", v)
 
 
 def _constraints(frozen: Any) -> Sequence[float]:
@@ -432,17 +456,20 @@ def _constraints(frozen: Any) -> Sequence[float]:
     return (float(rel) - float(budget),)
 
 
-def open_study(cfg: StudyConfig, storage: Any | None = None, *, study_name: str | None = None) -> Any:
+def open_study(cfg: StudyConfig, storage: Any | None = None, *, study_name: str | None = None,
+               worker_index: int = 0) -> Any:
     """Create or load the study (TPE with the loss constraint, the study's pruner)."""
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     storage = storage or make_storage(cfg)
+    kw: dict[str, Any] = {}
+    if not _HAS_SET_CONSTRAINT:  # optuna < 5: the sampler reads the constraint through constraints_func
+        kw["constraints_func"] = _constraints
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        sampler = optuna.samplers.TPESampler(seed=None, n_startup_trials=cfg.trials.n_startup_trials,
-                                             constraints_func=_constraints, multivariate=True,
-                                             warn_independent_sampling=False, constant_liar=True)
+        sampler = optuna.samplers.TPESampler(seed=cfg.study.seed + 7919 * worker_index, n_startup_trials=cfg.trials.n_startup_trials,
+                                             multivariate=True, constant_liar=True, **kw)
     return optuna.create_study(storage=storage, study_name=study_name or cfg.name, direction="minimize",
                                sampler=sampler, pruner=make_pruner(cfg), load_if_exists=True)
 
@@ -798,7 +825,7 @@ def _progress_line(ctx: StudyContext, number: int, n_total: int | None, frozen_a
 
 def run_study(cfg: StudyConfig, *, device: str | None = None, storage_url: str | None = None,
               n_trials: int | None = None, timeout_s: float | None = None, force: bool = False,
-              tracking: bool | None = None, worker_id: str | None = None,
+              tracking: bool | None = None, worker_id: str | None = None, worker_index: int = 0,
               progress: bool = True) -> Any:
     """Run (or join, or resume) the study: prepare it, then ask/evaluate/tell until the trial
     budget is spent. Returns the Optuna study. Safe to run in several processes at once."""
@@ -807,7 +834,7 @@ def run_study(cfg: StudyConfig, *, device: str | None = None, storage_url: str |
 
     dev = resolve_device(device or cfg.training.device)
     storage = make_storage(cfg, storage_url)
-    study = open_study(cfg, storage)
+    study = open_study(cfg, storage, worker_index=worker_index)
     n_total = n_trials if n_trials is not None else cfg.trials.n_trials
     timeout = timeout_s if timeout_s is not None else cfg.trials.timeout_s
     tracker = None
@@ -850,6 +877,7 @@ def run_study(cfg: StudyConfig, *, device: str | None = None, storage_url: str |
             attrs.update(cache_hit=True, cached_from=dup.number)
             for k, v in attrs.items():
                 trial.set_user_attr(k, v)
+            _set_constraint(trial, attrs.get("rel_logloss_pct"), budget)
             if dup.state == TrialState.COMPLETE:
                 study.tell(trial, dup.value)
             else:
@@ -871,6 +899,7 @@ def run_study(cfg: StudyConfig, *, device: str | None = None, storage_url: str |
                 attrs["fail_reason"] = outcome.reason
             for k, v in attrs.items():
                 trial.set_user_attr(k, v)
+            _set_constraint(trial, attrs.get("rel_logloss_pct"), budget)
             if outcome.status == "ok":
                 study.tell(trial, outcome.step_time_s)
                 state = "COMPLETE"

@@ -44,6 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run even if the loss budget is below the baseline's noise floor")
     parser.add_argument("--no-tracking", action="store_true", help="do not log to MLflow")
     parser.add_argument("--out-dir", default=None, help="the study's output dir (overrides [study] output_dir)")
+    parser.add_argument("--worker-index", type=int, default=0,
+                        help="this worker's index (varies the sampler's seed between workers)")
 
 
 def _load(args: argparse.Namespace):  # noqa: ANN202
@@ -79,7 +81,8 @@ def run(args: argparse.Namespace) -> int:
     tracking = False if args.no_tracking else None
     if args.workers == 1:
         study = tune.run_study(cfg, device=args.device, storage_url=args.storage, n_trials=args.n_trials,
-                               timeout_s=args.timeout, force=args.force, tracking=tracking)
+                               timeout_s=args.timeout, force=args.force, tracking=tracking,
+                               worker_index=args.worker_index)
     else:
         # prepare once here (baseline, probe, space, first trials), then N workers share the trials
         study = tune.run_study(cfg, device=args.device, storage_url=args.storage, n_trials=0,
@@ -97,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
             e = dict(env)
             if (args.device or "").startswith("cuda") and args.device == "cuda":
                 e.setdefault("CUDA_VISIBLE_DEVICES", str(i))  # one GPU per worker
-            procs.append(subprocess.Popen(cmd, env=e))
+            procs.append(subprocess.Popen(cmd + ["--worker-index", str(i + 1)], env=e))
         codes = [p.wait() for p in procs]
         if any(codes):
             print(f"loka-tune tune: worker exit codes {codes}", file=sys.stderr)
