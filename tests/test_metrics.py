@@ -105,6 +105,17 @@ def test_auc_random_with_many_ties():
     )
 
 
+def test_average_ranks_match_scipy():
+    from scipy.stats import rankdata
+
+    from loka_tune.objectives.metrics import _average_ranks
+
+    rng = np.random.default_rng(2)
+    for n in (1, 2, 7, 50, 333):
+        s = np.round(rng.normal(size=n), 1)  # many ties
+        assert np.array_equal(_average_ranks(s), rankdata(s, method="average"))
+
+
 def test_auc_edges():
     assert auc([0, 0, 1, 1], [1, 2, 3, 4]) == 1.0
     assert auc([0, 0, 1, 1], [4, 3, 2, 1]) == 0.0

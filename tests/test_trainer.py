@@ -28,6 +28,16 @@ from loka_tune.objectives import (
 )
 from loka_tune.objectives.metrics import auc, log_loss
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models gain nothing from intra-op threads; one thread keeps these tests fast when
+    the suite shares its cores (OpenMP barriers stall badly on an oversubscribed machine)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 NUM_DENSE = 4
 CARDS = (50, 20, 7)
 
@@ -295,10 +305,14 @@ def test_progress_callable_and_silence(capsys):
     assert "train TinyModel" in capsys.readouterr().err  # the tqdm bar went to stderr
 
 
-def test_deterministic_setting_is_restored():
-    before = torch.are_deterministic_algorithms_enabled()
-    train(fresh(), TinySource(), TrainConfig(**{**CFG.__dict__, "steps": 2}), progress=False)
-    assert torch.are_deterministic_algorithms_enabled() == before
+def test_global_settings_are_restored():
+    before = (torch.are_deterministic_algorithms_enabled(), torch.get_num_threads())
+    seen = []
+    cfg = TrainConfig(**{**CFG.__dict__, "steps": 2, "cpu_threads": 2})
+    train(fresh(), TinySource(), cfg, progress=lambda s, l: seen.append(
+        (torch.are_deterministic_algorithms_enabled(), torch.get_num_threads())))
+    assert seen and all(x == (True, 2) for x in seen)
+    assert (torch.are_deterministic_algorithms_enabled(), torch.get_num_threads()) == before
 
 
 def test_finite_train_iterator_is_a_data_error():

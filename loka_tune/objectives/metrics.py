@@ -109,8 +109,6 @@ def auc(labels: Any, scores: Any) -> float:
     ``scores`` are any monotone function of the click probability (logits or probabilities).
     Labels must be 0 or 1. ``nan`` when only one class is present or a score is nan.
     """
-    from scipy.stats import rankdata
-
     y, s = _pair(labels, scores, "scores")
     if not np.all((y == 0.0) | (y == 1.0)):
         bad = y[~((y == 0.0) | (y == 1.0))][0]
@@ -119,9 +117,18 @@ def auc(labels: Any, scores: Any) -> float:
     n_neg = float(y.size) - n_pos
     if n_pos == 0.0 or n_neg == 0.0 or np.isnan(s).any():
         return math.nan
-    ranks = rankdata(s, method="average")  # (n,) float64, 1-based, ties averaged
+    ranks = _average_ranks(s)  # (n,) float64, 1-based, ties averaged
     u = float(np.sum(ranks[y == 1.0])) - n_pos * (n_pos + 1.0) / 2.0
     return u / (n_pos * n_neg)
+
+
+def _average_ranks(s: np.ndarray) -> np.ndarray:
+    """1-based ranks of ``s`` with tied values sharing their mean rank (scipy's "average")."""
+    order = np.argsort(s, kind="stable")
+    _, first, counts = np.unique(s[order], return_index=True, return_counts=True)
+    ranks = np.empty(s.size, dtype=np.float64)
+    ranks[order] = np.repeat(first + (counts + 1) / 2.0, counts)  # group start + mean offset
+    return ranks
 
 
 def relative_log_loss(candidate: float, baseline: float) -> float:

@@ -84,6 +84,8 @@ class TrainConfig:
     deterministic:    request ``torch.use_deterministic_algorithms(True, warn_only=True)``
                       during the run (the previous setting is restored afterwards)
     log_every:        steps between progress updates (and, on CUDA, host-device syncs)
+    cpu_threads:      torch intra-op threads during the run (None = leave torch's setting);
+                      1 is fastest for tiny models on a shared or oversubscribed CPU
     """
 
     steps: int = 300
@@ -102,6 +104,7 @@ class TrainConfig:
     sparse_optimizer: str = "rowwise_adagrad"
     deterministic: bool = True
     log_every: int = 10
+    cpu_threads: int | None = None
 
     def __post_init__(self) -> None:
         for key in ("steps", "batch_size", "window", "log_every"):
@@ -112,7 +115,7 @@ class TrainConfig:
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ConfigError(f"must be an integer >= 0, got {v!r}", key=key)
-        for key in ("eval_batches", "eval_batch_size"):
+        for key in ("eval_batches", "eval_batch_size", "cpu_threads"):
             v = getattr(self, key)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ConfigError(f"must be an integer >= 1 or None, got {v!r}", key=key)
@@ -372,23 +375,29 @@ def _seed_everything(seed: int) -> None:
     torch.manual_seed(seed)  # also seeds every CUDA device
 
 
-class _Deterministic:
-    """Context: deterministic algorithms (warn_only) on, previous setting restored after."""
+class _RunSettings:
+    """Context: deterministic algorithms (warn_only) and the CPU thread count for one run;
+    the previous settings are restored afterwards."""
 
-    def __init__(self, enabled: bool) -> None:
-        self.enabled = enabled
+    def __init__(self, deterministic: bool, threads: int | None) -> None:
+        self.deterministic, self.threads = deterministic, threads
 
-    def __enter__(self) -> "_Deterministic":
+    def __enter__(self) -> "_RunSettings":
         self.prev = (
             torch.are_deterministic_algorithms_enabled(),
             torch.is_deterministic_algorithms_warn_only_enabled(),
+            torch.get_num_threads(),
         )
-        if self.enabled:
+        if self.deterministic:
             torch.use_deterministic_algorithms(True, warn_only=True)
+        if self.threads is not None:
+            torch.set_num_threads(self.threads)
         return self
 
     def __exit__(self, *exc: Any) -> None:
         torch.use_deterministic_algorithms(self.prev[0], warn_only=self.prev[1])
+        if self.threads is not None:
+            torch.set_num_threads(self.prev[2])
 
 
 def _make_progress(progress: bool | ProgressFn, total: int, desc: str) -> tuple[Any, ProgressFn | None]:
@@ -507,7 +516,7 @@ def train(
     precision = "bf16" if dtype is not None else "fp32"
     on_cuda = dev.type == "cuda"
 
-    with _Deterministic(cfg.deterministic):
+    with _RunSettings(cfg.deterministic, cfg.cpu_threads):
         _seed_everything(cfg.seed)
         model.to(dev)
         model.train()
