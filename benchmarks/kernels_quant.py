@@ -83,11 +83,13 @@ def main() -> None:
     result = {"env": environment(), "date": time.strftime("%Y-%m-%d %H:%M"), "copy_gbps": copy_bw / 1e9, "rows": rows}
     (out_dir / "kernels_quant.json").write_text(json.dumps(result, indent=1))
     lines = [f"copy bandwidth: {copy_bw / 1e9:.0f} GB/s (read + write)", "",
-             "| impl | granularity | rows x red | transposed view | us | GB/s (3 B/elem) | % of copy |",
-             "|---|---|---|---|---|---|---|"]
+             "| impl | granularity | rows x red | transposed view | us | GB/s (3 B/elem) | % of copy |"
+             " passes over input (design) | % of copy on design traffic |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['impl']} | {r['gran']} | {r['rows']}x{r['red']} | {'yes' if r['transposed'] else 'no'} |"
-                     f" {r['seconds'] * 1e6:.1f} | {r['gbps']:.0f} | {100 * r['frac_copy']:.0f}% |")
+                     f" {r['seconds'] * 1e6:.1f} | {r['gbps']:.0f} | {100 * r['frac_copy']:.0f}% |"
+                     + (f" {r['design_reads']} | {100 * r['design_frac_copy']:.0f}% |" if "design_reads" in r else " - | - |"))
     md = "\n".join(lines)
     (out_dir / "kernels_quant.md").write_text(md + "\n")
     print(md)

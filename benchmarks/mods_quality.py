@@ -8,8 +8,11 @@ seed gives the same initial weights (the Mods are applied after the seeded build
 weights they keep are identical), the same data order and the same eval rows. Table: mean
 over seeds, sample standard deviation, and min..max. Positive = the Mod is worse.
 
-``pad`` is numerically exact (only the GEMM summation order differs), so its row measures
-how far training noise alone moves a run: differences of that size mean nothing.
+Two reference rows calibrate the table: ``pad`` is numerically exact (only the GEMM
+summation order differs), so its row checks the pairing and should be ~0; ``reinit`` is the
+baseline itself with other initial weights (init seed + 1000, same data order and eval
+rows): the size of its row is the run-to-run noise, and a Mod's row means something only
+where it clearly exceeds it.
 
 Example (the BENCHMARKS.md entry):
     python benchmarks/mods_quality.py --presets tiny --seeds 3 --out mods_quality.json
@@ -41,9 +44,14 @@ CRITEO = Path(__file__).resolve().parents[2] / "shared" / "data" / "criteo_kaggl
 DEFAULT_BLOCK = {"tiny": 16, "paper": 128, "large": 256}  # BlockNorm block per preset
 
 
+REINIT = "reinit"  # the baseline with other initial weights: the noise reference
+REINIT_OFFSET = 1000
+
+
 def variants(block: int, pad: int) -> dict[str, ModsConfig]:
     return {
         "baseline": ModsConfig(),
+        REINIT: ModsConfig(),
         "no_bias": ModsConfig(no_bias=True),
         f"blocknorm{block}": ModsConfig(blocknorm=block),
         "hardswish": ModsConfig(hardswish=True),
@@ -62,8 +70,8 @@ def make_source(name: str, hash_size: int):
     raise SystemExit(f"unknown dataset {name!r}: choose synthetic or criteo")
 
 
-def run_one(preset: str, source, mods: ModsConfig, cfg: TrainConfig) -> dict:
-    torch.manual_seed(cfg.seed)  # the same initial weights for every variant of a seed
+def run_one(preset: str, source, mods: ModsConfig, cfg: TrainConfig, init_seed: int) -> dict:
+    torch.manual_seed(init_seed)  # the same initial weights for every variant of a seed
     model = build_model(
         "wukong", preset, num_dense=source.num_dense, cardinalities=source.cardinalities,
         activation="swish_layernorm", norm="layernorm",
@@ -97,14 +105,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--datasets", default="synthetic,criteo")
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--steps-synthetic", type=int, default=1000)
-    ap.add_argument("--steps-criteo", type=int, default=100)
+    ap.add_argument("--steps-criteo", type=int, default=100, help="100 x 16 = one epoch of the sample")
     ap.add_argument("--batch-synthetic", type=int, default=256)
-    ap.add_argument("--batch-criteo", type=int, default=128)
+    ap.add_argument("--batch-criteo", type=int, default=16)
     ap.add_argument("--hash-size", type=int, default=2000, help="Criteo ids per categorical feature")
     ap.add_argument("--block", type=int, default=None, help="BlockNorm block (default: 16 tiny, 128 paper)")
     ap.add_argument("--pad", type=int, default=16)
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    ap.add_argument("--only", default=None, help="comma-separated variant names to run (baseline always runs)")
+    ap.add_argument("--only", default=None, help="comma-separated variant names to run (baseline and reinit always run)")
     ap.add_argument("--out", default=None, help="write every run as JSON here")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -115,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         block = args.block or DEFAULT_BLOCK.get(preset, 256)
         vs = variants(block, args.pad)
         if args.only:
-            keep = {"baseline", *args.only.split(",")}
+            keep = {"baseline", REINIT, *args.only.split(",")}
             vs = {k: v for k, v in vs.items() if k in keep}
         for ds in args.datasets.split(","):
             source = make_source(ds, args.hash_size)
@@ -126,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
                 cfg = TrainConfig(steps=steps, batch_size=batch, seed=seed, device="cpu", window=25,
                                   eval_batch_size=2048)
                 for name, mods in vs.items():
-                    r = run_one(preset, source, mods, cfg)
+                    init = seed + REINIT_OFFSET if name == REINIT else seed
+                    r = run_one(preset, source, mods, cfg, init)
                     r.update(preset=preset, dataset=ds, seed=seed, variant=name, mods=mods.to_dict(),
                              steps=steps, batch_size=batch)
                     runs.append(r)

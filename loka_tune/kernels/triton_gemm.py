@@ -97,10 +97,15 @@ def _num_sms(device: torch.device) -> int:
     return 8
 
 
-def pick_config(M: int, N: int, K: int, sms: int) -> dict[str, int]:
-    """Tile sizes, warps and pipeline stages for an ``M x N x K`` FP8 GEMM on ``sms`` SMs."""
+def pick_config(M: int, N: int, K: int, sms: int, two_acc: bool = False) -> dict[str, int]:
+    """Tile sizes, warps and pipeline stages for an ``M x N x K`` FP8 GEMM on ``sms`` SMs.
+
+    ``two_acc``: the kernel keeps a second accumulator (block scaling, or promotion without
+    fast accumulation); 128 x 256 tiles would then spill registers (seen on the H200: 3-5x
+    slower), so tiles stop at 128 x 128.
+    """
     t128 = triton.cdiv(M, 128) * triton.cdiv(N, 128)
-    if t128 >= 2 * sms and N >= 256:
+    if t128 >= 2 * sms and N >= 256 and not two_acc:
         return dict(BM=128, BN=256, num_warps=8, num_stages=3)
     if t128 >= sms:
         return dict(BM=128, BN=128, num_warps=8, num_stages=4)
@@ -122,7 +127,8 @@ def fp8_gemm(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tenso
     assert K == K2, (a.shape, b.shape)
     assert a.stride(1) == 1 and b.stride(1) == 1, "FP8 operands must be K-contiguous"
     c = torch.empty((M, N), device=a.device, dtype=out_dtype)
-    cfg = pick_config(M, N, K, _num_sms(a.device))
+    fast = fast_accum and gran != Granularity.BLOCK
+    cfg = pick_config(M, N, K, _num_sms(a.device), two_acc=not fast)
     bk = 128
     sa2 = sa if sa.dim() == 2 else sa.reshape(-1, 1)
     sb2 = sb if sb.dim() == 2 else sb.reshape(-1, 1)
@@ -131,7 +137,7 @@ def fp8_gemm(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tenso
         a, b, c, sa2, sb2, M, N, K,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
         sa2.stride(0), sa2.stride(1), sb2.stride(0), sb2.stride(1),
-        SCALE=_SCALE_MODE[gran], B_BLOCK128=b_block128, FAST_ACC=fast_accum and gran != Granularity.BLOCK,
+        SCALE=_SCALE_MODE[gran], B_BLOCK128=b_block128, FAST_ACC=fast,
         EVEN_K=K % bk == 0, BM=cfg["BM"], BN=cfg["BN"], BK=bk, GROUP_M=8,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )

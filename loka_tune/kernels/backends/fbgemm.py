@@ -53,13 +53,18 @@ class FBGEMMBackend(GPUBackend):
             if choice.fast_accum:
                 return "blockwise GEMMs promote every 128 elements: 'fa' does not apply"
             if shape is not None:
-                _, k, n = shape
-                for dim, v in (("k", k), ("n", n)):
-                    if v is not None and v % 128:
-                        return f"f8f8bf16_groupwise needs {dim} to be a multiple of 128, got {v}"
+                m, k, n = shape
+                for dim, v, mult in (("m", m, 16), ("k", k, 128), ("n", n, 128)):
+                    if v is not None and v % mult:
+                        # m=777 crashed the kernel on the H200 (illegal instruction): its TMA
+                        # loads of the MN-major scales need 16-byte aligned rows
+                        return f"f8f8bf16_groupwise needs {dim} to be a multiple of {mult}, got {v}"
             return None
         if choice.rounding != ScaleRounding.EXACT:
             return "FBGEMM's quantize ops compute exact scales (no power-of-two rounding)"
+        if g == Granularity.ROW and shape is not None and shape[1] is not None and shape[1] > 32768:
+            # seen on the H200 (fbgemm-gpu-genai 1.6.0): "CUDA kernel launch failed: invalid argument"
+            return f"f8f8bf16_rowwise fails to launch for k={shape[1]} > 32768 (wgrad over a large batch)"
         return None
 
     def gemm_impl(self, a: torch.Tensor, b: torch.Tensor, choice: GemmChoice, role: GemmRole) -> torch.Tensor:
