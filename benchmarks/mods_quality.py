@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
                 d = f"{statistics.fmean(dauc):+.4f}" if dauc else "n/a"
                 lines.append(f"| {name:<12} | {fmt_pct(rel):<40} | {d:>12} | {ok}/{len(base)}     |")
             tables.append("\n".join(lines))
-            print("\n" + tables[-1] + "\n", flush=True)
+            print("\n" + tables[-1] + "\n", file=sys.stderr, flush=True)
 
     print("\n\n".join(tables))
     if args.out:
