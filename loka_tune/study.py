@@ -594,7 +594,7 @@ def parse_study(doc: Mapping[str, Any], *, base_dir: Path | None = None, source_
     probe = ProbeSection(
         enabled=t.boolean("enabled", d4.enabled),
         max_error=t.number("max_error", d4.max_error, minimum=0.0, strict_min=True),
-        min_speedup=t.number("min_speedup", d4.min_speedup, minimum=0.0, strict_min=True),
+        min_speedup=t.number("min_speedup", d4.min_speedup, minimum=0.0),  # 0: keep every speed
         samples=t.integer("samples", d4.samples, minimum=1),
         every=t.integer("every", d4.every, minimum=1),
     )

@@ -858,7 +858,9 @@ def run_study(cfg: StudyConfig, *, device: str | None = None, storage_url: str |
             # others are finishing the last trials; a dead one's trial will be re-queued
             time.sleep(min(cfg.storage.heartbeat_s, 2.0))
             continue
-        trial = study.ask(fixed_distributions=dists)
+        with warnings.catch_warnings():  # heartbeats are recorded by _Heartbeat below, not by optimize()
+            warnings.filterwarnings("ignore", message="Heartbeat of storage")
+            trial = study.ask(fixed_distributions=dists)
         params = dict(trial.params)
         config = config_from_params(ctx.space, params)
         key = config.key()

@@ -1,0 +1,233 @@
+"""The study loop end to end on a tiny CPU study: baseline, probe, space, trials, MLflow, export."""
+
+from __future__ import annotations
+
+import json
+import math
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from loka_tune.errors import StudyError
+from loka_tune.study import load_study
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+
+TINY = """
+[study]
+name = "{name}"
+output_dir = "{out}"
+
+[model]
+{model}
+
+[data]
+source = "synthetic"
+[data.params]
+num_dense = 16
+cardinalities = [60, 60, 40, 40]
+eval_examples = 512
+
+[training]
+steps = 8
+batch_size = 32
+lr_dense = 3e-3
+lr_sparse = 3e-2
+seeds = [0, 1]
+eval_batches = 4
+window = 4
+warmup_steps = 1
+device = "cpu"
+
+[objective]
+budget_pct = {budget}
+speed = "modeled"
+cost_batch_size = 262144
+
+[space]
+formats = ["e4m3"]
+granularities = ["row", "tensor"]
+backends = ["emulated"]
+{space_extra}
+
+[probe]
+samples = 2
+every = 4
+min_speedup = 0.0
+
+[trials]
+n_trials = {n_trials}
+n_startup_trials = 2
+
+[tracking]
+enabled = {tracking}
+"""
+
+DLRM = 'name = "dlrm"\npreset = "tiny"\n[model.overrides]\nembedding_dim = 16\nbottom_mlp = [32]\ntop_mlp = [64]'
+
+
+def write_study(tmp_path: Path, *, name: str = "t", model: str = DLRM, budget: float = 50.0, n_trials: int = 4,
+                tracking: str = "false", space_extra: str = "") -> Path:
+    p = tmp_path / f"{name}.toml"
+    p.write_text(textwrap.dedent(TINY.format(name=name, out=tmp_path / "runs" / name, model=model, budget=budget,
+                                             n_trials=n_trials, tracking=tracking, space_extra=space_extra)))
+    return p
+
+
+def _done(study):  # noqa: ANN001, ANN202
+    return [t for t in study.trials if t.state.name in ("COMPLETE", "PRUNED", "FAIL")]
+
+
+@pytest.mark.slow
+def test_tiny_study_end_to_end_with_mlflow(tmp_path: Path) -> None:
+    from loka_tune import tune
+
+    cfg = load_study(write_study(tmp_path, tracking="true"))
+    study = tune.run_study(cfg, tracking=True)
+    done = _done(study)
+    assert len(done) == 4
+    # the first trial is the enqueued all-bf16 config: the paired run reproduces the baseline exactly
+    t0 = study.trials[0]
+    assert t0.user_attrs["seeded"] == "all-bf16"
+    assert t0.user_attrs["rel_logloss_pct"] == 0.0 and t0.user_attrs["feasible"]
+    assert math.isclose(t0.user_attrs["speedup"], 1.0, rel_tol=1e-9)
+    assert study.trials[1].user_attrs["seeded"] == "all-fp8-fastest-safe"
+    assert study.trials[1].user_attrs["config"]["sites"]  # it does put FP8 somewhere
+    for t in done:
+        assert t.user_attrs["speed_source"] == "modeled"
+        assert "config_key" in t.user_attrs
+    # baseline and space are stored for other workers / resumes
+    bl = tune.Baseline.from_dict(study.user_attrs[tune.ATTR_BASELINE])
+    assert len(bl.eval_logloss) == 2 and bl.noise_floor_pct >= 0 and bl.speed_source == "modeled"
+    assert (cfg.output_dir / "probe_report.json").is_file()
+    # answer + export with provenance
+    best = tune.best_trial(study)
+    assert best.user_attrs["feasible"] and best.value <= t0.value
+    out = tmp_path / "best.json"
+    pc = tune.export_best(study, out)
+    from loka_tune.config import PrecisionConfig
+
+    loaded = PrecisionConfig.load(out)
+    assert loaded.key() == pc.key() == best.user_attrs["config_key"]
+    prov = loaded.provenance
+    assert prov["trial"] == best.number and prov["speed_source"] == "modeled" and prov["study"] == "t"
+    assert "torch" in prov["versions"] and prov["cost_device"] == "h200"
+    # the exported config applies to a fresh model
+    from loka_tune.apply import apply
+
+    model = tune.make_model(cfg, tune.make_source(cfg))
+    summary = apply(model, str(out))
+    assert summary.config_key == pc.key()
+    # MLflow: one parent, one nested run per trial, metrics + the config artifact
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=cfg.tracking.uri)
+    exp = client.get_experiment_by_name(cfg.tracking.experiment)
+    runs = client.search_runs([exp.experiment_id], max_results=100)
+    parents = [r for r in runs if r.data.tags.get("loka.kind") == "study"]
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id]
+    assert len(parents) == 1 and len(children) == 4
+    r0 = next(r for r in children if r.data.tags["loka.trial"] == "0")
+    assert r0.data.metrics["rel_logloss_pct"] == 0.0 and r0.data.tags["feasible"] == "True"
+    assert {"step_time_s", "speedup", "eval_ne", "eval_auc"} <= set(r0.data.metrics)
+    assert any(k.startswith("site.") for k in r0.data.params) and r0.data.params["mods"] == "none"
+    arts = {a.path for a in client.list_artifacts(r0.info.run_id)}
+    assert "precision_config.json" in arts
+    parent_arts = {a.path for a in client.list_artifacts(parents[0].info.run_id)}
+    assert {"probe_report.json", "speed_vs_loss.png", "leaderboard.json"} <= parent_arts
+    # searchable: the per-site parameters
+    hits = client.search_runs([exp.experiment_id], filter_string="params.mods = 'none'")
+    assert len(hits) == 4
+
+
+def test_resume_runs_no_completed_trial_again(tmp_path: Path) -> None:
+    from loka_tune import tune
+
+    cfg = load_study(write_study(tmp_path, n_trials=3))
+    s1 = tune.run_study(cfg, tracking=False, progress=False)
+    before = {t.number: (t.value, t.user_attrs["config_key"]) for t in _done(s1)}
+    s2 = tune.run_study(cfg, tracking=False, n_trials=5, progress=False)
+    after = {t.number: (t.value, t.user_attrs["config_key"]) for t in _done(s2)}
+    assert len(after) == 5
+    assert all(after[n] == v for n, v in before.items())  # kept as they were
+    evaluated = [t.user_attrs["config_key"] for t in _done(s2) if not t.user_attrs.get("cache_hit")]
+    assert len(evaluated) == len(set(evaluated))  # no configuration evaluated twice
+
+
+def test_budget_below_noise_floor_is_refused_unless_forced(tmp_path: Path) -> None:
+    from loka_tune import tune
+
+    cfg = load_study(write_study(tmp_path, budget=1e-6, n_trials=1))
+    with pytest.raises(StudyError, match="noise floor"):
+        tune.run_study(cfg, tracking=False, progress=False)
+    with pytest.warns(UserWarning, match="forced"):
+        study = tune.run_study(cfg, tracking=False, force=True, progress=False)
+    assert len(_done(study)) == 1
+
+
+def test_user_model_given_as_module_function(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from loka_tune import tune
+
+    monkeypatch.syspath_prepend(str(FIXTURES))
+    model = 'name = "usermodel:build"\n[model.overrides]\nwidth = 64'
+    cfg = load_study(write_study(tmp_path, name="user", model=model, n_trials=3))
+    study = tune.run_study(cfg, tracking=False, progress=False)
+    space = tune.SearchSpace.from_dict(study.user_attrs[tune.ATTR_SPACE])
+    assert "mlp.2" in space.site_names and "out" in space.site_names
+    assert any(len(c) > 1 for sc in space.sites for c in sc.choices.values())
+    assert len(_done(study)) == 3 and tune.best_trial(study).user_attrs["feasible"]
+
+
+def test_failed_trial_is_recorded_and_the_study_goes_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from loka_tune import tune
+    from loka_tune.errors import UnsupportedChoiceError
+
+    cfg = load_study(write_study(tmp_path, n_trials=3))
+    real = tune.trial_model
+
+    def flaky(cfg_, source, config):  # noqa: ANN001, ANN202
+        if config.sites:  # every config with an FP8 site "cannot run here"
+            raise UnsupportedChoiceError("no kernel for this choice on this device")
+        return real(cfg_, source, config)
+
+    monkeypatch.setattr(tune, "trial_model", flaky)
+    study = tune.run_study(cfg, tracking=False, progress=False)
+    failed = [t for t in study.trials if t.state.name == "FAIL"]
+    assert failed and all("unsupported" in t.user_attrs["fail_reason"] for t in failed)
+    assert len(_done(study)) == 3 and tune.best_trial(study).user_attrs["config"]["sites"] == {}
+
+
+def test_hopeless_pruner_rule() -> None:
+    from types import SimpleNamespace
+
+    from loka_tune.tune import HopelessPruner
+
+    p = HopelessPruner(threshold_pct=5.0, warmup_steps=4)
+    t = lambda vals: SimpleNamespace(last_step=max(vals) if vals else None, intermediate_values=vals)  # noqa: E731
+    assert not p.prune(None, t({}))
+    assert not p.prune(None, t({2: 100.0}))  # still warming up
+    assert not p.prune(None, t({4: 4.9}))
+    assert p.prune(None, t({4: 5.1}))
+    assert p.prune(None, t({8: float("nan")}))
+
+
+def test_cli_tune_report_export(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from loka_tune.cli import main
+
+    p = write_study(tmp_path, n_trials=2)
+    assert main(["tune", str(p), "--no-tracking"]) == 0
+    assert "best trial" in capsys.readouterr().out
+    assert main(["report", str(p)]) == 0
+    out = capsys.readouterr().out
+    assert "COMPLETE" in out and "speed_vs_loss.png" in out
+    assert (tmp_path / "runs" / "t" / "speed_vs_loss.png").is_file()
+    best = tmp_path / "best.json"
+    assert main(["export", str(p), "--out", str(best)]) == 0
+    assert json.loads(best.read_text())["provenance"]["study"] == "t"
+    # by name + storage, and the errors
+    cfg = load_study(p)
+    assert main(["export", "t", "--storage", cfg.storage.url, "--out", str(tmp_path / "b2.json")]) == 0
+    assert main(["export", "nope", "--storage", cfg.storage.url]) == 2
+    assert "no study named 'nope'" in capsys.readouterr().err
+    assert main(["report", str(tmp_path / "missing.toml")]) == 2
