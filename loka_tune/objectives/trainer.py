@@ -6,9 +6,10 @@ layers are a *paired* comparison:
 
 - the data order comes only from ``source.batches("train", batch_size, seed=cfg.seed)``, so
   both runs see the same batches in the same order whatever the model does;
-- python, numpy and torch RNGs are seeded from ``cfg.seed`` at the start, and deterministic
-  algorithms are requested (``warn_only``) for the duration of the run: on the CPU the same
-  model, data, seed and steps give a bit-identical loss curve;
+- python, numpy and torch RNGs are seeded from ``cfg.seed`` at the start, and on the CPU
+  deterministic algorithms are requested (``warn_only``) for the duration of the run: there
+  the same model, data, seed, steps and thread count give a bit-identical loss curve (on
+  CUDA runs are close but not promised bit-identical: atomics in embedding backward);
 - evaluation is one deterministic pass over the eval split (seed ``cfg.eval_seed``).
 
 Optimizers follow LRM practice: embedding tables (``nn.Embedding`` / ``nn.EmbeddingBag``)
@@ -82,7 +83,9 @@ class TrainConfig:
     compile:          wrap the model in ``torch.compile`` (CPU bit-identity not promised then)
     sparse_optimizer: "rowwise_adagrad" (default) or "sparse_adam"
     deterministic:    request ``torch.use_deterministic_algorithms(True, warn_only=True)``
-                      during the run (the previous setting is restored afterwards)
+                      during the run (previous setting restored afterwards): True, False or
+                      "auto" = on the CPU only (on CUDA it fills every fresh allocation and
+                      picks slower kernels, which would bias the step times the tuner ranks)
     log_every:        steps between progress updates (and, on CUDA, host-device syncs)
     cpu_threads:      torch intra-op threads during the run (None = leave torch's setting);
                       1 is fastest for tiny models on a shared or oversubscribed CPU
@@ -102,7 +105,7 @@ class TrainConfig:
     autocast: str = "auto"
     compile: bool = False
     sparse_optimizer: str = "rowwise_adagrad"
-    deterministic: bool = True
+    deterministic: bool | str = "auto"
     log_every: int = 10
     cpu_threads: int | None = None
 
@@ -127,6 +130,10 @@ class TrainConfig:
             raise ConfigError(
                 f"unknown autocast mode {self.autocast!r}: choose one of {', '.join(AUTOCAST_MODES)}",
                 key="autocast",
+            )
+        if self.deterministic not in (True, False, "auto"):
+            raise ConfigError(
+                f"must be True, False or 'auto', got {self.deterministic!r}", key="deterministic"
             )
         if self.sparse_optimizer not in SPARSE_OPTIMIZERS:
             raise ConfigError(
@@ -516,7 +523,8 @@ def train(
     precision = "bf16" if dtype is not None else "fp32"
     on_cuda = dev.type == "cuda"
 
-    with _RunSettings(cfg.deterministic, cfg.cpu_threads):
+    deterministic = (not on_cuda) if cfg.deterministic == "auto" else bool(cfg.deterministic)
+    with _RunSettings(deterministic, cfg.cpu_threads):
         _seed_everything(cfg.seed)
         model.to(dev)
         model.train()
