@@ -159,6 +159,21 @@ def test_matrix_normal_diagonal_mode_above_the_cap() -> None:
     np.testing.assert_allclose(mn.u.numpy() / infl, u.numpy(), rtol=0.2)
 
 
+@pytest.mark.parametrize("n,k", [(32, 32), (8, 64), (64, 8)])
+def test_matrix_normal_few_collections_keep_the_step_scale(n: int, k: int) -> None:
+    """Few residuals of rank <= min(N, K) in new directions each time: the shrinkage must keep
+    the per-element variance of the model at the size of the weight's steps (no blow-up)."""
+    g = torch.Generator().manual_seed(0)
+    mn = MatrixNormalEMA(n, k)
+    w = torch.randn(n, k, generator=g, dtype=torch.float64)
+    for _ in range(5):
+        mn.update(w)
+        w = w + 0.01 * torch.randn(n, k, generator=g, dtype=torch.float64)
+    sd = float((mn.u.diagonal().mean() * mn.v.diagonal().mean()).sqrt())
+    assert 0.007 < sd < 0.015
+    assert float(torch.linalg.eigvalsh(mn.u).min()) > 0 and float(torch.linalg.eigvalsh(mn.v).min()) > 0
+
+
 def test_static_weight_gives_no_residual_model() -> None:
     mn = MatrixNormalEMA(3, 2)
     w = torch.randn(3, 2)

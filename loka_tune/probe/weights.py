@@ -12,8 +12,15 @@ Fit, once per probe collection ``t`` (the weight ``W_t`` is read directly, no ho
 - residual ``R_t = W_t - M_{t-1}`` (how far the weight moved since the last collections);
 - ``flip_flop`` (default 2) alternating MLE steps, each an EMA of the one-sample flip-flop
   estimates: ``U <- (1 - a) U + a R V^-1 R^T / K``, then ``V <- (1 - a) V + a R^T U^-1 R / N``
-  (the first residual initialises them, from ``V = I``), then the scale fix. Inverses are
-  ridge-regularised (``1e-6 * trace / dim``) because one residual has rank <= min(N, K).
+  (the first residual initialises them, from ``V = I``), then the scale fix.
+- shrinkage: one residual has rank <= min(N, K), and the EMA keeps only about
+  ``n_eff = min(residuals, (2 - a) / a)`` of them, so each full factor is shrunk toward its
+  scaled identity, ``U <- (1 - r) U + r mean(diag U) I`` with ``r = N / (N + n_eff K)`` (the
+  K columns of each residual are the observations of U; ``r = K / (K + n_eff N)`` for V),
+  which keeps traces (the per-element variance) and makes the inverses of the next
+  flip-flop steps well conditioned: without it a direction that no earlier residual
+  spanned gets a ~0 eigenvalue, and its inverse blows the other factor up by orders of
+  magnitude. Inverses are also ridge-regularised (``1e-6 * trace / dim``).
 
 A factor whose dim exceeds ``max_full_dim`` (2048, as for activations) is kept diagonal
 (the same updates restricted to the diagonal). Synthetic weights drawn from this model are
@@ -46,6 +53,16 @@ def _ridge_inverse(s: torch.Tensor) -> torch.Tensor:
     return torch.linalg.solve(s + lam * eye, eye)
 
 
+def _shrink(s: torch.Tensor, n_obs: float) -> torch.Tensor:
+    """Shrink a full ``(d, d)`` covariance toward ``mean(diag) I`` by ``d / (d + n_obs)``."""
+    if s.dim() == 1:
+        return s
+    d = s.shape[0]
+    r = d / (d + n_obs)
+    mu = float(torch.diagonal(s).mean())
+    return (1.0 - r) * s + (r * mu) * torch.eye(d, dtype=s.dtype, device=s.device)
+
+
 class MatrixNormalEMA:
     """Online matrix-normal fit of one weight ``(rows N, cols K)``; see the module docstring."""
 
@@ -70,6 +87,7 @@ class MatrixNormalEMA:
         self.last = torch.zeros(self.rows, self.cols, **f64)
         self.u = torch.zeros(self.rows, self.rows, **f64) if self.u_full else torch.zeros(self.rows, **f64)
         self.v = torch.eye(self.cols, **f64) if self.v_full else torch.ones(self.cols, **f64)
+        self._u_raw, self._v_raw = self.u, self.v  # EMA states before shrinkage
 
     def update(self, w: torch.Tensor) -> None:
         """Fold in the weight ``w (N, K)`` of one collection."""
@@ -87,17 +105,23 @@ class MatrixNormalEMA:
             return  # the weight did not move: nothing to learn about U, V
         first = self.residuals == 0
         self.residuals += 1
+        n_eff = min(float(self.residuals), (2.0 - a) / a)  # residuals the EMA effectively keeps
+        # the EMA runs on the raw estimates; shrinkage is applied on use (it must not compound)
+        u_raw, v_raw = self._u_raw, self._v_raw
         u, v = self.u, self.v
         for _ in range(self.flip_flop):
             vi = _ridge_inverse(v)
             su = self._sandwich(r, vi, self.u_full, self.v_full) / self.cols
-            u = su if first else (1.0 - a) * self.u + a * su
+            u_raw = su if first else (1.0 - a) * self._u_raw + a * su
+            u = _shrink(u_raw, n_eff * self.cols)
             ui = _ridge_inverse(u)
             sv = self._sandwich(r.T, ui, self.v_full, self.u_full) / self.rows
-            v = sv if first else (1.0 - a) * self.v + a * sv
-            c = float(v.trace() if self.v_full else v.sum()) / self.cols
+            v_raw = sv if first else (1.0 - a) * self._v_raw + a * sv
+            c = float(v_raw.trace() if self.v_full else v_raw.sum()) / self.cols
             if c > 0:
-                v, u = v / c, u * c  # scale fix: trace(V) = K
+                v_raw, u_raw = v_raw / c, u_raw * c  # scale fix: trace(V) = K
+            u, v = _shrink(u_raw, n_eff * self.cols), _shrink(v_raw, n_eff * self.rows)
+        self._u_raw, self._v_raw = u_raw, v_raw
         self.u, self.v = u, v
 
     @staticmethod
