@@ -18,7 +18,9 @@ they are the same world for train and eval and for every run):
   dense values times per-feature embeddings; ranks past 131,072 share teacher rows), a
   dense linear term and a small tanh MLP of
   the dense features. A bias, found once by bisection on the calibration sample, makes the
-  mean click probability equal ``base_rate``.
+  mean click probability equal ``base_rate``. With the default ``teacher_logit_std=1.5`` the
+  teacher itself reaches a normalized entropy (NE) of about 0.74, near the ~0.78 of good
+  models on Criteo: there is real signal to learn, and a ceiling a short run cannot pass.
 
 Streams: train rows come from a ``torch.Generator`` on the target device seeded from
 ``(seed, "train")``, so a GPU run generates its own data without host work; the same seed
