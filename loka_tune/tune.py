@@ -404,8 +404,25 @@ def make_pruner(cfg: StudyConfig) -> Any:
 # storage and study
 
 
+def _retry_db(fn: Callable[[], Any], tries: int = 8) -> Any:
+    """Retry ``fn`` while workers race to create the same tables / study ("already exists", locks)."""
+    for i in range(tries):
+        try:
+            return fn()
+        except Exception as e:  # sqlalchemy IntegrityError / OperationalError / optuna DuplicatedStudyError
+            msg = str(e).lower()
+            if i == tries - 1 or not any(w in msg for w in ("already exists", "duplicate", "locked", "unique")):
+                raise
+            time.sleep(0.2 * (i + 1))
+    raise AssertionError("unreachable")
+
+
 def make_storage(cfg: StudyConfig, url: str | None = None) -> Any:
     """The Optuna RDB storage with heartbeats; a dead worker's trial is failed and re-queued."""
+    return _retry_db(lambda: _make_storage(cfg, url))
+
+
+def _make_storage(cfg: StudyConfig, url: str | None = None) -> Any:
     import optuna
 
     url = url or cfg.storage.url
@@ -470,8 +487,9 @@ def open_study(cfg: StudyConfig, storage: Any | None = None, *, study_name: str 
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         sampler = optuna.samplers.TPESampler(seed=cfg.study.seed + 7919 * worker_index, n_startup_trials=cfg.trials.n_startup_trials,
                                              multivariate=True, constant_liar=True, **kw)
-    return optuna.create_study(storage=storage, study_name=study_name or cfg.name, direction="minimize",
-                               sampler=sampler, pruner=make_pruner(cfg), load_if_exists=True)
+    return _retry_db(lambda: optuna.create_study(storage=storage, study_name=study_name or cfg.name,
+                                                 direction="minimize", sampler=sampler, pruner=make_pruner(cfg),
+                                                 load_if_exists=True))
 
 
 # ---------------------------------------------------------------------------------------------

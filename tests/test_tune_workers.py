@@ -1,0 +1,188 @@
+"""Scale-out and resilience: killed workers, concurrent workers on SQLite and on PostgreSQL."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from tests.test_tune import write_study
+
+REPO = Path(__file__).resolve().parents[1]
+
+WORKER_SPACE = 'roundings = ["exact", "pow2"]\nmods = ["no_bias"]'  # a space with room for distinct trials
+FAST_HEARTBEAT = "\n[storage]\nheartbeat_s = 1\ngrace_s = 3\n"
+
+
+def _study_file(tmp_path: Path, n_trials: int, storage: str = "") -> Path:
+    p = write_study(tmp_path, n_trials=n_trials, space_extra=WORKER_SPACE)
+    extra = FAST_HEARTBEAT + (f'url = "{storage}"\n' if storage else "")
+    p.write_text(p.read_text() + extra)
+    return p
+
+
+def _worker(study: Path, *extra: str) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    return subprocess.Popen([sys.executable, "-W", "ignore", "-m", "loka_tune", "tune", str(study), "--no-tracking",
+                             *extra], env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _load(study: Path):  # noqa: ANN202
+    import optuna
+
+    from loka_tune.study import load_study
+
+    cfg = load_study(study)
+    return optuna.load_study(study_name=cfg.name, storage=cfg.storage.url)
+
+
+def _finished(study):  # noqa: ANN001, ANN202
+    return [t for t in study.get_trials(deepcopy=False) if t.state.name in ("COMPLETE", "PRUNED")
+            or (t.state.name == "FAIL" and "fail_reason" in t.user_attrs)]
+
+
+def _assert_no_duplicate_evaluations(study) -> None:  # noqa: ANN001
+    keys = Counter(t.user_attrs["config_key"] for t in _finished(study) if not t.user_attrs.get("cache_hit"))
+    dup = [k for k, c in keys.items() if c > 1]
+    assert not dup, f"configurations evaluated more than once: {dup}"
+
+
+@pytest.mark.slow
+def test_kill_9_mid_study_then_rerun_loses_and_repeats_nothing(tmp_path: Path) -> None:
+    study_file = _study_file(tmp_path, n_trials=6)
+    proc = _worker(study_file)
+    db = tmp_path / "runs" / "t" / "optuna.db"
+    deadline = time.time() + 240
+    snapshot = None
+    while time.time() < deadline:  # wait for 2 finished trials and a running one, then kill -9
+        if db.is_file():
+            try:
+                s = _load(study_file)
+            except Exception:  # the study is still being created
+                time.sleep(0.5)
+                continue
+            fin = _finished(s)
+            running = [t for t in s.get_trials(deepcopy=False) if t.state.name == "RUNNING"]
+            if len(fin) >= 2 and running:
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.wait()
+                snapshot = {t.number: (t.state.name, t.value, t.user_attrs["config_key"]) for t in _finished(s)}
+                killed = [t.number for t in running]
+                break
+        if proc.poll() is not None:
+            pytest.fail(f"worker ended before it could be killed:\n{proc.stdout.read()}")
+        time.sleep(0.2)
+    assert snapshot is not None, "the worker never reached the kill point"
+    time.sleep(3.5)  # past the grace period: the killed trial's heartbeat is stale
+    rerun = _worker(study_file)
+    out, _ = rerun.communicate(timeout=300)
+    assert rerun.returncode == 0, out
+    s = _load(study_file)
+    after = {t.number: (t.state.name, t.value, t.user_attrs["config_key"]) for t in _finished(s)}
+    for n, v in snapshot.items():
+        assert after[n] == v  # no completed trial lost or changed
+    assert len(after) == 6
+    for n in killed:  # the killed trial was failed by the heartbeat check and re-queued
+        t = s.trials[n]
+        assert t.state.name == "FAIL" and "fail_reason" not in t.user_attrs
+        assert any(r.system_attrs.get("failed_trial") == n for r in s.trials)
+    _assert_no_duplicate_evaluations(s)
+
+
+def _two_workers(study_file: Path, n_trials: int) -> None:
+    procs = [_worker(study_file, "--worker-index", str(i)) for i in range(2)]
+    outs = [p.communicate(timeout=400)[0] for p in procs]
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out
+    s = _load(study_file)
+    fin = _finished(s)
+    assert n_trials <= len(fin) <= n_trials + 1  # at most one trial of overshoot between workers
+    assert len({t.user_attrs["worker"] for t in fin}) == 2  # both did work
+    _assert_no_duplicate_evaluations(s)
+    assert s.user_attrs["loka.space"]  # one shared space
+
+
+@pytest.mark.slow
+def test_two_workers_on_one_sqlite_study(tmp_path: Path) -> None:
+    _two_workers(_study_file(tmp_path, n_trials=6), 6)
+
+
+# ------------------------------------------------------------------------------ PostgreSQL
+
+def _pg_bin(name: str) -> str | None:
+    found = shutil.which(name)
+    if found:
+        return found
+    for d in sorted(Path("/usr/lib/postgresql").glob("*/bin"), reverse=True):
+        if (d / name).is_file():
+            return str(d / name)
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture()
+def postgres_url(tmp_path: Path):  # noqa: ANN201
+    """A throwaway PostgreSQL server in tmp_path on a free loopback port (skips where it cannot start)."""
+    pytest.importorskip("psycopg2", reason="psycopg2-binary is not installed")
+    initdb, pg_ctl = _pg_bin("initdb"), _pg_bin("pg_ctl")
+    if not initdb or not pg_ctl:
+        pytest.skip("PostgreSQL server binaries (initdb, pg_ctl) not found: apt-get install -y postgresql")
+    import tempfile
+
+    base = Path(tempfile.mkdtemp(prefix="loka-pg-"))  # not under tmp_path: its parents are private to root
+    data = base / "pgdata"
+    run_as: list[str] = []
+    if os.geteuid() == 0:  # initdb refuses to run as root: use the postgres account
+        if not shutil.which("runuser"):
+            pytest.skip("running as root without runuser: cannot start PostgreSQL")
+        try:
+            import pwd
+
+            pw = pwd.getpwnam("postgres")
+        except KeyError:
+            pytest.skip("running as root and there is no 'postgres' user")
+        data.mkdir()
+        os.chown(data, pw.pw_uid, pw.pw_gid)
+        os.chmod(base, 0o755)
+        run_as = ["runuser", "-u", "postgres", "--"]
+    port = _free_port()
+    r = subprocess.run([*run_as, initdb, "-D", str(data), "-A", "trust", "-U", "postgres"], capture_output=True,
+                       text=True)
+    if r.returncode != 0:
+        shutil.rmtree(base, ignore_errors=True)
+        pytest.skip(f"initdb failed: {r.stderr[-500:]}")
+    log = data / "server.log"
+    r = subprocess.run([*run_as, pg_ctl, "-D", str(data), "-l", str(log), "-w", "-t", "60", "-o",
+                        f"-p {port} -k {data} -c listen_addresses=127.0.0.1", "start"], capture_output=True, text=True)
+    if r.returncode != 0:
+        shutil.rmtree(base, ignore_errors=True)
+        pytest.skip(f"PostgreSQL did not start: {r.stdout[-300:]} {r.stderr[-300:]}")
+    try:
+        import psycopg2
+
+        conn = psycopg2.connect(host="127.0.0.1", port=port, user="postgres", dbname="postgres")
+        conn.autocommit = True
+        conn.cursor().execute("CREATE DATABASE loka")
+        conn.close()
+        yield f"postgresql+psycopg2://postgres@127.0.0.1:{port}/loka"
+    finally:
+        subprocess.run([*run_as, pg_ctl, "-D", str(data), "-m", "immediate", "stop"], capture_output=True)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_two_workers_on_postgresql(tmp_path: Path, postgres_url: str) -> None:
+    _two_workers(_study_file(tmp_path, n_trials=5, storage=postgres_url), 5)
