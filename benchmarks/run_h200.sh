@@ -18,7 +18,7 @@ if [ "${SKIP_QUANT:-0}" != 1 ]; then
   timeout "${QUANT_TIMEOUT:-60}" python3 benchmarks/kernels_quant.py --out "$out" 2>&1 | tail -n 60 >> "$out/run.log"
 fi
 q=""; [ "$mode" = quick ] && q="--quick"
-timeout "${SUITE_TIMEOUT:-300}" python3 benchmarks/gemm_suite.py run --out "$out" --cache /tmp/timing_cache.json $q \
+[ "${SKIP_SUITE:-0}" = 1 ] || timeout "${SUITE_TIMEOUT:-300}" python3 benchmarks/gemm_suite.py run --out "$out" --cache /tmp/timing_cache.json $q \
   > "$out/gemm_suite.stdout" 2>&1
 echo "== suite rc=$? =="; tail -n 25 "$out/gemm_suite.stdout"
 echo "== quant =="; cat "$out/kernels_quant.md" 2>/dev/null || tail -n 20 "$out/run.log"

@@ -322,10 +322,10 @@ def time_choices(choices: Iterable[GemmChoice | str], m: int, k: int, n: int, ro
     return out
 
 
-def copy_bandwidth(nbytes: int = 2 << 30) -> float:
+def copy_bandwidth(nbytes: int = 1 << 30) -> float:
     """Measured device-to-device copy bandwidth in bytes/s (bytes read + bytes written)."""
     require_cuda("copy_bandwidth")
-    src = torch.randn(nbytes // 4, device="cuda")
+    src = torch.randn(nbytes // 2, device="cuda", dtype=torch.bfloat16)
     dst = torch.empty_like(src)
     # an idle GPU starts at low clocks (345 MHz SM seen on the H200): run ~0.3 s of copies
     # first, then take the best of three measurements

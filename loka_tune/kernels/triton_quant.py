@@ -63,7 +63,8 @@ class QuantOut:
 @triton.jit
 def _scale_from_amax(amax, FMAX_: tl.constexpr, POW2: tl.constexpr):
     """Reference scale rule: fmax / amax clamped finite; pow2 rounds down; zero tiles -> 1."""
-    scale = FMAX_ / tl.maximum(amax, FMAX_ / 3.4028234663852886e38)
+    # IEEE division (Triton's `/` on fp32 is the approximate div.full: 1 ulp off the reference)
+    scale = tl.div_rn(tl.full(amax.shape, FMAX_, tl.float32), tl.maximum(amax, FMAX_ / 3.4028234663852886e38))
     scale = tl.minimum(scale, 3.4028234663852886e38)
     if POW2:
         bits = scale.to(tl.uint32, bitcast=True) & 0x7F800000  # 2**floor(log2(scale))
@@ -108,7 +109,7 @@ def _row_kernel(x_ptr, y_ptr, s_ptr, R, C, sxr, sxc,
             x = tl.load(x_ptr + rows[:, None].to(tl.int64) * sxr + cc[None, :] * sxc, mask=m, other=0.0)
             y = _cast(x.to(tl.float32), scale[:, None], FMAX_, OUT_T)
             tl.store(y_ptr + rows[:, None].to(tl.int64) * C + cc[None, :], y, mask=m)
-    tl.store(s_ptr + rows, 1.0 / scale, mask=rmask)
+    tl.store(s_ptr + rows, tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale), mask=rmask)
 
 
 # Transposed rowwise: column-amax partials over splits of the reduction, then cast.
@@ -147,7 +148,7 @@ def _row_cast_partials_kernel(x_ptr, p_ptr, y_ptr, s_ptr, R, C, sxr, sxc, NSPLIT
     y = _cast(x.to(tl.float32), scale[:, None], FMAX_, OUT_T)
     tl.store(y_ptr + rows[:, None].to(tl.int64) * C + cc[None, :], y, mask=m)
     if pid_c == 0:
-        tl.store(s_ptr + rows, 1.0 / scale, mask=rmask)
+        tl.store(s_ptr + rows, tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale), mask=rmask)
 
 
 # ----------------------------------------------------------------------------- tensor
@@ -183,7 +184,7 @@ def _tensor_cast_kernel(x_ptr, p_ptr, y_ptr, s_ptr, R, C, sxr, sxc, NPART, NPROG
         y = _cast(x.to(tl.float32), scale, FMAX_, OUT_T)
         tl.store(y_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], y, mask=m)
     if pid == 0:
-        tl.store(s_ptr, 1.0 / scale)
+        tl.store(s_ptr, tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale))
 
 
 # ----------------------------------------------------------------------------- block
@@ -204,12 +205,12 @@ def _block_kernel(x_ptr, y_ptr, s_ptr, R, C, sxr, sxc, ssr, ssc,
         amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
         scale = _scale_from_amax(amax, FMAX_, POW2)
         y = _cast(x, scale, FMAX_, OUT_T)
-        tl.store(s_ptr + pid_r * ssr + pid_c * ssc, 1.0 / scale)
+        tl.store(s_ptr + pid_r * ssr + pid_c * ssc, tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale))
     else:
         amax = tl.max(tl.abs(x), axis=1)  # (BR,)
         scale = _scale_from_amax(amax, FMAX_, POW2)
         y = _cast(x, scale[:, None], FMAX_, OUT_T)
-        tl.store(s_ptr + rows.to(tl.int64) * ssr + pid_c * ssc, 1.0 / scale, mask=rows < R)
+        tl.store(s_ptr + rows.to(tl.int64) * ssr + pid_c * ssc, tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale), mask=rows < R)
     tl.store(y_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], y, mask=m)
 
 
