@@ -118,8 +118,15 @@ def enumerate_candidates(backends: Sequence[str], formats: Sequence[str], granul
     Per role because the format pairs differ: e5m2 gradients exist in dgrad and wgrad only.
     Raises :class:`StudyError` when no role has any candidate, naming what was asked.
     """
+    import warnings
+
     from loka_tune.kernels import registry
 
+    usable = set(registry.list_backends(available_only=True))
+    missing = [b for b in backends if b not in usable]
+    if missing and len(missing) < len(backends):  # run with what imports; say what is skipped
+        warnings.warn(f"backends {missing} cannot be imported here and are left out of the space", stacklevel=2)
+        backends = [b for b in backends if b in usable]
     out: dict[str, list[GemmChoice]] = {}
     for role in ROLES:
         cs = registry.candidate_choices(tuple(backends), formats=tuple(formats),

@@ -1,0 +1,106 @@
+"""MLflow tracking helpers: retries, the Pareto front, plots, the shared parent run."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from loka_tune.config import PrecisionConfig
+from loka_tune.tracking import Tracker, pareto_front, plot_choice_map, plot_speed_vs_loss, retry, site_params
+
+
+def test_retry_retries_only_transient_errors() -> None:
+    calls = []
+
+    def flaky() -> str:
+        calls.append(1)
+        if len(calls) < 3:
+            raise RuntimeError("(sqlite3.OperationalError) database is locked")
+        return "ok"
+
+    assert retry(flaky) == "ok" and len(calls) == 3
+    with pytest.raises(ValueError):
+        retry(lambda: (_ for _ in ()).throw(ValueError("bad value")))
+
+
+def test_pareto_front() -> None:
+    pts = [(0.1, 1.2), (0.0, 1.0), (0.2, 1.1), (0.3, 1.5), (0.05, 1.0)]
+    assert pareto_front(pts) == [(0.0, 1.0), (0.1, 1.2), (0.3, 1.5)]
+    assert pareto_front([]) == []
+
+
+def test_site_params_are_compact() -> None:
+    cfg = PrecisionConfig.from_sites({"a.b": "e4m3.row.emulated|e4m3.row.emulated|bf16", "c": "e4m3.row.emulated"})
+    p = site_params(cfg, ["a.b", "c", "d"])
+    assert p == {"site.a.b": "e4m3.row.emulated|e4m3.row.emulated|bf16", "site.c": "e4m3.row.emulated",
+                 "site.d": "bf16"}
+
+
+def test_plots_write_pngs(tmp_path: Path) -> None:
+    rows = [{"state": "COMPLETE", "rel_logloss_pct": x, "speedup": y, "feasible": x <= 0.2}
+            for x, y in [(0.0, 1.0), (0.1, 1.1), (0.3, 1.3), (0.15, 1.05)]]
+    p = plot_speed_vs_loss(rows, 0.2, tmp_path / "s.png")
+    cfg = PrecisionConfig.from_sites({"top.0": "e4m3.row.emulated"})
+    q = plot_choice_map(cfg, ["bottom.0", "top.0", "head"], tmp_path / "m.png")
+    for f in (p, q):
+        assert f.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f.stat().st_size > 1000
+
+
+class _FakeStudy:
+    """Just the user-attr part of an Optuna study (the parent run id is shared through it)."""
+
+    def __init__(self) -> None:
+        self.user_attrs: dict = {}
+
+    def set_user_attr(self, k: str, v: object) -> None:
+        self.user_attrs[k] = v
+
+
+def _cfg(tmp_path: Path) -> SimpleNamespace:
+    from loka_tune.study import load_study
+
+    p = tmp_path / "trk.toml"
+    p.write_text('[model]\nname = "dlrm"\n[data]\nsource = "synthetic"\n')
+    return load_study(p, cwd=tmp_path)
+
+
+def test_tracker_parent_shared_and_threads_log_concurrently(tmp_path: Path) -> None:
+    from loka_tune.space.candidates import SearchSpace, SiteChoices
+    from loka_tune.space.sites import Site
+
+    cfg = _cfg(tmp_path)
+    study = _FakeStudy()
+    t1 = Tracker.for_study(cfg, study, required=True)
+    t2 = Tracker.for_study(cfg, study, required=True)  # a second worker joins the same parent
+    assert t1.parent_run_id == t2.parent_run_id == study.user_attrs["loka.mlflow_parent_run"]
+    space = SearchSpace((SiteChoices(Site("top.0", 64, 64, 1.0), {"fwd": ("bf16", "e4m3.row.emulated"),
+                                                                  "dgrad": ("bf16",), "wgrad": ("bf16",)},
+                                     error={"fwd": {"e4m3.row.emulated": 0.04}}),))
+    ctx = SimpleNamespace(space=space, speed="modeled")
+    cfgs = [PrecisionConfig(), PrecisionConfig.from_sites({"top.0": "e4m3.row.emulated|bf16|bf16"})]
+    errors: list[BaseException] = []
+
+    def log(i: int) -> None:
+        try:
+            tr = (t1, t2)[i % 2]
+            tr.log_trial(i, {}, cfgs[i % 2], {"step_time_s": 1.0 - 0.01 * i, "speedup": 1 + 0.01 * i,
+                                              "rel_logloss_pct": 0.01 * i, "feasible": True, "cache_hit": False},
+                         "COMPLETE", ctx)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=log, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    runs = t1.client.search_runs([t1.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{t1.parent_run_id}'")
+    assert sorted(int(r.data.tags["loka.trial"]) for r in runs) == list(range(6))
+    fp8 = [r for r in runs if r.data.params["site.top.0"] == "e4m3.row.emulated|bf16|bf16"]
+    assert len(fp8) == 3 and all(abs(r.data.metrics["probe_error"] - 0.04) < 1e-12 for r in fp8)
+    assert all(r.data.tags["feasible"] == "True" and r.data.tags["cache_hit"] == "False" for r in runs)
+    assert all(r.info.status == "FINISHED" for r in runs)
