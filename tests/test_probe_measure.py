@@ -200,7 +200,7 @@ def test_learned_distributions_expose_what_random_inputs_miss() -> None:
             x = 20 * torch.randn(512, 1, generator=g) * u + torch.randn(512, k, generator=g)  # (M, K)
             (model(x) * torch.randn(512, n, generator=g)).sum().backward()
     cands = ["e4m3.tensor.emulated", "e4m3.row.emulated", "e4m3.block.emulated"]
-    rep = measure(p.stats, cands, samples=4, roles=["fwd"])
+    rep = measure(p.stats, cands, samples=4, roles=["fwd"], dists=("learned", "normal"))
     for c in cands:
         learned = next(r for r in rep.results if r.choice == c and r.dist == "learned")
         normal = next(r for r in rep.results if r.choice == c and r.dist == "normal")
@@ -293,6 +293,10 @@ def test_report_roundtrip_table_heatmap_thresholds(report: ProbeReport, tmp_path
     assert sum(r.safe for r in strict.results) < sum(r.safe for r in report.results)
     assert all(r.safe == (r.mere <= 0.05) for r in strict.results)
     assert len(report.for_site("0", "dgrad", "normal")) == 5  # bf16 + 4 candidates
+    only = report.select("learned")
+    assert only.dists == ["learned"] and len(only.results) == len(report.results) // 3
+    with pytest.raises(ProbeError, match="no results for distribution"):
+        report.select("nope")
     png = report.heatmap(tmp_path / "h.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
     with pytest.raises(ProbeError, match="no results for distribution"):

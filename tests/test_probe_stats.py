@@ -286,6 +286,27 @@ def test_probe_handles_loka_linear_subclass() -> None:
     assert s.x.count == 5 and s.dy.count == 5
 
 
+def test_module_called_twice_per_forward() -> None:
+    """Both calls are merged; the captured real batch pairs X and dY of the first call."""
+
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.l = nn.Linear(3, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.l(x) + 3 * self.l(2 * x)
+
+    model = Twice()
+    x = torch.randn(5, 3)
+    with Probe(model, every=1) as p:
+        model(x).sum().backward()
+    s = p.stats.sites["l"]
+    assert s.x.count == 10 and s.x.batches == 2 and s.dy.count == 10
+    np.testing.assert_array_equal(np.sort(s.x.real, 0), np.sort(x.numpy(), 0))  # first call: x
+    np.testing.assert_allclose(s.dy.real, np.ones((5, 2)))  # d(sum)/dY of the first call is 1
+
+
 def test_bad_inputs_raise_clear_errors() -> None:
     with pytest.raises(ProbeError, match="no eligible nn.Linear"):
         Probe(nn.Sequential(nn.ReLU(), nn.LayerNorm(3)))

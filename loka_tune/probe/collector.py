@@ -113,6 +113,7 @@ class _Site:
         self.w_absq = np.zeros(len(QUANTILES))
         self.w_kurt = 0.0
         self.w_nonfinite = 0
+        self.real_at = -1  # the collection whose batch ``x.real`` / ``dy.real`` hold
 
 
 class Probe:
@@ -251,7 +252,10 @@ class Probe:
             with torch.no_grad():
                 x = inputs[0].detach().reshape(-1, site.x.dim)  # (M, K)
                 idx = None
-                if self.keep_real:
+                if self.keep_real and site.real_at != self.collections:
+                    # the first call of this collection only, so that X and dY rows pair up
+                    # (a module called twice per forward sees its backward in reverse order)
+                    site.real_at = self.collections
                     m = x.shape[0]
                     idx = torch.randperm(m, generator=self._gen)[: self.real_rows].sort().values
                 site.x.add(x, self._gen, idx)

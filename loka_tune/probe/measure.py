@@ -158,7 +158,7 @@ def measure(
     candidates: Iterable[GemmChoice | str] | None = None,
     *,
     samples: int = 64,
-    dists: Sequence[str] = ("learned", "normal"),
+    dists: Sequence[str] = ("learned",),
     device: str | torch.device = "cpu",
     cost_device: str = "h200",
     speed_model: SpeedModel | None = None,
@@ -183,7 +183,9 @@ def measure(
         candidates: GEMM choices or their ids (default :data:`DEFAULT_CANDIDATES`); the plain
             ``bf16`` choice is added when absent (the baseline every speed-up is against).
         samples: draws per site for ``learned`` and ``normal`` (``real`` has one batch).
-        dists: distributions to measure; the report holds all of them.
+        dists: distributions to measure (default ``learned`` only); the report holds all of
+            them, one result per distribution: consumers that decide from it (dispatch, space
+            pruning) should take ``report.select(report.primary_dist)``.
         device: where the GEMMs run (``cpu``: the ``emulated`` backend).
         cost_device: the GPU the speed model prices (``h200``, ``h100``, ``b200``).
         speed_model / timing_cache: override the speed model / give a GPU timing cache.

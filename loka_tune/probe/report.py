@@ -124,6 +124,14 @@ class ProbeReport:
         bf = [r for r in rs if r.choice.startswith("bf16")]
         return bf[0] if bf else None
 
+    def select(self, dist: str) -> "ProbeReport":
+        """A copy holding only the results of ``dist`` (e.g. ``report.select(report.primary_dist)``
+        before handing the results to a consumer that does not look at ``dist``)."""
+        if dist not in self.dists:
+            raise ProbeError(f"no results for distribution {dist!r}; have {self.dists}")
+        res = [r for r in self.results if r.dist == dist]
+        return ProbeReport(res, list(self.skipped), self.max_error, self.min_speedup, dict(self.meta), self.stats)
+
     def with_thresholds(self, max_error: float | None = None, min_speedup: float | None = None) -> "ProbeReport":
         """A copy whose verdicts use new thresholds (no re-measurement)."""
         me = self.max_error if max_error is None else float(max_error)
