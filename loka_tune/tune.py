@@ -954,7 +954,8 @@ def best_trial(study: Any, *, raise_if_none: bool = True) -> Any:
             raise StudyError(f"study {study.study_name!r} has no feasible trial yet: run more trials, raise"
                              " objective.budget_pct, or look at `loka-tune report` for the closest ones")
         return None
-    return min(ok, key=lambda t: (t.value, t.number))
+    # ties (same modeled time) go to the lower relative log loss, then the earlier trial
+    return min(ok, key=lambda t: (t.value, t.user_attrs.get("rel_logloss_pct") or 0.0, t.number))
 
 
 def leaderboard(study: Any, *, limit: int | None = None) -> list[dict[str, Any]]:
