@@ -32,10 +32,11 @@ from loka_tune.kernels import costmodel  # noqa: E402
 
 def _params(cal: dict) -> list[tuple[tuple[str, ...], float, float]]:
     """(path in the calibration dict, lower, upper) of every fitted constant."""
-    ps = [(("launch_s",), 5e-7, 3e-5), (("mem_frac",), 0.3, 1.0), (("fast_accum_gain",), 0.8, 1.5)]
+    ps = [(("launch_s",), 5e-7, 3e-5), (("mem_frac",), 0.3, 1.0)]
     for fam in cal["gemm"]:
         ps.append((("gemm", fam, "rate_frac"), 0.05, 1.0))
         ps.append((("gemm", fam, "tile_fixed_s"), 0.0, 2e-5))
+        ps.append((("gemm", fam, "fa_rate_frac"), 0.05, 1.0))
     for fam in cal["quant"]:
         ps.append((("quant", fam, "bw_frac"), 0.03, 1.0))
     return ps
@@ -62,9 +63,9 @@ def _used(records: list[dict], cal: dict) -> set[tuple[str, ...]]:
             steps = costmodel.gemm_breakdown(r["choice"], r["m"], r["k"], r["n"], r["role"], "h200")
         except UnsupportedChoiceError:
             continue
-        if ".fa." in r["choice"]:
-            used.add(("fast_accum_gain",))
         for s in steps:
+            if ".fa." in r["choice"] and s.name.startswith("gemm"):
+                used.add(("gemm", s.name.split()[-1], "fa_rate_frac"))
             kind, fam = s.name.split()[0], s.name.split()[-1]
             if kind == "gemm":
                 used |= {("gemm", fam, "rate_frac"), ("gemm", fam, "tile_fixed_s")}
@@ -79,6 +80,9 @@ def fit(records: list[dict], base: dict) -> tuple[dict, dict]:
     recs = [r for r in records if "seconds" in r]
     cal = copy.deepcopy(base)
     params = [p for p in _params(cal) if p[0] in _used(recs, cal)]
+    for fam in cal["gemm"]:
+        g = cal["gemm"][fam]
+        g.setdefault("fa_rate_frac", min(1.0, g["rate_frac"] * float(cal.get("fast_accum_gain", 1.1))))
     x0 = np.array([min(max(_get(cal, p), lo * 1.0001 + 1e-12), hi * 0.9999) for p, lo, hi in params])
     lo = np.array([p[1] for p in params])
     hi = np.array([p[2] for p in params])

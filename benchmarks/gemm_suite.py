@@ -317,8 +317,9 @@ def analyze(result: dict[str, Any], *, test_shapes: set[str] | None = None) -> t
              f"{result['env'].get('triton')}, fbgemm-gpu-genai {result['env'].get('fbgemm')}, torchao "
              f"{result['env'].get('torchao')}, CUDA {result['env'].get('cuda')}; {result.get('date')}.")
     L.append("")
-    L.append(f"Per GEMM (times in us, {metrics['timed_from']}; quantization included; best = fastest FP8 "
-             f"candidate of that backend with MERE <= {MAX_ERROR}):")
+    L.append(f"Per GEMM (times in us, quantization included; bf16 and dispatch columns: {metrics['timed_from']};"
+             f" 'best <backend>' columns: phase A, the fastest FP8 candidate of that backend with MERE <= {MAX_ERROR};"
+             " '-': the backend cannot run this shape):")
     L.append("")
     L.append("| shape (M x K -> N) | GEMM | bf16 | " + " | ".join(f"best {b}" for b in BACKENDS)
              + " | dispatch choice | dispatch speed-up |")

@@ -320,9 +320,10 @@ def _gemm_step(family: str, m: int, k: int, n: int, rate_tflops: float, a_bytes:
     g = cal["gemm"][family]
     tm, tn, ka = int(g["tile_m"]), int(g["tile_n"]), int(g["k_align"])
     kp = math.ceil(k / ka) * ka
-    rate = rate_tflops * 1e12 * float(g["rate_frac"]) / dev.sms  # FLOP/s of one SM
-    if fast_accum:
-        rate *= float(cal.get("fast_accum_gain", 1.0))
+    frac = float(g["rate_frac"])
+    if fast_accum:  # per family: promotion costs little in cuBLAS, 3x in FBGEMM's CUTLASS rowwise
+        frac = float(g["fa_rate_frac"]) if "fa_rate_frac" in g else frac * float(cal.get("fast_accum_gain", 1.0))
+    rate = rate_tflops * 1e12 * min(frac, 1.0) / dev.sms  # FLOP/s of one SM, never above peak
     tiles = math.ceil(m / tm) * math.ceil(n / tn)
     bw = dev.hbm_tbps * 1e12 * float(cal["mem_frac"])
     io_bytes = (m + n) * k * a_bytes + m * n * _OUT_BYTES
