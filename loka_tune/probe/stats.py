@@ -40,6 +40,11 @@ __all__ = [
 STATS_SCHEMA_VERSION = 1
 STATS_KIND = "loka-tune.probe-stats"
 _FLOAT_SCALARS = ("amax", "ema", "kurtosis")  # may be 'nan'/'inf' strings in the JSON
+# File compaction (sampling needs no more): symmetric matrices are stored as their upper
+# triangle in float32, the other matrices (weights, captured batches, sketch vectors) in
+# float32; vectors (means, variances, kurtosis, quantiles) keep float64.
+_SYMMETRIC = {("x", "cov"), ("dy", "cov"), ("w", "u"), ("w", "v")}
+_FLOAT32 = ("cov", "lr_vecs", "real", "mean", "last", "u", "v")
 QUANTILES = (0.5, 0.9, 0.99, 0.999)  # quantiles of |x| kept per tensor
 
 
@@ -267,7 +272,10 @@ class ProbeStats:
 
     # ------------------------------------------------------------------ files
     def save(self, path: str | Path) -> Path:
-        """Write ``path`` (``.npz``; the suffix is added when missing), atomically."""
+        """Write ``path`` (``.npz``; the suffix is added when missing), atomically.
+
+        Matrices are stored in float32 (symmetric ones as their upper triangle): a loaded
+        covariance equals the collected one to float32 precision (rtol ~1e-7)."""
         path = Path(path)
         if path.suffix != ".npz":
             path = path.with_name(path.name + ".npz")
@@ -282,8 +290,16 @@ class ProbeStats:
                 entry[part] = {k: _jsonable(getattr(obj, k)) for k in obj._SCALARS}
                 for k in obj._ARRAYS:
                     a = getattr(obj, k)
-                    if a is not None:
-                        arrays[f"s{i}.{part}.{k}"] = np.asarray(a)
+                    if a is None:
+                        continue
+                    a = np.asarray(a)
+                    key = f"s{i}.{part}.{k}"
+                    if (part, k) in _SYMMETRIC and a.ndim == 2:
+                        arrays[key + ".tri"] = a[np.triu_indices(a.shape[0])].astype(np.float32)
+                    elif k in _FLOAT32 and a.ndim >= 2:
+                        arrays[key] = a.astype(np.float32)
+                    else:
+                        arrays[key] = a
             site_meta.append(entry)
         meta = {
             "kind": STATS_KIND,
@@ -335,6 +351,8 @@ class ProbeStats:
                     key = f"s{i}.{part}.{k}"
                     if key in data:
                         kw[k] = data[key]
+                    elif key + ".tri" in data:
+                        kw[k] = _unpack_sym(data[key + ".tri"])
                 parts[part] = klass(**kw)
             sites[entry["name"]] = SiteStats(
                 entry["name"], int(entry["in_features"]), int(entry["out_features"]),
@@ -359,6 +377,15 @@ class ProbeStats:
                 f" kurt(med) {kx:.2f}  dy amax {s.dy.amax:.3g}  w amax {s.w.amax:.3g}"
             )
         return "\n".join(lines)
+
+
+def _unpack_sym(tri: np.ndarray) -> np.ndarray:
+    d = int(round((math.sqrt(8 * tri.size + 1) - 1) / 2))  # tri.size = d (d + 1) / 2
+    out = np.zeros((d, d), dtype=np.float64)
+    iu = np.triu_indices(d)
+    out[iu] = tri
+    out.T[iu] = tri
+    return out
 
 
 def _few(items: list[str], k: int = 5) -> str:
