@@ -8,13 +8,16 @@
 (quantization, kernel launches, checks) runs at execution time.
 
 Non-finite operands: for FP8 choices the op first checks that ``a`` and ``b`` are finite
-(when :func:`set_nonfinite_check` is on, the default). If not, that call runs the plain
+(when the check is on: by default on CPU tensors only, see :func:`set_nonfinite_check`).
+If not, that call runs the plain
 unquantized GEMM instead (so ``inf``/``NaN`` propagate exactly as in bf16 rather than
 poisoning whole quantization tiles) and increments the count for ``tag`` (read with
 :func:`nonfinite_count`; :class:`~loka_tune.kernels.linear.LokaLinear` exposes its own as
-``nonfinite_fallbacks``). The check costs one device synchronization per GEMM on GPU;
-turn it off for speed runs with ``set_nonfinite_check(False)`` (non-finite operands then
-give NaN tiles, see :mod:`loka_tune.kernels.quant`).
+``nonfinite_fallbacks``). On GPU the check would cost one device synchronization per GEMM
+and break CUDA-graph capture, so by default it is off for CUDA tensors: there a non-finite
+operand gives NaN tiles (see :mod:`loka_tune.kernels.quant`) and the trainer stops the run
+with status "nonfinite". ``set_nonfinite_check(True)`` forces it on everywhere (debugging),
+``False`` off everywhere, ``None`` restores the default.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from loka_tune.kernels.registry import get_backend
 __all__ = ["gemm", "nonfinite_count", "reset_nonfinite", "set_nonfinite_check", "parse_choice"]
 
 _NONFINITE: Counter[str] = Counter()
-_CHECK = {"enabled": True}
+_CHECK: dict[str, bool | None] = {"enabled": None}  # None: on for CPU tensors only
 
 
 @lru_cache(maxsize=4096)
@@ -39,11 +42,18 @@ def parse_choice(choice: str) -> GemmChoice:
     return GemmChoice.parse(choice)
 
 
-def set_nonfinite_check(enabled: bool) -> bool:
-    """Turn the per-GEMM non-finite operand check on/off; returns the previous setting."""
+def set_nonfinite_check(enabled: bool | None) -> bool | None:
+    """Force the per-GEMM non-finite operand check on (True) or off (False) on every device,
+    or restore the default (None: on for CPU tensors, off for GPU ones); returns the previous
+    setting."""
     prev = _CHECK["enabled"]
-    _CHECK["enabled"] = bool(enabled)
+    _CHECK["enabled"] = None if enabled is None else bool(enabled)
     return prev
+
+
+def _check_enabled(a: torch.Tensor) -> bool:
+    enabled = _CHECK["enabled"]
+    return a.device.type == "cpu" if enabled is None else enabled
 
 
 def nonfinite_count(tag: str) -> int:
@@ -64,7 +74,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, choice: str, role: str, tag: str = ""
     """``a @ b.T`` under ``choice`` for ``role`` (see the module docstring), in ``a.dtype``."""
     c = parse_choice(choice)
     r = GemmRole(role)
-    if not c.is_bf16 and _CHECK["enabled"]:
+    if not c.is_bf16 and _check_enabled(a):
         finite = bool(torch.isfinite(a).all()) and bool(torch.isfinite(b).all())
         if not finite:
             _NONFINITE[tag] += 1
