@@ -175,8 +175,9 @@ def trial_model(cfg: StudyConfig, source: Any, config: PrecisionConfig) -> tuple
     return model, summary
 
 
-def _first_batch(source: Any, cfg: StudyConfig, device: str = "cpu") -> Any:
-    return next(iter(source.batches("train", cfg.training.batch_size, seed=cfg.training.seed, device=device)))
+def _first_batch(source: Any, cfg: StudyConfig, device: str = "cpu", *, max_rows: int | None = None) -> Any:
+    bs = cfg.training.batch_size if max_rows is None else min(max_rows, cfg.training.batch_size)
+    return next(iter(source.batches("train", bs, seed=cfg.training.seed, device=device)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -552,7 +553,7 @@ def prepare_study(cfg: StudyConfig, study: Any, *, device: str, force: bool = Fa
     """Load the study's baseline and space, computing (and storing) them if this is the first worker."""
     source = make_source(cfg)
     speed = speed_source(cfg, device)
-    batch = _first_batch(source, cfg)
+    batch = _first_batch(source, cfg, max_rows=64)  # shapes per example: a small CPU batch is enough
     attrs = study.user_attrs
     if ATTR_BASELINE in attrs and ATTR_SPACE in attrs:
         baseline = Baseline.from_dict(attrs[ATTR_BASELINE])
@@ -565,7 +566,9 @@ def prepare_study(cfg: StudyConfig, study: Any, *, device: str, force: bool = Fa
     out = cfg.output_dir
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    baseline, stats, _model = run_baseline(cfg, source, device, force=force, probe_out=out / "probe_stats.json")
+    prep = out / f".prepare-{os.getpid()}"  # private: two workers racing to prepare never share a file
+    prep.mkdir(parents=True, exist_ok=True)
+    baseline, stats, _model = run_baseline(cfg, source, device, force=force, probe_out=prep / "probe_stats.json")
     check_budget(cfg, baseline, force=force)
 
     # sites on a fresh (unapplied) model, candidates, eligibility
@@ -602,7 +605,7 @@ def prepare_study(cfg: StudyConfig, study: Any, *, device: str, force: bool = Fa
     # probe pruning
     report = None
     if stats is not None:
-        report = _probe_report(cfg, stats, candidates, device, out / "probe_report.json")
+        report = _probe_report(cfg, stats, candidates, device, prep / "probe_report.json")
         speedup_fn = None
         if speed == "modeled":
             from loka_tune.kernels.costmodel import modeled_speedup
@@ -622,7 +625,13 @@ def prepare_study(cfg: StudyConfig, study: Any, *, device: str, force: bool = Fa
     # store, unless another worker was faster (then use theirs: every worker must share one space)
     attrs = study.user_attrs
     if ATTR_BASELINE in attrs and ATTR_SPACE in attrs:
+        import shutil
+
+        shutil.rmtree(prep, ignore_errors=True)
         return prepare_study(cfg, study, device=device, force=force, tracker=tracker)
+    for f in prep.iterdir():  # publish the probe files
+        os.replace(f, out / f.name)
+    prep.rmdir()
     study.set_user_attr(ATTR_SPACE, space.to_dict())
     study.set_user_attr(ATTR_STUDY, cfg.to_dict())
     study.set_user_attr(ATTR_BASELINE, baseline.to_dict())
@@ -879,57 +888,12 @@ def run_study(cfg: StudyConfig, *, device: str | None = None, storage_url: str |
         with warnings.catch_warnings():  # heartbeats are recorded by _Heartbeat below, not by optimize()
             warnings.filterwarnings("ignore", message="Heartbeat of storage")
             trial = study.ask(fixed_distributions=dists)
-        params = dict(trial.params)
-        config = config_from_params(ctx.space, params)
-        key = config.key()
-        trial.set_user_attr("config_key", key)
-        trial.set_user_attr("config", json.loads(config.to_json()))
-        trial.set_user_attr("budget_pct", budget)
-        trial.set_user_attr("worker", worker)
-        trial.set_user_attr("speed_source", ctx.speed)
-        frozen_attrs: dict[str, Any]
-        dup = _find_duplicate(study, key, trial.number)
-        if dup is not None and dup.state == TrialState.RUNNING:
-            dup = _wait_for(study, dup.number, key, poll_s=1.0, limit_s=max(60.0, 4 * cfg.storage.grace_s + 600))
-        if dup is not None:
-            attrs = {k: v for k, v in dup.user_attrs.items()
-                     if k not in ("config", "config_key", "worker", "seeded", "cache_hit", "cached_from")}
-            attrs.update(cache_hit=True, cached_from=dup.number)
-            for k, v in attrs.items():
-                trial.set_user_attr(k, v)
-            _set_constraint(trial, attrs.get("rel_logloss_pct"), budget)
-            if dup.state == TrialState.COMPLETE:
-                study.tell(trial, dup.value)
-            else:
-                study.tell(trial, state=dup.state)
-            frozen_attrs = attrs
-            state = dup.state.name
-            outcome = None
-        else:
-            def report(step: int, rel: float) -> bool:
-                trial.report(rel if math.isfinite(rel) else 1e9, step)
-                return trial.should_prune()
-
-            with _Heartbeat(storage, trial._trial_id, cfg.storage.heartbeat_s):
-                outcome = evaluate_config(ctx, config, report=report)
-            attrs = outcome.attrs()
-            attrs["feasible"] = outcome.feasible(budget)
-            attrs["cache_hit"] = False
-            if outcome.status == "failed":
-                attrs["fail_reason"] = outcome.reason
-            for k, v in attrs.items():
-                trial.set_user_attr(k, v)
-            _set_constraint(trial, attrs.get("rel_logloss_pct"), budget)
-            if outcome.status == "ok":
-                study.tell(trial, outcome.step_time_s)
-                state = "COMPLETE"
-            elif outcome.status == "pruned":
-                study.tell(trial, state=TrialState.PRUNED)
-                state = "PRUNED"
-            else:
-                study.tell(trial, state=TrialState.FAIL)
-                state = "FAIL"
-            frozen_attrs = attrs
+        hb = _Heartbeat(storage, trial._trial_id, cfg.storage.heartbeat_s)
+        hb.__enter__()  # from the first moment: a worker killed at any point leaves a stale trial
+        try:
+            state, frozen_attrs, params, config = _one_trial(ctx, study, trial, worker, budget)
+        finally:
+            hb.__exit__(None, None, None)
         if tracker is not None:
             tracker.log_trial(trial.number, params, config, frozen_attrs, state, ctx)
         if progress:
@@ -937,6 +901,64 @@ def run_study(cfg: StudyConfig, *, device: str | None = None, storage_url: str |
     if tracker is not None:
         tracker.finish(ctx)
     return study
+
+
+def _one_trial(ctx: StudyContext, study: Any, trial: Any, worker: str, budget: float) -> tuple:
+    """Evaluate (or copy from the cache) one asked trial and tell the study."""
+    from optuna.trial import TrialState
+
+    cfg = ctx.cfg
+    params = dict(trial.params)
+    config = config_from_params(ctx.space, params)
+    key = config.key()
+    trial.set_user_attr("config_key", key)
+    trial.set_user_attr("config", json.loads(config.to_json()))
+    trial.set_user_attr("budget_pct", budget)
+    trial.set_user_attr("worker", worker)
+    trial.set_user_attr("speed_source", ctx.speed)
+    frozen_attrs: dict[str, Any]
+    dup = _find_duplicate(study, key, trial.number)
+    if dup is not None and dup.state == TrialState.RUNNING:
+        dup = _wait_for(study, dup.number, key, poll_s=1.0, limit_s=max(60.0, 4 * cfg.storage.grace_s + 600))
+    if dup is not None:
+        attrs = {k: v for k, v in dup.user_attrs.items()
+                 if k not in ("config", "config_key", "worker", "seeded", "cache_hit", "cached_from")}
+        attrs.update(cache_hit=True, cached_from=dup.number)
+        for k, v in attrs.items():
+            trial.set_user_attr(k, v)
+        _set_constraint(trial, attrs.get("rel_logloss_pct"), budget)
+        if dup.state == TrialState.COMPLETE:
+            study.tell(trial, dup.value)
+        else:
+            study.tell(trial, state=dup.state)
+        frozen_attrs = attrs
+        state = dup.state.name
+        outcome = None
+    else:
+        def report(step: int, rel: float) -> bool:
+            trial.report(rel if math.isfinite(rel) else 1e9, step)
+            return trial.should_prune()
+
+        outcome = evaluate_config(ctx, config, report=report)
+        attrs = outcome.attrs()
+        attrs["feasible"] = outcome.feasible(budget)
+        attrs["cache_hit"] = False
+        if outcome.status == "failed":
+            attrs["fail_reason"] = outcome.reason
+        for k, v in attrs.items():
+            trial.set_user_attr(k, v)
+        _set_constraint(trial, attrs.get("rel_logloss_pct"), budget)
+        if outcome.status == "ok":
+            study.tell(trial, outcome.step_time_s)
+            state = "COMPLETE"
+        elif outcome.status == "pruned":
+            study.tell(trial, state=TrialState.PRUNED)
+            state = "PRUNED"
+        else:
+            study.tell(trial, state=TrialState.FAIL)
+            state = "FAIL"
+        frozen_attrs = attrs
+    return state, frozen_attrs, params, config
 
 
 # ---------------------------------------------------------------------------------------------
