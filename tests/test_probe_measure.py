@@ -251,11 +251,28 @@ def test_roofline_and_timed_speed() -> None:
 
     class Cache:
         def lookup(self, choice, m, k, n, role, device="h200"):
-            return 1e-5 if choice.short_str() == "e4m3.row.emulated" else None
+            return 1e-5 if choice.short_str() == "e4m3.row.fbgemm" else None
 
     ts = TimedSpeed(Cache(), rf)
     assert ts.seconds(fp8, 8, 8, 8, "fwd") == (1e-5, "measured")
     assert ts.seconds(bf, 8, 8, 8, "fwd")[1] == "modeled"
+
+
+def test_timed_speed_reads_a_gpu_timing_cache_on_the_cpu(tmp_path) -> None:
+    from loka_tune.kernels.timing import TimingCache
+
+    gpu = TimingCache(tmp_path / "t.json", device="NVIDIA H200", versions="torch=2.9.0")
+    gpu.put("e4m3.row.fbgemm", 64, 32, 16, "fwd", 2e-5)
+    gpu.put("e4m3.row.torch_scaled_mm", 64, 32, 16, "fwd", 1e-5)
+    gpu.put("bf16", 64, 32, 16, "fwd", 3e-5)
+    ts = TimedSpeed(TimingCache(tmp_path / "t.json"), RooflineSpeed(), device="h200")  # read back on this host
+    # emulated numerics: the fastest real backend that measured them
+    assert ts.seconds(GemmChoice.parse("e4m3.row.emulated"), 64, 32, 16, "fwd") == (1e-5, "measured")
+    assert ts.seconds(GemmChoice.parse("e4m3.row.fbgemm"), 64, 32, 16, "fwd") == (2e-5, "measured")
+    assert ts.seconds(GemmChoice(), 64, 32, 16, "fwd") == (3e-5, "measured")
+    assert ts.seconds(GemmChoice.parse("e4m3.tensor.emulated"), 64, 32, 16, "fwd")[1] == "modeled"
+    assert TimedSpeed(TimingCache(tmp_path / "t.json"), RooflineSpeed(), device="b200").seconds(
+        GemmChoice(), 64, 32, 16, "fwd")[1] == "modeled"  # measured on another GPU: not used
 
 
 def test_measure_with_a_custom_speed_model(gauss_stats: ProbeStats) -> None:
@@ -322,7 +339,7 @@ def test_run_probe_trains_then_measures_and_reanalyses(tmp_path) -> None:
     assert rep.sites == ["0", "2"] and rep.stats.collections == 3
     path = rep.stats.save(tmp_path / "s.npz")
     again = run_probe(model, candidates=["e4m3.row.emulated"], stats=path, samples=2)
-    assert [r.mere for r in again.results] == [r.mere for r in rep.results]
+    assert [r.mere for r in again.results] == [r.mere for r in rep.results]  # same stats, same draws
     with pytest.raises(ProbeError, match="train_fn"):
         run_probe(model, data)
     with pytest.raises(ProbeError, match="another model"):

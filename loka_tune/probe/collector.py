@@ -92,7 +92,8 @@ class _StreamAcc:
         t.mean = m.mean.cpu().numpy()
         t.var = m.variance().cpu().numpy()
         if m.full:
-            t.cov = m.covariance().cpu().numpy()
+            c = m.covariance()
+            t.cov = (0.5 * (c + c.T)).cpu().numpy()  # exactly symmetric (files keep one triangle)
         else:
             vals, vecs = m.low_rank()
             t.lr_vals, t.lr_vecs = vals.cpu().numpy(), vecs.cpu().numpy()

@@ -85,25 +85,67 @@ class CostModelSpeed:
 
 
 class TimedSpeed:
-    """Measured seconds from a timing cache when present, else ``fallback``.
+    """Measured seconds from a GPU timing cache when it has them, else ``fallback``.
 
-    ``cache`` is anything with ``lookup(choice, m, k, n, role, device=...) -> float | None``
-    or ``get(...)`` of that signature (``loka_tune.kernels.timing.TimingCache``).
+    ``cache``: a :class:`loka_tune.kernels.timing.TimingCache` (or anything with
+    ``lookup(choice, m, k, n, role, device=...) -> float | None``). A TimingCache keys its
+    entries by GPU name and library versions; read on another machine (the CPU host that
+    runs the probe), its own key does not match, so entries recorded on a GPU whose name
+    contains ``device`` (``"h200"`` matches ``"NVIDIA H200"``) are used, the most recent
+    first. An ``emulated`` choice stands for "the fastest real backend with these numerics"
+    (as in the cost model): the fastest measured of those backends is taken.
     """
+
+    REAL_BACKENDS = ("torch_scaled_mm", "fbgemm", "triton", "torchao")
 
     def __init__(self, cache: Any, fallback: SpeedModel, device: str = "h200") -> None:
         self.cache, self.fallback, self.device = cache, fallback, device
-        self._get = getattr(cache, "lookup", None) or getattr(cache, "get", None)
-        if self._get is None:
-            raise TypeError(f"{type(cache).__name__} has neither lookup() nor get()")
+        if not (hasattr(cache, "lookup") or hasattr(cache, "get")):
+            raise TypeError(f"{type(cache).__name__} is not a timing cache (no lookup() or get())")
+        self._index: dict[str, tuple[str, float]] | None = None
+
+    def _by_device(self, key_tail: str) -> float | None:
+        if self._index is None:
+            self._index = {}
+            entries = self.cache.entries() if hasattr(self.cache, "entries") else {}
+            want = self.device.lower()
+            for key, rec in entries.items():
+                parts = key.split("|")  # device|versions|role|mxkxn|choice
+                if len(parts) != 5 or want not in parts[0].lower():
+                    continue
+                tail = "|".join(parts[2:])
+                when = str(rec.get("when", ""))
+                if tail not in self._index or when > self._index[tail][0]:
+                    self._index[tail] = (when, float(rec["seconds"]))
+        hit = self._index.get(key_tail)
+        return None if hit is None else hit[1]
+
+    def _one(self, choice: GemmChoice, m: int, k: int, n: int, role: str) -> float | None:
+        if hasattr(self.cache, "lookup"):
+            return self.cache.lookup(choice, m, k, n, role, device=self.device)
+        t = self.cache.get(choice, m, k, n, role)
+        if t is None:
+            t = self._by_device(f"{role}|{m}x{k}x{n}|{choice.short_str()}")
+        return t
 
     def seconds(self, choice: GemmChoice, m: int, k: int, n: int, role: GemmRole | str) -> tuple[float, str]:
-        try:
-            t = self._get(choice, m, k, n, role, device=self.device)
-        except (KeyError, LokaError):
-            t = None
-        if t is not None and math.isfinite(float(t)) and float(t) > 0:
-            return float(t), MEASURED
+        role = str(getattr(role, "value", role))
+        if choice.is_bf16:
+            ids = [GemmChoice.bf16()]
+        elif choice.backend == "emulated":
+            ids = [choice.with_backend(b) for b in self.REAL_BACKENDS]
+        else:
+            ids = [choice]
+        times = []
+        for c in ids:
+            try:
+                t = self._one(c, m, k, n, role)
+            except (KeyError, LokaError):
+                t = None
+            if t is not None and math.isfinite(float(t)) and float(t) > 0:
+                times.append(float(t))
+        if times:
+            return min(times), MEASURED
         return self.fallback.seconds(choice, m, k, n, role)
 
 

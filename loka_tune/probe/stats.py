@@ -40,11 +40,11 @@ __all__ = [
 STATS_SCHEMA_VERSION = 1
 STATS_KIND = "loka-tune.probe-stats"
 _FLOAT_SCALARS = ("amax", "ema", "kurtosis")  # may be 'nan'/'inf' strings in the JSON
-# File compaction (sampling needs no more): symmetric matrices are stored as their upper
-# triangle in float32, the other matrices (weights, captured batches, sketch vectors) in
-# float32; vectors (means, variances, kurtosis, quantiles) keep float64.
+# File compaction: symmetric matrices are stored as their upper triangle. Dtypes are kept
+# (activation statistics float64: a near-singular covariance rounded to float32 changes its
+# Cholesky factor, hence the draws, by far more than 1e-7; the weight model and captured
+# batches are float32 already).
 _SYMMETRIC = {("x", "cov"), ("dy", "cov"), ("w", "u"), ("w", "v")}
-_FLOAT32 = ("cov", "lr_vecs", "real", "mean", "last", "u", "v")
 QUANTILES = (0.5, 0.9, 0.99, 0.999)  # quantiles of |x| kept per tensor
 
 
@@ -274,8 +274,8 @@ class ProbeStats:
     def save(self, path: str | Path) -> Path:
         """Write ``path`` (``.npz``; the suffix is added when missing), atomically.
 
-        Matrices are stored in float32 (symmetric ones as their upper triangle): a loaded
-        covariance equals the collected one to float32 precision (rtol ~1e-7)."""
+        Symmetric matrices are stored as their upper triangle; a loaded file equals the
+        saved stats exactly."""
         path = Path(path)
         if path.suffix != ".npz":
             path = path.with_name(path.name + ".npz")
@@ -295,9 +295,7 @@ class ProbeStats:
                     a = np.asarray(a)
                     key = f"s{i}.{part}.{k}"
                     if (part, k) in _SYMMETRIC and a.ndim == 2:
-                        arrays[key + ".tri"] = a[np.triu_indices(a.shape[0])].astype(np.float32)
-                    elif k in _FLOAT32 and a.ndim >= 2:
-                        arrays[key] = a.astype(np.float32)
+                        arrays[key + ".tri"] = a[np.triu_indices(a.shape[0])]
                     else:
                         arrays[key] = a
             site_meta.append(entry)
@@ -381,7 +379,7 @@ class ProbeStats:
 
 def _unpack_sym(tri: np.ndarray) -> np.ndarray:
     d = int(round((math.sqrt(8 * tri.size + 1) - 1) / 2))  # tri.size = d (d + 1) / 2
-    out = np.zeros((d, d), dtype=np.float64)
+    out = np.zeros((d, d), dtype=tri.dtype)
     iu = np.triu_indices(d)
     out[iu] = tri
     out.T[iu] = tri
