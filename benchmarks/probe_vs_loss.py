@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from scipy.stats import spearmanr
 
-from loka_tune.apply import apply
+from loka_tune.applier import apply
 from loka_tune.config import ROLES, PrecisionConfig, SitePrecision
 from loka_tune.data import parse_data_spec
 from loka_tune.models import build_model

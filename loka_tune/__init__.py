@@ -16,9 +16,9 @@ __version__ = "0.1.0"
 
 # public name -> module that defines it
 _LAZY = {
-    "apply": "loka_tune.apply",
-    "export": "loka_tune.apply",
-    "load_config": "loka_tune.apply",
+    "apply": "loka_tune.applier",
+    "export": "loka_tune.applier",
+    "load_config": "loka_tune.applier",
     "GemmChoice": "loka_tune.config",
     "SitePrecision": "loka_tune.config",
     "PrecisionConfig": "loka_tune.config",

@@ -168,7 +168,7 @@ def speed_source(cfg: StudyConfig, device: str) -> str:
 
 def trial_model(cfg: StudyConfig, source: Any, config: PrecisionConfig) -> tuple[nn.Module, Any]:
     """A fresh model (same init seed as the baseline) with ``config`` applied; returns it and the summary."""
-    from loka_tune.apply import apply
+    from loka_tune.applier import apply
 
     model = make_model(cfg, source)
     summary = apply(model, config)
@@ -308,7 +308,7 @@ def run_baseline(cfg: StudyConfig, source: Any, device: str, *, force: bool = Fa
     stats = None
     first_model: nn.Module | None = None
     for i, seed in enumerate(cfg.training.seeds):
-        from loka_tune.apply import apply
+        from loka_tune.applier import apply
 
         model = make_model(cfg, source, seed=seed)
         apply(model, bf16)
@@ -583,7 +583,7 @@ def prepare_study(cfg: StudyConfig, study: Any, *, device: str, force: bool = Fa
 
     # speed of the baseline in the objective's terms
     if speed == "modeled":
-        from loka_tune.apply import apply
+        from loka_tune.applier import apply
 
         bf16_model = make_model(cfg, source)
         apply(bf16_model, PrecisionConfig())
@@ -596,7 +596,7 @@ def prepare_study(cfg: StudyConfig, study: Any, *, device: str, force: bool = Fa
                            step_time_s=gemm + remainder)
     elif cfg.objective.kind == "inference":
         m = make_model(cfg, source).to(device)
-        from loka_tune.apply import apply
+        from loka_tune.applier import apply
 
         apply(m, PrecisionConfig())
         t = measure_forward_seconds(m, _first_batch(source, cfg, device))

@@ -1,4 +1,4 @@
-"""``loka_tune.apply``: swapping linears per a PrecisionConfig, errors, idempotence, training."""
+"""``loka_tune.applier``: swapping linears per a PrecisionConfig, errors, idempotence, training."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from loka_tune.apply import ApplySummary, apply, as_config, export, load_config
+from loka_tune.applier import ApplySummary, apply, as_config, export, load_config
 from loka_tune.config import BF16, GemmChoice, ModsConfig, PrecisionConfig, SitePrecision
 from loka_tune.errors import BackendError, ConfigError, ModError, UnsupportedChoiceError
 from loka_tune.kernels.linear import LokaLinear, find_linears
@@ -353,3 +353,19 @@ def test_reference_models(name: str) -> None:
     back.eval()
     with torch.no_grad():
         assert torch.equal(back(dense, sparse), model(dense, sparse))
+
+
+def test_top_level_apply_is_the_function_even_after_submodule_import(tmp_path):
+    """``loka_tune.apply(model, path)`` is the one-line user API: importing the module that
+    implements it must not shadow it (the module is ``loka_tune.applier``)."""
+    import torch.nn as nn
+
+    import loka_tune
+    import loka_tune.applier  # noqa: F401  (would shadow a same-named submodule)
+    from loka_tune.config import PrecisionConfig
+
+    path = PrecisionConfig.from_sites({"0": "e4m3.row.emulated"}).save(tmp_path / "c.json")
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    summary = loka_tune.apply(model, path)
+    assert callable(loka_tune.apply)
+    assert "0" in summary.replaced

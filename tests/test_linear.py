@@ -529,7 +529,7 @@ def test_emulated_supports_everything_on_cpu() -> None:
 
 def test_imports_stay_light() -> None:
     code = (
-        "import sys, loka_tune, loka_tune.kernels, loka_tune.kernels.linear, loka_tune.apply;"
+        "import sys, loka_tune, loka_tune.kernels, loka_tune.kernels.linear, loka_tune.applier;"
         "heavy = [m for m in ('triton', 'fbgemm_gpu', 'torchao', 'mlflow', 'optuna') if m in sys.modules];"
         "assert not heavy, heavy"
     )

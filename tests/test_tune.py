@@ -114,7 +114,7 @@ def test_tiny_study_end_to_end_with_mlflow(tmp_path: Path) -> None:
     assert prov["trial"] == best.number and prov["speed_source"] == "modeled" and prov["study"] == "t"
     assert "torch" in prov["versions"] and prov["cost_device"] == "h200"
     # the exported config applies to a fresh model
-    from loka_tune.apply import apply
+    from loka_tune.applier import apply
 
     model = tune.make_model(cfg, tune.make_source(cfg))
     summary = apply(model, str(out))

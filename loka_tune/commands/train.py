@@ -164,9 +164,9 @@ def run(args: argparse.Namespace) -> int:
     )
     if args.config is not None:
         try:
-            from loka_tune.apply import apply
+            from loka_tune.applier import apply
         except ModuleNotFoundError as e:  # pragma: no cover - only in a partial checkout
-            raise ConfigError(f"cannot apply precision configs here ({e}): loka_tune.apply is "
+            raise ConfigError(f"cannot apply precision configs here ({e}): loka_tune.applier is "
                               "missing from this installation", key="--config") from e
         summary = apply(model, args.config)
         replaced = dict(getattr(summary, "replaced", {}))

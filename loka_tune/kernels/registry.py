@@ -54,7 +54,7 @@ __all__ = [
 ]
 
 #: Canonical ``(m, k, n)`` of one GEMM (rows of A, reduction, rows of B); ``None`` = not known yet
-#: (e.g. the batch size at :func:`loka_tune.apply.apply` time).
+#: (e.g. the batch size at :func:`loka_tune.applier.apply` time).
 Shape = tuple[int | None, int | None, int | None]
 
 _ALL_FORMATS = frozenset(Format)

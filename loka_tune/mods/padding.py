@@ -30,7 +30,7 @@ State dict. A padded model's state dict differs: ``<name>.weight`` (N, K) become
 ``<name>.linear.weight`` (N_pad, K_pad) and likewise the bias. :func:`unpad` turns every
 ``PaddedLinear`` back into a plain ``nn.Linear`` with the original shapes and keys (for export
 or to load an unpadded checkpoint). Apply :func:`pad` before building the optimizer, and
-before the precision swap (``loka_tune.apply`` runs Mods first): the precision swap then
+before the precision swap (``loka_tune.applier`` runs Mods first): the precision swap then
 finds the padded GEMM as the site ``<name>.linear``.
 """
 
