@@ -1,0 +1,149 @@
+"""Fused Linear -> BlockNorm -> Hard Swish epilogue vs unfused chains, on the GPU (issue 6).
+
+Variants of ``hardswish(blocknorm(x @ W.T + b))`` (bf16 activations, BlockNorm block 256):
+
+- ``bf16 eager``: ``nn.Linear`` + ``BlockNorm`` + ``nn.Hardswish`` in bf16;
+- ``bf16 compile``: the same under ``torch.compile`` (inductor fuses norm + activation);
+- ``fp8 unfused``: ``LokaLinear`` (``e4m3.row.fa.triton``, all three GEMMs) + BlockNorm +
+  Hardswish in bf16;
+- ``fp8 fused``: :class:`~loka_tune.kernels.fused.FusedLinearBlockNormHardswish`
+  (``e4m3.row.fa.triton``: one fused forward kernel; backward epilogue kernel + triton FP8
+  dgrad / wgrad).
+
+``fwd`` is an inference forward (``torch.no_grad``), ``fwd+bwd`` a training step of the chain
+(forward, then backward of a fixed upstream gradient into X, W and b). Times are
+``triton.testing.do_bench`` medians (ms), quantization included. Shapes: the ``large`` preset's
+widths (K = N = 2048 / 4096) at M = 8192 ... 65536 rows.
+
+    python benchmarks/fused_epilogue.py --out results.json [--budget 70] [--quick]
+
+Prints a markdown table and writes JSON (``--out``). Stops adding work once ``--budget``
+seconds have passed (remaining cells are recorded as skipped).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from loka_tune.kernels.fused import FusedLinearBlockNormHardswish  # noqa: E402
+from loka_tune.kernels.linear import LokaLinear  # noqa: E402
+from loka_tune.mods import BlockNorm  # noqa: E402
+
+CHOICE = "e4m3.row.fa.triton"
+SHAPES = [(8192, 2048, 2048), (32768, 2048, 2048), (16384, 4096, 4096), (65536, 4096, 4096)]
+QUICK_SHAPES = [(8192, 2048, 2048), (32768, 4096, 4096)]
+BLOCK = 256
+
+
+def _variants(lin: nn.Linear) -> dict[str, nn.Module]:
+    bf16 = nn.Sequential(lin, BlockNorm(BLOCK), nn.Hardswish())
+    return {  # bf16 compile last: its compiles are the slow part, the budget may skip it
+        "bf16 eager": bf16,
+        "fp8 fused": FusedLinearBlockNormHardswish(lin, BlockNorm(BLOCK), nn.Hardswish(), choice=CHOICE),
+        "fp8 unfused": nn.Sequential(LokaLinear.from_linear(lin, CHOICE), BlockNorm(BLOCK), nn.Hardswish()),
+        "bf16 compile": torch.compile(nn.Sequential(lin, BlockNorm(BLOCK), nn.Hardswish())),
+    }
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=None, help="JSON results path")
+    ap.add_argument("--budget", type=float, default=70.0, help="seconds of wall time before skipping the rest")
+    ap.add_argument("--quick", action="store_true", help="two shapes only")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 2
+    import triton
+    from triton.testing import do_bench
+
+    t0 = time.perf_counter()
+    dev = torch.device("cuda")
+    rows = []
+    for (m, k, n) in (QUICK_SHAPES if args.quick else SHAPES):
+        torch.manual_seed(0)
+        lin = nn.Linear(k, n, device=dev, dtype=torch.bfloat16)
+        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        dh = torch.randn(m, n, device=dev, dtype=torch.bfloat16)
+        variants = _variants(lin)
+        with torch.no_grad():
+            ref = variants["bf16 eager"](x).float()
+        for name, mod in variants.items():
+            row = {"M": m, "K": k, "N": n, "block": BLOCK, "variant": name}
+            if time.perf_counter() - t0 > args.budget:
+                row["skipped"] = "over the time budget"
+                rows.append(row)
+                continue
+            try:
+                with torch.no_grad():
+                    out = mod(x)
+                    row["rel_err_vs_bf16"] = _rel(out, ref)
+                    row["fwd_ms"] = do_bench(lambda: mod(x), warmup=10, rep=40)
+                xg = x.detach().requires_grad_()
+
+                def step() -> None:
+                    mod(xg).backward(dh)
+
+                step()
+                row["fwd_bwd_ms"] = do_bench(step, warmup=10, rep=40, grad_to_none=[xg, lin.weight, lin.bias])
+            except Exception as e:  # record and go on: one variant failing must not hide the rest
+                row["error"] = f"{type(e).__name__}: {e}"[:300]
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        del variants, x, dh, lin
+        torch.cuda.empty_cache()
+    # speedups of the fused kernel
+    by = {(r["M"], r["K"], r["N"], r["variant"]): r for r in rows}
+    lines = ["| M | K=N | variant | fwd ms | fwd+bwd ms | fused speedup fwd | fused speedup fwd+bwd | rel err vs bf16 |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        f = by.get((r["M"], r["K"], r["N"], "fp8 fused"), {})
+
+        def cell(key: str) -> str:
+            return f"{r[key]:.3f}" if key in r else "-"
+
+        def sp(key: str) -> str:
+            if key in r and key in f:
+                return f"{r[key] / f[key]:.2f}x"
+            return "-"
+
+        note = r.get("error") or r.get("skipped") or ""
+        err = f"{r['rel_err_vs_bf16']:.4f}" if "rel_err_vs_bf16" in r else note
+        lines.append(f"| {r['M']} | {r['K']} | {r['variant']} | {cell('fwd_ms')} | {cell('fwd_bwd_ms')} | "
+                     f"{sp('fwd_ms')} | {sp('fwd_bwd_ms')} | {err} |")
+    table = "\n".join(lines)
+    print()
+    print(table)
+    meta = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "choice": CHOICE,
+        "block": BLOCK,
+        "timing": "triton.testing.do_bench median (ms), warmup=10 ms, rep=40 ms",
+        "wall_s": round(time.perf_counter() - t0, 1),
+    }
+    print(f"\nwall {meta['wall_s']} s on {meta['device']}")
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"meta": meta, "rows": rows, "table": table}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

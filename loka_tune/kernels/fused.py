@@ -1,0 +1,410 @@
+"""Fused Linear -> BlockNorm -> Hard Swish (LoKA "Mods": the fused GEMM epilogue).
+
+A chain ``hardswish(blocknorm(linear(x)))`` runs as one FP8 GEMM whose epilogue dequantizes,
+normalizes each block of ``b`` output features and applies Hard Swish, so the GEMM output
+never makes a round trip through memory before the norm and the activation:
+
+- forward: ``X`` and ``W`` quantized rowwise (our fused Triton quantization), then one
+  Triton kernel (:mod:`loka_tune.kernels.triton_epilogue`) writes ``h`` (bf16), the pre-norm
+  ``y`` (bf16) and the per-row per-block ``rstd`` (float32) for the backward, and optionally
+  a rowwise FP8 copy of ``h`` for the next layer;
+- backward: one elementwise Triton kernel turns ``dh`` into ``dy`` (Hard Swish' and
+  BlockNorm's backward: ``dz = dh * hardswish'(z)``, ``dy = rstd * (dz - z * mean_b(dz * z))``
+  with ``z = y * rstd``), then dgrad ``dX = dy @ W`` and wgrad ``dW = dy^T @ X`` run as
+  ordinary GEMMs through the registered backends (``get_backend(choice.backend).gemm``), with
+  their own choices (``dgrad`` / ``wgrad``), as in :class:`~loka_tune.kernels.linear.LokaLinear`.
+
+Epilogue choices (the ``fwd`` GEMM choice selects the implementation by its backend):
+
+- ``<fmt>.row[.pow2][.fa].triton`` — the Triton kernel (CUDA, e4m3/e5m2 operands, rowwise
+  scales; ``fa`` = fast accumulation, the fastest FP8 GEMM on the H200);
+- ``<fmt>.<gran>[.pow2].emulated`` — the pure-torch reference with the same semantics
+  (CPU and GPU; the oracle): the emulated GEMM of
+  :mod:`loka_tune.kernels.emulated`, then BlockNorm and Hard Swish exactly as the unfused
+  modules compute them, with the backward written by hand like the Triton kernel's.
+
+:func:`fuse_epilogues` is the model pass: it finds (Linear, BlockNorm, Hardswish) chains in
+``MLPBlock``-like containers (children ``linear``, ``norm``, ``act``, forward
+``act(norm(linear(x)))``) and in ``nn.Sequential`` runs, and swaps them for
+:class:`FusedLinearBlockNormHardswish` (which keeps the original modules as children, so the
+parameter names and the state dict do not change for containers).
+
+Layering: kernels must not import :mod:`loka_tune.mods`, so a BlockNorm is recognised by its
+class name and attributes (``block``, ``eps``, ``weight``), not by ``isinstance``.
+Importing this module does not import triton (the Triton path imports it on first use).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from loka_tune.config import Format, GemmChoice, GemmRole, Granularity, SitePrecision
+from loka_tune.errors import UnsupportedChoiceError
+from loka_tune.kernels.linear import LokaLinear, is_eligible
+from loka_tune.kernels.registry import get_backend
+
+__all__ = [
+    "DEFAULT_CHOICE",
+    "EPILOGUE_BACKENDS",
+    "FuseReport",
+    "FusedLinearBlockNormHardswish",
+    "epilogue_supports",
+    "fused_linear_blocknorm_hardswish",
+    "fuse_epilogues",
+    "is_blocknorm",
+    "reference_epilogue",
+    "reference_epilogue_backward",
+]
+
+DEFAULT_CHOICE = "e4m3.row.fa.triton"
+#: backends that implement the fused epilogue (the ``fwd`` choice's backend picks one)
+EPILOGUE_BACKENDS = ("triton", "emulated")
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+_TRITON_FORMATS = (Format.E4M3, Format.E5M2)
+
+
+# ----------------------------------------------------------------------------- support
+def _effective_block(n: int, block: int) -> int:
+    return min(block, n)
+
+
+def epilogue_supports(choice: GemmChoice | str, *, n: int, block: int, device: str | torch.device | None = None) -> str | None:
+    """None when the fused epilogue runs ``choice`` for an output width ``n`` and BlockNorm
+    block ``block`` on ``device``; otherwise the reason (a sentence naming the fix)."""
+    c = GemmChoice.parse(choice) if isinstance(choice, str) else choice
+    b = _effective_block(n, block)
+    if n % b:
+        return (f"output width {n} is not a multiple of the BlockNorm block {block} (ragged last block):"
+                " the fused epilogue needs whole blocks; pad the layer or pick a block that divides it")
+    if c.backend not in EPILOGUE_BACKENDS:
+        return f"fused epilogue backend {c.backend!r} does not exist; use one of {list(EPILOGUE_BACKENDS)}"
+    if c.backend == "emulated":
+        return None
+    if c.a_format not in _TRITON_FORMATS or c.b_format not in _TRITON_FORMATS or c.granularity != Granularity.ROW:
+        return (f"the Triton fused epilogue runs rowwise-scaled e4m3/e5m2 GEMMs, not {c.short_str()!r};"
+                " use e.g. 'e4m3.row.fa.triton' (or an '.emulated' choice)")
+    if b & (b - 1) or not 16 <= b <= 512:
+        return f"the Triton fused epilogue needs a power-of-two block in [16, 512], got an effective block of {b}"
+    if device is not None and torch.device(device).type != "cuda":
+        return f"the Triton fused epilogue runs on CUDA, not {torch.device(device).type!r}; use an '.emulated' choice"
+    return None
+
+
+def _check(choice: GemmChoice, n: int, block: int, device: torch.device) -> None:
+    reason = epilogue_supports(choice, n=n, block=block, device=device)
+    if reason is not None:
+        raise UnsupportedChoiceError(f"fused Linear->BlockNorm->Hardswish with {choice.short_str()!r}: {reason}")
+
+
+# ----------------------------------------------------------------------------- reference math
+def reference_epilogue(y: torch.Tensor, block: int, eps: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(hardswish(blocknorm(y)), rstd)`` for ``y`` ``(M, N)``, ``N`` a multiple of the block.
+
+    Exactly :class:`loka_tune.mods.BlockNorm` (statistics in at least float32, result cast back
+    to ``y.dtype``) followed by ``F.hardswish``; ``rstd`` ``(M, N / b)`` in the statistics dtype.
+    """
+    m, n = y.shape
+    b = _effective_block(n, block)
+    yb = y.unflatten(-1, (n // b, b))
+    yf = yb.float() if yb.dtype in _LOW_PRECISION else yb
+    e = torch.finfo(y.dtype).eps if eps is None else eps
+    rstd = torch.rsqrt(yf.square().mean(dim=-1, keepdim=True) + e)  # (M, N/b, 1)
+    z = (yf * rstd).to(y.dtype).flatten(-2)
+    return F.hardswish(z), rstd.squeeze(-1)
+
+
+def reference_epilogue_backward(dh: torch.Tensor, ypre: torch.Tensor, rstd: torch.Tensor, block: int) -> torch.Tensor:
+    """``dy`` from ``dh``: Hard Swish' then BlockNorm's backward, in at least float32 (the
+    math of the Triton backward kernel). Returned in ``ypre.dtype``."""
+    m, n = ypre.shape
+    b = _effective_block(n, block)
+    wd = torch.float32 if ypre.dtype in _LOW_PRECISION else ypre.dtype
+    y = ypre.to(wd).unflatten(-1, (n // b, b))
+    r = rstd.to(wd).unsqueeze(-1)  # (M, N/b, 1)
+    z = y * r
+    g = torch.where(z < -3, torch.zeros_like(z), torch.where(z <= 3, z / 3 + 0.5, torch.ones_like(z)))
+    dz = dh.to(wd).unflatten(-1, (n // b, b)) * g
+    c = (dz * z).mean(dim=-1, keepdim=True)
+    return (r * (dz - z * c)).flatten(-2).to(ypre.dtype)
+
+
+def _gemm(a: torch.Tensor, b: torch.Tensor, choice: GemmChoice, role: GemmRole) -> torch.Tensor:
+    if choice.is_bf16 and choice.backend == "bf16":
+        return a @ b.t()
+    return get_backend(choice.backend).gemm(a, b, choice, role)
+
+
+# ----------------------------------------------------------------------------- autograd
+class _FusedFn(torch.autograd.Function):
+    """Autograd of the fused chain on a 2-D input; returns ``(h, q, q_inv_scale)``
+    (``q`` / ``q_inv_scale`` empty unless ``out_fp8``; not differentiable)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        x: torch.Tensor,  # (M, K)
+        weight: torch.Tensor,  # (N, K)
+        bias: torch.Tensor | None,  # (N,)
+        block: int,
+        eps: float | None,
+        prec: SitePrecision,
+        dtype: torch.dtype,
+        out_fp8: bool,
+        save: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        fwd = prec.fwd
+        xc, wc = x.to(dtype), weight.to(dtype)
+        n = wc.shape[0]
+        b = _effective_block(n, block)
+        e = torch.finfo(dtype).eps if eps is None else float(eps)
+        q, qs = xc.new_empty(0), xc.new_empty(0)
+        if fwd.backend == "triton":
+            from loka_tune.kernels import triton_epilogue, triton_quant
+
+            qx = triton_quant.quantize(xc, fwd.a_format, Granularity.ROW, fwd.rounding)
+            qw = triton_quant.quantize(wc, fwd.b_format, Granularity.ROW, fwd.rounding, is_weight=True)
+            res = triton_epilogue.fused_forward(
+                qx.data, qx.inv_scale, qw.data, qw.inv_scale, bias, b, e, fast_accum=fwd.fast_accum,
+                save=save, out_fp8=Format.E4M3 if out_fp8 else None, out_rounding=fwd.rounding)
+            h = res["out"]
+            ypre, rstd = (res["ypre"], res["rstd"]) if save else (h, h)  # inference: nothing saved
+            if h.dtype != dtype:
+                h = h.to(dtype)
+            if out_fp8:
+                q, qs = res["q"], res["q_inv_scale"]
+        else:  # reference: the unfused chain's exact forward
+            y = _gemm(xc, wc, fwd, GemmRole.FWD)  # (M, N) in dtype
+            if bias is not None:
+                y = y + bias.to(dtype)
+            h, rstd = reference_epilogue(y, b, e)
+            ypre = y
+            if out_fp8:
+                from loka_tune.kernels.quant import quantize
+
+                qt = quantize(h, Format.E4M3, Granularity.ROW, fwd.rounding)
+                q, qs = qt.data, qt.inv_scale()
+        if save:
+            ctx.save_for_backward(xc, wc, ypre, rstd)
+        ctx.meta = (b, prec, dtype, x.dtype, weight.dtype, None if bias is None else bias.dtype)
+        ctx.mark_non_differentiable(q, qs)
+        return h, q, qs
+
+    @staticmethod
+    def backward(ctx: Any, dh: torch.Tensor, _dq: Any, _dqs: Any) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        xc, wc, ypre, rstd = ctx.saved_tensors
+        b, prec, dtype, x_dtype, w_dtype, b_dtype = ctx.meta
+        if prec.fwd.backend == "triton":
+            from loka_tune.kernels import triton_epilogue
+
+            dy = triton_epilogue.fused_backward(dh, ypre, rstd, b, out_dtype=dtype)
+        else:
+            dy = reference_epilogue_backward(dh, ypre, rstd, b).to(dtype)
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            dx = _gemm(dy, wc.t(), prec.dgrad, GemmRole.DGRAD).to(x_dtype)  # (M, K)
+        if ctx.needs_input_grad[1]:
+            dw = _gemm(dy.t(), xc.t(), prec.wgrad, GemmRole.WGRAD).to(w_dtype)  # (N, K)
+        if b_dtype is not None and ctx.needs_input_grad[2]:
+            db = dy.to(torch.float32).sum(0).to(b_dtype)
+        return dx, dw, db, None, None, None, None, None, None
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    dev = x.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+
+
+def fused_linear_blocknorm_hardswish(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    *,
+    block: int,
+    eps: float | None = 1e-6,
+    precision: SitePrecision | str = DEFAULT_CHOICE,
+    out_fp8: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``hardswish(blocknorm(x @ weight.T + bias))`` fused; ``x`` ``(..., K)``.
+
+    ``precision``: the fwd choice selects the epilogue implementation (see the module
+    docstring); dgrad / wgrad are ordinary GEMM choices. Returns ``(h, q, q_inv_scale)``:
+    ``h`` ``(..., N)`` in the compute dtype (autocast dtype if on, else ``x.dtype``), and with
+    ``out_fp8`` the rowwise e4m3 copy of ``h`` ``(M, N)`` and its ``(M, 1)`` float32
+    dequantization factors (reference semantics; not differentiable), else ``None``s.
+    """
+    prec = SitePrecision.from_obj(precision, key="precision")
+    n = weight.shape[0]
+    _check(prec.fwd, n, block, x.device)
+    lead = x.shape[:-1]
+    # the backward's tensors (pre-norm output, rstd) are written only when a backward can follow
+    save = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
+    h, q, qs = _FusedFn.apply(x.reshape(-1, x.shape[-1]), weight, bias, block, eps, prec, _compute_dtype(x), out_fp8, save)
+    h = h.reshape(*lead, n)
+    return (h, q, qs) if out_fp8 else (h, None, None)
+
+
+# ----------------------------------------------------------------------------- module
+def is_blocknorm(m: nn.Module) -> bool:
+    """A :class:`loka_tune.mods.BlockNorm` (recognised by class name and attributes: kernels
+    do not import mods)."""
+    return (type(m).__name__ == "BlockNorm" and isinstance(getattr(m, "block", None), int)
+            and hasattr(m, "eps"))
+
+
+class FusedLinearBlockNormHardswish(nn.Module):
+    """``act(norm(linear(x)))`` as one fused epilogue GEMM; see the module docstring.
+
+    Keeps ``linear`` (an ``nn.Linear`` or :class:`LokaLinear`, whose parameters it uses),
+    ``norm`` (a parameter-free BlockNorm: its ``block`` and ``eps``) and ``act``
+    (``nn.Hardswish``) as children, so parameter names are those of the replaced container.
+    ``choice``: the fused fwd choice (``"e4m3.row.fa.triton"``, ``"e4m3.row.emulated"``, ...);
+    ``dgrad`` / ``wgrad``: the backward GEMM choices (default: a LokaLinear's own, else
+    ``choice``). ``out_fp8=True``: :meth:`forward_fp8` also returns the rowwise e4m3 output.
+    """
+
+    def __init__(self, linear: nn.Linear, norm: nn.Module, act: nn.Module | None = None, *,
+                 choice: GemmChoice | str = DEFAULT_CHOICE, dgrad: GemmChoice | str | None = None,
+                 wgrad: GemmChoice | str | None = None) -> None:
+        super().__init__()
+        if not is_eligible(linear):
+            raise TypeError(f"linear must be an nn.Linear or a LokaLinear, got {type(linear).__name__}")
+        if not is_blocknorm(norm):
+            raise TypeError(f"norm must be a BlockNorm, got {type(norm).__name__}")
+        if getattr(norm, "weight", None) is not None:
+            raise UnsupportedChoiceError("the fused epilogue implements the parameter-free BlockNorm; this one has an affine weight")
+        self.linear = linear
+        self.norm = norm
+        self.act = act if act is not None else nn.Hardswish()
+        if type(self.act) is not nn.Hardswish:
+            raise TypeError(f"act must be nn.Hardswish, got {type(self.act).__name__}")
+        fwd = GemmChoice.parse(choice) if isinstance(choice, str) else choice
+        own = linear.precision if isinstance(linear, LokaLinear) else None
+        dg = dgrad if dgrad is not None else (own.dgrad if own is not None else fwd)
+        wg = wgrad if wgrad is not None else (own.wgrad if own is not None else fwd)
+        self.precision = SitePrecision(fwd, dg, wg)
+        reason = epilogue_supports(fwd, n=linear.out_features, block=norm.block)
+        if reason is not None:
+            raise UnsupportedChoiceError(f"cannot fuse with {fwd.short_str()!r}: {reason}")
+
+    @property
+    def block(self) -> int:
+        return int(self.norm.block)
+
+    @property
+    def eps(self) -> float | None:
+        return self.norm.eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., K) -> (..., N)
+        h, _, _ = fused_linear_blocknorm_hardswish(x, self.linear.weight, self.linear.bias, block=self.block,
+                                                    eps=self.eps, precision=self.precision)
+        return h
+
+    def forward_fp8(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(h, q, q_inv_scale)``: ``h`` as :meth:`forward` plus its rowwise e4m3 copy ``(M, N)``
+        and ``(M, 1)`` dequantization factors, for a next layer that takes FP8 input."""
+        h, q, qs = fused_linear_blocknorm_hardswish(x, self.linear.weight, self.linear.bias, block=self.block,
+                                                     eps=self.eps, precision=self.precision, out_fp8=True)
+        assert q is not None and qs is not None
+        return h, q, qs
+
+    def extra_repr(self) -> str:
+        return f"block={self.block}, eps={self.eps}, precision={self.precision.short_str()}"
+
+
+# ----------------------------------------------------------------------------- model pass
+@dataclass
+class FuseReport:
+    """What :func:`fuse_epilogues` changed: ``fused`` container names, ``skipped`` (name, reason)."""
+
+    choice: str
+    fused: list[str] = field(default_factory=list)
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        lines = [f"fuse_epilogues({self.choice}): {len(self.fused)} fused, {len(self.skipped)} skipped"]
+        lines += [f"  fused   {n}" for n in self.fused]
+        lines += [f"  skipped {n}: {r}" for n, r in self.skipped]
+        return "\n".join(lines)
+
+
+def _hooked(*mods: nn.Module) -> bool:
+    return any(getattr(m, a, None) for m in mods for a in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks"))
+
+
+def _chain_reason(lin: nn.Module, norm: nn.Module, act: nn.Module, fwd: GemmChoice) -> str | None:
+    if not is_eligible(lin):
+        return f"{type(lin).__name__} is not a plain nn.Linear / LokaLinear"
+    if getattr(norm, "weight", None) is not None:
+        return "BlockNorm has an affine weight: the fused epilogue is parameter-free"
+    if _hooked(lin, norm, act):
+        return "a module of the chain has hooks attached: fuse before attaching hooks"
+    return epilogue_supports(fwd, n=lin.out_features, block=norm.block)
+
+
+def fuse_epilogues(model: nn.Module, *, choice: GemmChoice | str = DEFAULT_CHOICE,
+                   dgrad: GemmChoice | str | None = None, wgrad: GemmChoice | str | None = None,
+                   containers: tuple[str, ...] = ("MLPBlock",)) -> FuseReport:
+    """Swap every (Linear, BlockNorm, Hardswish) chain of ``model`` for a
+    :class:`FusedLinearBlockNormHardswish`; returns a :class:`FuseReport`.
+
+    Chains are found in containers whose class name is in ``containers`` (their children
+    ``linear``, ``norm``, ``act``; the container is replaced, the fused module keeps the three
+    children so parameter names do not change) and as consecutive children of an
+    ``nn.Sequential`` (the fused module takes the Linear's index, the BlockNorm's and the
+    Hardswish's become ``nn.Identity``; the Linear's parameters then live under
+    ``<i>.linear.``). Chains the fused kernel cannot run (ragged blocks, affine BlockNorm,
+    hooks, an unsupported choice) are skipped and reported. Idempotent.
+    Run after :func:`loka_tune.mods.blocknorm` / ``hardswish`` and before building the optimizer.
+    """
+    fwd = GemmChoice.parse(choice) if isinstance(choice, str) else choice
+    report = FuseReport(fwd.short_str())
+    named = dict(model.named_modules(remove_duplicate=False))
+
+    def make(lin: nn.Module, norm: nn.Module, act: nn.Module) -> FusedLinearBlockNormHardswish:
+        return FusedLinearBlockNormHardswish(lin, norm, act, choice=fwd, dgrad=dgrad, wgrad=wgrad)  # type: ignore[arg-type]
+
+    for name, m in list(named.items()):
+        if isinstance(m, FusedLinearBlockNormHardswish):
+            continue
+        if type(m).__name__ in containers:
+            kids = dict(m.named_children())
+            lin, norm, act = kids.get("linear"), kids.get("norm"), kids.get("act")
+            if lin is None or norm is None or act is None or not is_blocknorm(norm) or type(act) is not nn.Hardswish:
+                continue  # not a Linear -> BlockNorm -> Hardswish container: nothing to say
+            if name == "":
+                report.skipped.append((name, "the model itself is the chain: wrap it in a container"))
+                continue
+            reason = _chain_reason(lin, norm, act, fwd)
+            if reason is None and _hooked(m):
+                reason = "the container has hooks attached"
+            if reason is not None:
+                report.skipped.append((name, reason))
+                continue
+            parent_name, _, attr = name.rpartition(".")
+            setattr(named[parent_name], attr, make(lin, norm, act))
+            report.fused.append(name)
+        elif isinstance(m, nn.Sequential):
+            keys = list(m._modules.keys())
+            i = 0
+            while i + 2 < len(keys):
+                lin, norm, act = (m._modules[k] for k in keys[i:i + 3])
+                if (isinstance(lin, nn.Linear) and norm is not None and is_blocknorm(norm)
+                        and type(act) is nn.Hardswish):
+                    where = f"{name}.{keys[i]}" if name else keys[i]
+                    reason = _chain_reason(lin, norm, act, fwd)  # type: ignore[arg-type]
+                    if reason is not None:
+                        report.skipped.append((where, reason))
+                    else:
+                        m._modules[keys[i]] = make(lin, norm, act)  # type: ignore[arg-type]
+                        m._modules[keys[i + 1]] = nn.Identity()
+                        m._modules[keys[i + 2]] = nn.Identity()
+                        report.fused.append(where)
+                    i += 3
+                else:
+                    i += 1
+    return report
