@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
                         rel.append(100 * relative_log_loss(r["eval_logloss"], b["eval_logloss"]))
                         dauc.append(r["eval_auc"] - b["eval_auc"])
                 d = f"{statistics.fmean(dauc):+.4f}" if dauc else "n/a"
-                lines.append(f"| {name:<12} | {fmt_pct(rel):<40} | {d:>12} | {ok}/{len(base)}     |")
+                lines.append(f"| {name:<12} | {fmt_pct(rel):<40} | {d:>12} | {f'{ok}/{len(base)}':<7} |")
             tables.append("\n".join(lines))
             print("\n" + tables[-1] + "\n", file=sys.stderr, flush=True)
 
