@@ -343,6 +343,18 @@ def test_nonfinite_batches_are_skipped_recorded_and_reported() -> None:
     assert not rep.results and {s.site for s in rep.skipped if s.role == "*"} == {"a", "b"}
 
 
+def test_problems_of_unselected_sites_do_not_block_measuring_others() -> None:
+    model = Toy()
+    with Probe(model, every=1) as p:
+        model(torch.randn(2, 3, 6)).sum().backward()
+    st_ = p.stats
+    st_.sites["b"].x.nonfinite = 1  # as if b had seen a NaN batch
+    with pytest.raises(ProbeError, match="'?b'?: x"):
+        measure(st_, ["e4m3.row.emulated"], samples=1)
+    rep = measure(st_, ["e4m3.row.emulated"], samples=1, sites=["a"])
+    assert rep.sites == ["a"]
+
+
 # ---------------------------------------------------------------------------- files
 def _collected(model: nn.Module, steps: int = 4) -> ProbeStats:
     with Probe(model, every=2) as p:

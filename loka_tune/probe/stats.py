@@ -251,8 +251,9 @@ class ProbeStats:
                 out[name] = p
         return out
 
-    def check(self) -> None:
-        """Raise :class:`ProbeError` naming every unusable site (NaN/inf, nothing collected)."""
+    def check(self, sites: list[str] | None = None) -> None:
+        """Raise :class:`ProbeError` naming every unusable site (NaN/inf, nothing collected),
+        among ``sites`` (default: all)."""
         if not self.sites:
             raise ProbeError("the probe stats hold no sites")
         if self.collections == 0:
@@ -261,6 +262,8 @@ class ProbeStats:
                 " train for at least `every` steps with the model in train mode, or lower `every`"
             )
         probs = self.problems()
+        if sites is not None:
+            probs = {n: r for n, r in probs.items() if n in sites}
         if probs:
             listed = "; ".join(f"{n}: {r}" for n, r in list(probs.items())[:8])
             more = f" (and {len(probs) - 8} more)" if len(probs) > 8 else ""
