@@ -207,7 +207,10 @@ def test_fuse_pass_keeps_lokalinear_backward_choices():
 
 # ----------------------------------------------------------------------------- GPU: the Triton kernel
 TRITON = "e4m3.row.fa.triton"
-GPU_SHAPES = [(1000, 512, 512, 256), (777, 1040, 768, 128), (4096, 2048, 2048, 256), (300, 256, 1024, 64), (64, 128, 512, 512)]
+# (M, K, N, block): M not a multiple of 128 (1000, 777, 300), K not a multiple of 128 (1040);
+# tiles of one block (BN == b) and of several blocks (b=128 in BN=256, b=64 in BN=128); b=512
+GPU_SHAPES = [(1000, 512, 512, 256), (777, 1040, 768, 128), (4096, 2048, 2048, 256), (300, 256, 1024, 64),
+              (8192, 512, 1024, 128), (64, 128, 512, 512)]
 
 
 @pytest.mark.gpu

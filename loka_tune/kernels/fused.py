@@ -157,6 +157,13 @@ class _FusedFn(torch.autograd.Function):
         out_fp8: bool,
         save: bool,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        with torch.autocast(x.device.type, enabled=False):  # the reference's fp32 GEMM stays fp32
+            return _FusedFn._forward(ctx, x, weight, bias, block, eps, prec, dtype, out_fp8, save)
+
+    @staticmethod
+    def _forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, block: int,
+                 eps: float | None, prec: SitePrecision, dtype: torch.dtype, out_fp8: bool,
+                 save: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         fwd = prec.fwd
         xc, wc = x.to(dtype), weight.to(dtype)
         n = wc.shape[0]
