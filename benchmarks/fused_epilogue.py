@@ -106,6 +106,31 @@ def main() -> int:
             print(json.dumps(row), flush=True)
         del variants, x, dh, lin
         torch.cuda.empty_cache()
+    # tile-config sweep of the fused forward kernel alone (quantization excluded), one shape
+    sweep = []
+    if not args.quick and time.perf_counter() - t0 < args.budget:
+        from loka_tune.kernels import triton_epilogue, triton_quant
+
+        m, k, n = (32768, 2048, 2048) if dev.type == "cuda" else (256, 128, 512)
+        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) / k**0.5
+        qx, qw = triton_quant.quantize(x, "e4m3", "row"), triton_quant.quantize(w, "e4m3", "row", is_weight=True)
+        default = triton_epilogue.pick_epilogue_config(m, n, BLOCK, torch.cuda.get_device_properties(dev).multi_processor_count)
+        for bm, bn, nw, ns in [(128, 256, 8, 3), (64, 256, 8, 3), (64, 256, 4, 3), (128, 256, 8, 4), (128, 256, 8, 2)]:
+            if time.perf_counter() - t0 > args.budget:
+                break
+            cfg = dict(BM=bm, BN=bn, num_warps=nw, num_stages=ns)
+            r = {"M": m, "K": k, "N": n, **cfg, "default": cfg == default}
+            for save in (False, True):
+                try:
+                    r["save" if save else "nosave"] = do_bench(lambda: triton_epilogue.fused_forward(
+                        qx.data, qx.inv_scale, qw.data, qw.inv_scale, None, BLOCK, 1e-6, save=save, config=cfg),
+                        warmup=10, rep=40)
+                except Exception as e:
+                    r["error"] = f"{type(e).__name__}: {e}"[:200]
+            sweep.append(r)
+            print(json.dumps(r), flush=True)
+        del x, w, qx, qw
     # speedups of the fused kernel
     by = {(r["M"], r["K"], r["N"], r["variant"]): r for r in rows}
     lines = ["| M | K=N | variant | fwd ms | fwd+bwd ms | fused speedup fwd | fused speedup fwd+bwd | rel err vs bf16 |",
@@ -125,6 +150,13 @@ def main() -> int:
         err = f"{r['rel_err_vs_bf16']:.4f}" if "rel_err_vs_bf16" in r else note
         lines.append(f"| {r['M']} | {r['K']} | {r['variant']} | {cell('fwd_ms')} | {cell('fwd_bwd_ms')} | "
                      f"{sp('fwd_ms')} | {sp('fwd_bwd_ms')} | {err} |")
+    if sweep:
+        r0 = sweep[0]
+        lines += ["", f"Fused forward kernel alone (quantized operands given), M={r0['M']} K={r0['K']} N={r0['N']}, b={BLOCK}:", "",
+                  "| BM | BN | warps | stages | default | ms (inference) | ms (saving y, rstd) |", "|---|---|---|---|---|---|---|"]
+        for r in sweep:
+            lines.append(f"| {r['BM']} | {r['BN']} | {r['num_warps']} | {r['num_stages']} | {r['default']} | "
+                         f"{r.get('nosave', float('nan')):.3f} | {r.get('save', float('nan')):.3f} | " + r.get("error", ""))
     table = "\n".join(lines)
     print()
     print(table)
@@ -141,7 +173,7 @@ def main() -> int:
     print(f"\nwall {meta['wall_s']} s on {meta['device']}")
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"meta": meta, "rows": rows, "table": table}, indent=1))
+        args.out.write_text(json.dumps({"meta": meta, "rows": rows, "config_sweep": sweep, "table": table}, indent=1))
     return 0
 
 
