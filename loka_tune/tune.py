@@ -892,6 +892,13 @@ def run_study(cfg: StudyConfig, *, device: str | None = None, storage_url: str |
         hb.__enter__()  # from the first moment: a worker killed at any point leaves a stale trial
         try:
             state, frozen_attrs, params, config = _one_trial(ctx, study, trial, worker, budget)
+        except optuna.exceptions.UpdateFinishedTrialError:
+            # another worker saw this trial's heartbeat go stale (this process was stalled for
+            # longer than [storage] grace_s), failed it and re-queued its configuration: drop
+            # our copy and go on with the next trial.
+            _log(f"trial {trial.number}: taken over by another worker after a stale heartbeat"
+                 f" (raise [storage] grace_s above {cfg.storage.grace_s}s if this machine stalls); skipped")
+            continue
         finally:
             hb.__exit__(None, None, None)
         if tracker is not None:

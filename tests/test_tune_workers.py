@@ -19,7 +19,8 @@ from tests.test_tune import write_study
 REPO = Path(__file__).resolve().parents[1]
 
 WORKER_SPACE = 'roundings = ["exact", "pow2"]\nmods = ["no_bias"]'  # a space with room for distinct trials
-FAST_HEARTBEAT = "\n[storage]\nheartbeat_s = 1\ngrace_s = 3\n"
+GRACE_S = 8  # long enough for a loaded 2-core CI machine, short enough for a quick test
+FAST_HEARTBEAT = f"\n[storage]\nheartbeat_s = 1\ngrace_s = {GRACE_S}\n"
 
 
 def _study_file(tmp_path: Path, n_trials: int, storage: str = "") -> Path:
@@ -81,7 +82,7 @@ def test_kill_9_mid_study_then_rerun_loses_and_repeats_nothing(tmp_path: Path) -
             pytest.fail(f"worker ended before it could be killed:\n{proc.stdout.read()}")
         time.sleep(0.2)
     assert snapshot is not None, "the worker never reached the kill point"
-    time.sleep(3.5)  # past the grace period: the killed trial's heartbeat is stale
+    time.sleep(GRACE_S + 0.5)  # past the grace period: the killed trial's heartbeat is stale
     rerun = _worker(study_file)
     out, _ = rerun.communicate(timeout=300)
     assert rerun.returncode == 0, out
