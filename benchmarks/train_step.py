@@ -143,6 +143,89 @@ def profile_breakdown(step, batches, steps: int) -> dict[str, float]:
     return dict(per_cat)
 
 
+def parse_mods(text: str):
+    """'none' or a comma list of nobias, bn<block>, hswish, pad<multiple>."""
+    from loka_tune.config import ModsConfig
+
+    kw: dict = {}
+    for part in filter(None, text.split(",")):
+        if part == "none":
+            continue
+        if part == "nobias":
+            kw["no_bias"] = True
+        elif part == "hswish":
+            kw["hardswish"] = True
+        elif part.startswith("bn"):
+            kw["blocknorm"] = int(part[2:])
+        elif part.startswith("pad"):
+            kw["pad"] = int(part[3:])
+        else:
+            raise SystemExit(f"unknown mod {part!r} in {text!r}: use nobias, bn<block>, hswish, pad<multiple>")
+    return ModsConfig(**kw)
+
+
+def variant_config(mods_text: str, precision: str):
+    """A PrecisionConfig from a variant's mods and precision ('bf16', 'torchao:<recipe>',
+    'uniform:<choice or fwd|dgrad|wgrad>', or a path to an exported config JSON)."""
+    from dataclasses import replace
+
+    from loka_tune.config import PrecisionConfig, SitePrecision
+
+    mods = parse_mods(mods_text)
+    if precision == "bf16":
+        return PrecisionConfig(mods=mods)
+    if precision.startswith("torchao:"):
+        from loka_tune.kernels.backends.torchao_backend import recipe_precision
+
+        return PrecisionConfig(default=recipe_precision(precision.split(":", 1)[1]), mods=mods)
+    if precision.startswith("uniform:"):
+        return PrecisionConfig(default=SitePrecision.parse(precision.split(":", 1)[1]), mods=mods)
+    cfg = PrecisionConfig.load(precision)
+    return cfg if mods_text == "config" else replace(cfg, mods=mods)
+
+
+def run_variants(args, source, dev) -> list[dict]:
+    """Time each --variant on a fresh model (same init seed): bf16 / Mods / FP8 policies."""
+    from loka_tune.applier import apply
+
+    rows = []
+    for spec in args.variant:
+        label, mods_text, precision = (spec.split("|") + ["none", "bf16"])[:3]
+        torch.manual_seed(0)
+        model = build_model(args.model, args.preset, num_dense=args.num_dense, cardinalities=source.cardinalities)
+        model = model.to(dev)
+        cfg = variant_config(mods_text, precision)
+        summary = apply(model, cfg, strict=False)
+        model = model.to(dev)
+        fwd_model = torch.compile(model) if args.compile else model
+        optimizers = build_optimizers(model, TrainConfig(batch_size=args.batch))
+        step = make_step(fwd_model, optimizers)
+        batches = iter(source.batches("train", args.batch, seed=0, device=dev))
+        times = timed_loop(step, batches, args.variant_steps)
+        row = {"variant": label, "mods": cfg.mods.short_str(), "precision": precision,
+               "fp8_sites": len([s for s, c in summary.replaced.items()]),
+               "fallbacks": len(summary.fallbacks), **summarize(times, min(args.warmup, args.variant_steps // 3))}
+        rows.append(row)
+        print(f"  {label:28s} {row['median_ms']:8.2f} ms  ({row['fp8_sites']} FP8 sites, {row['fallbacks']} bf16 fallbacks)",
+              flush=True)
+        del model, fwd_model, optimizers, step
+        torch.cuda.empty_cache()
+    base = rows[0]["median_ms"] if rows else None
+    for r in rows:
+        r["speedup_vs_first"] = base / r["median_ms"]
+    return rows
+
+
+def print_variants(rows: list[dict], args) -> None:
+    print(f"\n{args.model}/{args.preset} batch {args.batch}, {args.variant_steps} steps per variant"
+          f"{' (compiled)' if args.compile else ' (eager)'}")
+    print("| variant | mods | precision | FP8 sites | median ms | mean ms | speed-up vs first |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['variant']} | {r['mods']} | {r['precision']} | {r['fp8_sites']} | {r['median_ms']:.2f} |"
+              f" {r['mean_ms']:.2f} | {r['speedup_vs_first']:.3f}x |")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="wukong")
@@ -155,6 +238,13 @@ def main() -> int:
     ap.add_argument("--cardinality", type=int, default=100_000)
     ap.add_argument("--profile-steps", type=int, default=10)
     ap.add_argument("--probe-every", type=int, default=0, help="also measure the probe's overhead (0: skip)")
+    ap.add_argument("--variant", action="append", default=[],
+                    help="LABEL|MODS|PRECISION, repeatable: MODS = none or nobias,bn256,hswish,pad16;"
+                         " PRECISION = bf16, torchao:tensorwise, uniform:e4m3.row.fa.triton, or a config JSON"
+                         " (MODS 'config' keeps that file's mods). Timed after the main measurement.")
+    ap.add_argument("--variant-steps", type=int, default=60)
+    ap.add_argument("--compile", action="store_true", help="torch.compile the variants' models")
+    ap.add_argument("--skip-main", action="store_true", help="only time the variants")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -188,6 +278,17 @@ def main() -> int:
         "python": platform.python_version(), "date": time.strftime("%Y-%m-%d"),
         "data_gen_ms_per_batch": data_ms,
     }
+    if args.skip_main:
+        from loka_tune.kernels import ops
+
+        ops.set_nonfinite_check(False)
+        del model, optimizers, step
+        result["variants"] = run_variants(args, source, dev)
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(result, indent=2))
+        print_variants(result["variants"], args)
+        return 0
     plain = timed_loop(step, batches, args.steps)
     result["plain"] = summarize(plain, args.warmup)
     result["phases_ms"] = phase_times(step, batches, max(args.profile_steps, 10))
@@ -210,9 +311,15 @@ def main() -> int:
         result["probe_overhead_mean"] = result["probe"]["mean_ms"] / base - 1
         result["plain_noise_mean"] = abs(result["plain"]["mean_ms"] - result["plain_after"]["mean_ms"]) / base
 
+    if args.variant:
+        del model, optimizers, step
+        torch.cuda.empty_cache()
+        result["variants"] = run_variants(args, source, dev)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2))
+    if args.variant:
+        print_variants(result["variants"], args)
     print(f"\n{args.model}/{args.preset} batch {args.batch} on {result['device']} (torch {torch.__version__})")
     print(f"step time: median {result['plain']['median_ms']:.2f} ms, mean {result['plain']['mean_ms']:.2f} ms"
           f" over {result['plain']['steps']} steps; data generation {data_ms:.2f} ms/batch (not in the step)")
