@@ -7,8 +7,9 @@ every candidate at every site and GEMM role under three operand distributions:
 - ``normal``: standard-normal X, dY, W of the same shapes (the usual random-input test);
 - ``real``: the last captured batch of each site with its current weight (ground truth).
 
-and once more with ``weights="current"`` (the weight itself instead of matrix-normal draws)
-to check that the weight model predicts the errors of the real weight.
+and twice more with ``weights="current"`` (the weight itself instead of matrix-normal draws;
+two seeds: the second gives the sampling-noise floor) to check that the weight model
+predicts the errors of the real weight.
 
 Prints a markdown summary (geomean MERE per candidate and distribution, learned/normal ratio,
 per-role ratios, verdicts that flip between distributions, how close learned is to real) and
@@ -34,7 +35,7 @@ import torch
 from loka_tune.data import parse_data_spec
 from loka_tune.models import build_model
 from loka_tune.objectives.trainer import TrainConfig, train
-from loka_tune.probe import DEFAULT_CANDIDATES, Probe, ProbeReport, measure
+from loka_tune.probe import DEFAULT_CANDIDATES, Probe, ProbeReport, ProbeStats, measure
 
 
 def _geo(xs: list[float]) -> float:
@@ -42,7 +43,7 @@ def _geo(xs: list[float]) -> float:
     return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else math.nan
 
 
-def summarize(rep: ProbeReport, cur: ProbeReport | None) -> dict:
+def summarize(rep: ProbeReport, cur: ProbeReport | None, cur2: ProbeReport | None = None) -> dict:
     by = {(r.site, r.role, r.choice, r.dist): r for r in rep.results}
     cands = rep.candidates
     out: dict = {"candidates": {}, "roles": {}, "flips": {}, "learned_vs_real": {}}
@@ -97,6 +98,11 @@ def summarize(rep: ProbeReport, cur: ProbeReport | None) -> dict:
             "geomean_mere_model": {c: out["candidates"][c]["learned"] for c in cands},
             "geomean_mere_current": {c: _geo([r.mere for r in cur.results if r.choice == c]) for c in cands},
         }
+        if cur2 is not None:  # the noise floor: the same weight, other draws of X and dY
+            c2 = {(r.site, r.role, r.choice): r.mere for r in cur2.results}
+            noise = sorted(abs(c2[k] / cb[k] - 1) for k in cb if k in c2)
+            out["weights_model_vs_current"]["noise_median_rel_diff"] = median(noise)
+            out["weights_model_vs_current"]["noise_p90_rel_diff"] = noise[int(0.9 * (len(noise) - 1))]
     return out
 
 
@@ -125,6 +131,9 @@ def markdown(s: dict, dists: list[str]) -> str:
         w = s["weights_model_vs_current"]
         lines.append(f"- matrix-normal weight draws vs the current weight: median relative MERE difference"
                      f" {w['median_rel_diff']:.3f}, p90 {w['p90_rel_diff']:.3f} over {w['cells']} cells")
+        if "noise_median_rel_diff" in w:
+            lines.append(f"  (noise floor, the current weight with other draws of X and dY: median"
+                         f" {w['noise_median_rel_diff']:.3f}, p90 {w['noise_p90_rel_diff']:.3f})")
     return "\n".join(lines)
 
 
@@ -142,6 +151,7 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1, help="torch threads while measuring")
     ap.add_argument("--out", type=Path, default=Path("/tmp/probe_learned_vs_normal"))
+    ap.add_argument("--stats", type=Path, default=None, help="re-analyse saved stats instead of training")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
 
@@ -151,13 +161,19 @@ def main() -> int:
     model = build_model(args.model, args.preset, num_dense=source.num_dense, cardinalities=list(source.cardinalities))
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, seed=args.seed, device="cpu",
                       window=min(20, args.steps), eval_batches=4)
-    with Probe(model, every=args.every, seed=args.seed) as probe:
-        res = train(model, source, cfg, progress=False)
-    stats = probe.stats
-    stats.meta.update(model=args.model, preset=args.preset, data=args.data, steps=args.steps)
-    stats.save(args.out / "probe_stats.npz")
+    if args.stats is not None:
+        stats = ProbeStats.load(args.stats, model=model)
+        eval_ll = float(stats.meta.get("eval_logloss", math.nan))
+    else:
+        with Probe(model, every=args.every, seed=args.seed) as probe:
+            res = train(model, source, cfg, progress=False)
+        stats = probe.stats
+        eval_ll = res.eval_logloss
+        stats.meta.update(model=args.model, preset=args.preset, data=args.data, steps=args.steps,
+                          eval_logloss=eval_ll)
+        stats.save(args.out / "probe_stats.npz")
     t_train = time.perf_counter() - t0
-    print(f"trained {args.model}/{args.preset} {args.steps} steps (eval logloss {res.eval_logloss:.4f},"
+    print(f"trained {args.model}/{args.preset} {args.steps} steps (eval logloss {eval_ll:.4f},"
           f" {t_train:.0f} s), {stats.collections} collections", file=sys.stderr)
 
     cands = args.candidates.split(",")
@@ -166,15 +182,17 @@ def main() -> int:
                   max_rows=args.max_rows, seed=args.seed, num_threads=args.threads)
     cur = measure(stats, cands, samples=args.samples, dists=("learned",), weights="current",
                   max_rows=args.max_rows, seed=args.seed, num_threads=args.threads)
+    cur2 = measure(stats, cands, samples=args.samples, dists=("learned",), weights="current",
+                   max_rows=args.max_rows, seed=args.seed + 1, num_threads=args.threads)
     t_measure = time.perf_counter() - t1
     rep.save(args.out / "probe_report.json")
     rep.heatmap(args.out / "probe_heatmap.png")
     (args.out / "probe_table.txt").write_text(rep.table() + "\n")
-    s = summarize(rep, cur)
+    s = summarize(rep, cur, cur2)
     s["setup"] = {
         "command": " ".join(sys.argv), "model": args.model, "preset": args.preset, "data": args.data,
         "steps": args.steps, "every": args.every, "batch_size": args.batch_size, "samples": args.samples,
-        "max_rows": args.max_rows, "eval_logloss": res.eval_logloss, "train_s": round(t_train, 1),
+        "max_rows": args.max_rows, "eval_logloss": eval_ll, "train_s": round(t_train, 1),
         "measure_s": round(t_measure, 1), "torch": torch.__version__, "python": platform.python_version(),
         "machine": platform.machine(), "date": time.strftime("%Y-%m-%d"),
         "guard_frac": rep.meta["guard_frac"], "operand_dtype": rep.meta["operand_dtype"],
