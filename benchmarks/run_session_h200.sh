@@ -44,9 +44,20 @@ fi
 
 fi
 if [ "$part" = 2 ]; then
+PLAN=benchmarks/results/wukong_large_modeled_plan.json
+MODS=nobias,bn256,hswish
+echo "== train step, breakdown, probe overhead (large Wukong, B=8192); FP8 policies with all Mods"
+timeout "${STEP_TIMEOUT:-190}" python3 benchmarks/train_step.py --model wukong --preset large --batch 8192 \
+  --steps "${STEPS:-200}" --num-sparse 40 --cardinality 100000 --probe-every 100 --out "$out/train_step.json" \
+  --variant-steps "${VSTEPS:-40}" --variant "bf16 all mods|$MODS|bf16" \
+  --variant "torchao tensorwise|$MODS|torchao:tensorwise" --variant "torchao rowwise|$MODS|torchao:rowwise" \
+  --variant "scaled_mm rowwise|$MODS|uniform:e4m3.row.fa.torch_scaled_mm" \
+  --variant "fbgemm rowwise|$MODS|uniform:e4m3.row.fa.fbgemm" \
+  --variant "triton rowwise|$MODS|uniform:e4m3.row.fa.triton" \
+  --variant "dispatch (modeled plan)|config|$PLAN" 2>&1 | grep -v "UserWarning\|_warn_once" | tee "$out/train_step.log"
 echo "== wukong_h200 study (capped)"
-timeout "${STUDY_TIMEOUT:-200}" python3 -m loka_tune tune studies/wukong_h200.toml --device cuda \
-  --n-trials "${STUDY_TRIALS:-10}" --timeout "${STUDY_TRIAL_S:-150}" --no-tracking --force 2>&1 \
+timeout "${STUDY_TIMEOUT:-190}" python3 -m loka_tune tune studies/wukong_h200.toml --device cuda \
+  --n-trials "${STUDY_TRIALS:-6}" --timeout "${STUDY_TRIAL_S:-100}" --no-tracking --force 2>&1 \
   | tail -40 | tee "$out/study.log"
 python3 -m loka_tune report studies/wukong_h200.toml 2>&1 | tail -30 | tee -a "$out/study.log"
 python3 -m loka_tune export studies/wukong_h200.toml --out "$out/wukong_best.json" 2>&1 | tail -5 | tee -a "$out/study.log"

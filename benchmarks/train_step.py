@@ -311,15 +311,12 @@ def main() -> int:
         result["probe_overhead_mean"] = result["probe"]["mean_ms"] / base - 1
         result["plain_noise_mean"] = abs(result["plain"]["mean_ms"] - result["plain_after"]["mean_ms"]) / base
 
-    if args.variant:
-        del model, optimizers, step
-        torch.cuda.empty_cache()
-        result["variants"] = run_variants(args, source, dev)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2))
-    if args.variant:
-        print_variants(result["variants"], args)
+    def dump() -> None:
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(result, indent=2))
+
+    dump()
     print(f"\n{args.model}/{args.preset} batch {args.batch} on {result['device']} (torch {torch.__version__})")
     print(f"step time: median {result['plain']['median_ms']:.2f} ms, mean {result['plain']['mean_ms']:.2f} ms"
           f" over {result['plain']['steps']} steps; data generation {data_ms:.2f} ms/batch (not in the step)")
@@ -332,7 +329,13 @@ def main() -> int:
         print(f"probe every {args.probe_every}: mean {result['probe']['mean_ms']:.2f} ms vs"
               f" {result['plain']['mean_ms']:.2f} / {result['plain_after']['mean_ms']:.2f} ms plain"
               f" -> overhead {result['probe_overhead_mean']:+.2%} (plain-vs-plain noise"
-              f" {result['plain_noise_mean']:.2%}; {result['probe_collections']} collections)")
+              f" {result['plain_noise_mean']:.2%}; {result['probe_collections']} collections)", flush=True)
+    if args.variant:
+        del model, optimizers, step
+        torch.cuda.empty_cache()
+        result["variants"] = run_variants(args, source, dev)
+        dump()
+        print_variants(result["variants"], args)
     return 0
 
 
