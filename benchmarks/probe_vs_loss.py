@@ -22,6 +22,7 @@ import argparse
 import json
 import math
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -145,11 +146,13 @@ def main() -> int:
     (args.out / "probe_vs_loss.json").write_text(json.dumps(out, indent=2, default=str) + "\n")
     for m in results:
         print(f"\n{m['model']}/{args.preset}: {args.steps} steps, seeds {args.seeds}\n")
-        print("| config | predicted MERE (learned) | predicted MERE (normal) | rel. log loss (mean) | per seed |")
-        print("|---|---:|---:|---:|---|")
+        print("| config | predicted MERE (learned) | predicted MERE (normal) | rel. log loss (mean) | std. error | per seed |")
+        print("|---|---:|---:|---:|---:|---|")
         for r in m["rows"]:
+            xs = r["rel_logloss_seeds"]
+            se = statistics.stdev(xs) / math.sqrt(len(xs)) if len(xs) > 1 else math.nan
             print(f"| {r['config']} | {r['pred_learned']:.4f} | {r['pred_normal']:.4f} | {100 * r['rel_logloss']:+.3f}% |"
-                  f" {', '.join(f'{100 * x:+.3f}%' for x in r['rel_logloss_seeds'])} |")
+                  f" {100 * se:.3f}% | {', '.join(f'{100 * x:+.3f}%' for x in xs)} |")
         sl, sn = m["spearman_learned"], m["spearman_normal"]
         print(f"\nSpearman(predicted, rel. log loss): learned rho = {sl['rho']:.3f} (p = {sl['p']:.3f}),"
               f" normal rho = {sn['rho']:.3f} (p = {sn['p']:.3f})")
