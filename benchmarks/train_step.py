@@ -171,7 +171,7 @@ def variant_config(mods_text: str, precision: str):
 
     from loka_tune.config import PrecisionConfig, SitePrecision
 
-    mods = parse_mods(mods_text)
+    mods = parse_mods("none" if mods_text == "config" else mods_text)
     if precision == "bf16":
         return PrecisionConfig(mods=mods)
     if precision.startswith("torchao:"):
