@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -38,8 +39,8 @@ examples:
   loka-tune train --model wukong --preset tiny --data criteo:day_0.gz \\
       --steps 2000 --batch-size 1024 --config best.json --json metrics.json --no-progress
 
-On a small sample, train about one epoch or it overfits (held-out NE > 1): e.g. on 1,600
-Criteo training rows, --steps 100 --batch-size 16 --lr-dense 3e-3.
+On a small sample, train about one epoch or it overfits (held-out NE > 1): without --steps
+and --batch-size that is what happens (e.g. 1,605 Criteo training rows: batch 16, 101 steps).
 """
 
 
@@ -73,8 +74,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="apply this precision config (loka-tune export) to the model before training")
 
     t = parser.add_argument_group("training")
-    t.add_argument("--steps", type=int, default=300, help="optimizer steps (default: 300)")
-    t.add_argument("--batch-size", type=int, default=256, help="training batch size (default: 256)")
+    t.add_argument("--steps", type=int, default=None,
+                   help="optimizer steps (default: 300; on a file with fewer rows than that needs,"
+                        " one epoch: a short run must not overfit a small sample)")
+    t.add_argument("--batch-size", type=int, default=None,
+                   help="training batch size (default: 256; on a file of under 25,600 training rows,"
+                        " rows/100 but at least 16, so one epoch is about 100 steps)")
     t.add_argument("--lr-dense", type=float, default=1e-3, help="Adam learning rate (default: 1e-3)")
     t.add_argument("--lr-sparse", type=float, default=1e-2,
                    help="embedding-table learning rate (default: 1e-2)")
@@ -128,6 +133,26 @@ def format_table(d: dict[str, Any]) -> str:
     return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)
 
 
+DEFAULT_STEPS = 300  # a short run: enough for the tiny presets to learn synthetic data
+DEFAULT_BATCH = 256
+
+
+def default_schedule(source: Any, batch_size: int | None, steps: int | None) -> tuple[int, int]:
+    """Batch size and steps when not given: 256 x 300 steps, except on a file source too small
+    for that (fewer training rows than 300 batches need), where one epoch at a batch of about
+    rows/100 (at least 16) is the default, since more epochs overfit a small sample."""
+    rows = getattr(source, "num_train_rows", None)
+    if batch_size is None:
+        batch_size = DEFAULT_BATCH
+        if rows is not None and rows < 100 * DEFAULT_BATCH:
+            batch_size = max(16, rows // 100)
+    if steps is None:
+        steps = DEFAULT_STEPS
+        if rows is not None:
+            steps = max(1, min(DEFAULT_STEPS, math.ceil(rows / batch_size)))
+    return batch_size, steps
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -136,9 +161,11 @@ def run(args: argparse.Namespace) -> int:
     from loka_tune.models import build_model
     from loka_tune.objectives.trainer import TrainConfig, train
 
+    source = parse_data_spec(args.data)
+    batch_size, steps = default_schedule(source, args.batch_size, args.steps)
     cfg = TrainConfig(
-        steps=args.steps,
-        batch_size=args.batch_size,
+        steps=steps,
+        batch_size=batch_size,
         lr_dense=args.lr_dense,
         lr_sparse=args.lr_sparse,
         seed=args.seed,
@@ -153,7 +180,6 @@ def run(args: argparse.Namespace) -> int:
     if args.config is not None and not args.config.is_file():
         raise ConfigError(f"precision config {str(args.config)!r} not found: pass the JSON written by "
                           "'loka-tune export'", key="--config")
-    source = parse_data_spec(args.data)
 
     torch.manual_seed(args.seed)  # deterministic model init
     replaced: dict[str, str] = {}
