@@ -764,6 +764,10 @@ class _Heartbeat:
 
     def __enter__(self) -> "_Heartbeat":
         if hasattr(self.storage, "record_heartbeat") and self.storage.get_heartbeat_interval():
+            try:  # synchronously first: from here on a killed worker leaves a stale trial
+                self.storage.record_heartbeat(self.trial_id)
+            except Exception:  # noqa: BLE001 - the thread retries
+                pass
             self._thread.start()
         return self
 
@@ -773,12 +777,44 @@ class _Heartbeat:
             self._thread.join()
 
 
-def _fail_stale(study: Any) -> None:
+def _fail_stale(study: Any, grace_s: float | None = None) -> None:
+    """Fail (and re-queue) the trials of dead workers.
+
+    Optuna fails RUNNING trials whose heartbeat is older than the grace period. A worker killed
+    between asking a trial and its first heartbeat leaves a RUNNING trial with no heartbeat at
+    all, which Optuna never calls stale: such an orphan (no ``worker`` attribute, which is set
+    right after the first heartbeat, and started more than ``grace_s`` ago) is failed here and
+    its parameters are enqueued again, so no worker waits for it forever.
+    """
+    import datetime
+
     import optuna
+    from optuna.trial import TrialState
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         optuna.storages.fail_stale_trials(study)
+    if grace_s is None:
+        return
+    now = datetime.datetime.now()
+    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        if "worker" in t.user_attrs or t.datetime_start is None:
+            continue
+        if (now - t.datetime_start).total_seconds() <= grace_s:
+            continue
+        storage = study._storage
+        try:
+            if not storage.set_trial_state_values(t._trial_id, state=TrialState.FAIL):
+                continue
+        except optuna.exceptions.UpdateFinishedTrialError:  # another worker failed it first
+            continue
+        get_cb = getattr(storage, "get_heartbeat_stale_trial_callback", None)  # as Optuna's stale check
+        callback = get_cb() if get_cb is not None else None
+        if callback is not None:
+            callback(study, storage.get_trial(t._trial_id))
+        else:
+            study.enqueue_trial(t.params)
+        _log(f"trial {t.number}: its worker died before its first heartbeat; failed and re-queued")
 
 
 def _n_counted(trials: Iterable[Any]) -> tuple[int, int]:
@@ -814,13 +850,14 @@ def _find_duplicate(study: Any, key: str, number: int) -> Any:
     return best
 
 
-def _wait_for(study: Any, trial_number: int, key: str, poll_s: float, limit_s: float) -> Any:
+def _wait_for(study: Any, trial_number: int, key: str, poll_s: float, limit_s: float,
+              grace_s: float | None = None) -> Any:
     """Poll until the running trial ``trial_number`` finishes; its frozen trial, or None (it died)."""
     from optuna.trial import TrialState
 
     t_end = time.time() + limit_s
     while time.time() < t_end:
-        _fail_stale(study)
+        _fail_stale(study, grace_s=grace_s)
         t = study.get_trials(deepcopy=False)[trial_number]
         if t.state in (TrialState.COMPLETE, TrialState.PRUNED):
             return t
@@ -877,7 +914,7 @@ def run_study(cfg: StudyConfig, *, device: str | None = None, storage_url: str |
     while True:
         if timeout is not None and time.time() - t_start > timeout:
             break
-        _fail_stale(study)
+        _fail_stale(study, grace_s=cfg.storage.grace_s)
         done, running = _n_counted(study.get_trials(deepcopy=False))
         if n_total is not None and done + running >= n_total:
             if done >= n_total:
@@ -889,7 +926,7 @@ def run_study(cfg: StudyConfig, *, device: str | None = None, storage_url: str |
             warnings.filterwarnings("ignore", message="Heartbeat of storage")
             trial = study.ask(fixed_distributions=dists)
         hb = _Heartbeat(storage, trial._trial_id, cfg.storage.heartbeat_s)
-        hb.__enter__()  # from the first moment: a worker killed at any point leaves a stale trial
+        hb.__enter__()  # the first beat is recorded before this returns (see _fail_stale for the gap)
         try:
             state, frozen_attrs, params, config = _one_trial(ctx, study, trial, worker, budget)
         except optuna.exceptions.UpdateFinishedTrialError:
@@ -926,7 +963,8 @@ def _one_trial(ctx: StudyContext, study: Any, trial: Any, worker: str, budget: f
     frozen_attrs: dict[str, Any]
     dup = _find_duplicate(study, key, trial.number)
     if dup is not None and dup.state == TrialState.RUNNING:
-        dup = _wait_for(study, dup.number, key, poll_s=1.0, limit_s=max(60.0, 4 * cfg.storage.grace_s + 600))
+        dup = _wait_for(study, dup.number, key, poll_s=1.0, limit_s=max(60.0, 4 * cfg.storage.grace_s + 600),
+                        grace_s=cfg.storage.grace_s)
     if dup is not None:
         attrs = {k: v for k, v in dup.user_attrs.items()
                  if k not in ("config", "config_key", "worker", "seeded", "cache_hit", "cached_from")}

@@ -187,3 +187,30 @@ def postgres_url(tmp_path: Path):  # noqa: ANN201
 @pytest.mark.slow
 def test_two_workers_on_postgresql(tmp_path: Path, postgres_url: str) -> None:
     _two_workers(_study_file(tmp_path, n_trials=5, storage=postgres_url), 5)
+
+
+def test_orphan_trial_without_heartbeat_is_failed_and_requeued(tmp_path: Path) -> None:
+    """A worker killed between ask() and its first heartbeat leaves a RUNNING trial that
+    Optuna's heartbeat check never calls stale; _fail_stale fails and re-queues it."""
+    import optuna
+    from optuna.storages import RDBStorage, RetryFailedTrialCallback
+    from optuna.trial import TrialState
+
+    from loka_tune.tune import _fail_stale
+
+    storage = RDBStorage(f"sqlite:///{tmp_path / 'o.db'}", heartbeat_interval=1, grace_period=2,
+                         failed_trial_callback=RetryFailedTrialCallback(max_retry=2))
+    study = optuna.create_study(study_name="o", storage=storage)
+    dist = {"x": optuna.distributions.CategoricalDistribution(["a", "b"])}
+    orphan = study.ask(fixed_distributions=dist)  # RUNNING, no heartbeat, no "worker" attribute
+    alive = study.ask(fixed_distributions=dist)
+    alive.set_user_attr("worker", "w1")  # a live worker's trial is left alone
+    _fail_stale(study, grace_s=1e9)  # too young: nothing happens
+    assert study.trials[orphan.number].state == TrialState.RUNNING
+    _fail_stale(study, grace_s=0.0)
+    trials = study.get_trials(deepcopy=False)
+    assert trials[orphan.number].state == TrialState.FAIL
+    assert trials[alive.number].state == TrialState.RUNNING
+    retry = [t for t in trials if t.state == TrialState.WAITING]
+    assert len(retry) == 1 and retry[0].system_attrs.get("failed_trial") == orphan.number
+    assert retry[0].params == orphan.params
