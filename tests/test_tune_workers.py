@@ -199,7 +199,7 @@ def test_orphan_trial_without_heartbeat_is_failed_and_requeued(tmp_path: Path) -
     from loka_tune.tune import _fail_stale
 
     storage = RDBStorage(f"sqlite:///{tmp_path / 'o.db'}", heartbeat_interval=1, grace_period=2,
-                         failed_trial_callback=RetryFailedTrialCallback(max_retry=2))
+                         heartbeat_stale_trial_callback=RetryFailedTrialCallback(max_retry=2))
     study = optuna.create_study(study_name="o", storage=storage)
     dist = {"x": optuna.distributions.CategoricalDistribution(["a", "b"])}
     orphan = study.ask(fixed_distributions=dist)  # RUNNING, no heartbeat, no "worker" attribute
