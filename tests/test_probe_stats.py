@@ -112,6 +112,20 @@ def test_sketch_mode_diag_exact_and_frequent_directions_bound() -> None:
     np.testing.assert_allclose(np.sort(vals.numpy())[::-1][:5], eig[:5], rtol=0.05)
 
 
+def test_sketch_of_large_batches_uses_a_reweighted_row_subset() -> None:
+    rng = np.random.default_rng(4)
+    d = 40
+    x = rng.standard_normal((6000, 3)) @ (rng.standard_normal((3, d)) * 3) + rng.standard_normal((6000, d)) * 0.2
+    parts = np.split(x, [3000])  # two calls of 3000 rows, 256 of each feed the sketch
+    full = _merge(parts)
+    sk = _merge(parts, max_full_dim=16, sketch_rank=8, sketch_rows=256)
+    np.testing.assert_allclose(sk.m2d.numpy(), np.diag(full.m2.numpy()), rtol=1e-10)  # still exact
+    top = np.linalg.eigvalsh(full.m2.numpy())[::-1][:3]
+    vals, _ = sk.sketch.eig()
+    # 3 strong directions seen through 2 x 256 reweighted rows: within ~4 standard errors
+    np.testing.assert_allclose(np.sort(vals.numpy())[::-1][:3], top, rtol=0.3)
+
+
 def test_frequent_directions_exact_for_low_rank() -> None:
     rng = np.random.default_rng(3)
     a = rng.standard_normal((300, 4)) @ rng.standard_normal((4, 20))
@@ -122,7 +136,8 @@ def test_frequent_directions_exact_for_low_rank() -> None:
 
 
 # ---------------------------------------------------------------------------- the weight model
-def test_matrix_normal_flip_flop_recovers_u_and_v() -> None:
+@pytest.mark.parametrize("flip_flop", [0, 2], ids=["moments", "flip_flop"])
+def test_matrix_normal_recovers_u_and_v(flip_flop: int) -> None:
     g = torch.Generator().manual_seed(0)
     n, k = 6, 4
     a = torch.randn(n, n, generator=g, dtype=torch.float64)
@@ -133,7 +148,7 @@ def test_matrix_normal_flip_flop_recovers_u_and_v() -> None:
     lu, lv = torch.linalg.cholesky(u), torch.linalg.cholesky(v)
     m0 = 3 * torch.randn(n, k, generator=g, dtype=torch.float64)
     ema, sd = 0.02, 0.1
-    mn = MatrixNormalEMA(n, k, ema=ema)
+    mn = MatrixNormalEMA(n, k, ema=ema, flip_flop=flip_flop)
     for _ in range(3000):
         mn.update(m0 + sd * lu @ torch.randn(n, k, generator=g, dtype=torch.float64) @ lv.T)
     # residual W_t - M_{t-1}: variance inflated by the EMA mean's own variance a / (2 - a)
@@ -144,13 +159,14 @@ def test_matrix_normal_flip_flop_recovers_u_and_v() -> None:
     assert (mn.mean - m0).abs().max() <= 0.1
 
 
-def test_matrix_normal_diagonal_mode_above_the_cap() -> None:
+@pytest.mark.parametrize("flip_flop", [0, 2], ids=["moments", "flip_flop"])
+def test_matrix_normal_diagonal_mode_above_the_cap(flip_flop: int) -> None:
     g = torch.Generator().manual_seed(1)
     n, k = 8, 5
     u = torch.linspace(0.5, 4.0, n, dtype=torch.float64)
     v = torch.linspace(0.2, 2.0, k, dtype=torch.float64)
     v = v * k / v.sum()
-    mn = MatrixNormalEMA(n, k, ema=0.02, max_full_dim=3)
+    mn = MatrixNormalEMA(n, k, ema=0.02, max_full_dim=3, flip_flop=flip_flop)
     assert not mn.u_full and not mn.v_full
     for _ in range(3000):
         mn.update(u.sqrt()[:, None] * torch.randn(n, k, generator=g, dtype=torch.float64) * v.sqrt()[None, :])
@@ -159,12 +175,32 @@ def test_matrix_normal_diagonal_mode_above_the_cap() -> None:
     np.testing.assert_allclose(mn.u.numpy() / infl, u.numpy(), rtol=0.2)
 
 
+def test_matrix_normal_moments_from_column_subsets() -> None:
+    """K = 40 columns > max_full_dim = 8: V is diagonal and R R^T comes from 8 random columns
+    per collection, rescaled; U must still be recovered."""
+    g = torch.Generator().manual_seed(2)
+    n, k = 6, 40
+    a = torch.randn(n, n, generator=g, dtype=torch.float64)
+    u = a @ a.T / n + 0.2 * torch.eye(n, dtype=torch.float64)
+    v = torch.linspace(0.5, 1.5, k, dtype=torch.float64)  # trace k
+    lu = torch.linalg.cholesky(u)
+    mn = MatrixNormalEMA(n, k, ema=0.02, max_full_dim=8)
+    assert mn.u_full and not mn.v_full
+    for _ in range(3000):
+        mn.update(lu @ torch.randn(n, k, generator=g, dtype=torch.float64) * v.sqrt())
+    infl = 1 + 0.02 / 1.98
+    assert (mn.u / infl - u).abs().max() <= 0.2 * u.abs().max()
+    # each V_jj is seen through N = 6 values per residual, ~100 residuals kept: SE ~6%
+    np.testing.assert_allclose(mn.v.numpy(), v.numpy(), rtol=0.25)
+
+
+@pytest.mark.parametrize("flip_flop", [0, 2], ids=["moments", "flip_flop"])
 @pytest.mark.parametrize("n,k", [(32, 32), (8, 64), (64, 8)])
-def test_matrix_normal_few_collections_keep_the_step_scale(n: int, k: int) -> None:
+def test_matrix_normal_few_collections_keep_the_step_scale(n: int, k: int, flip_flop: int) -> None:
     """Few residuals of rank <= min(N, K) in new directions each time: the shrinkage must keep
     the per-element variance of the model at the size of the weight's steps (no blow-up)."""
     g = torch.Generator().manual_seed(0)
-    mn = MatrixNormalEMA(n, k)
+    mn = MatrixNormalEMA(n, k, flip_flop=flip_flop)
     w = torch.randn(n, k, generator=g, dtype=torch.float64)
     for _ in range(5):
         mn.update(w)
@@ -180,7 +216,7 @@ def test_static_weight_gives_no_residual_model() -> None:
     for _ in range(4):
         mn.update(w)
     assert mn.count == 4 and mn.residuals == 0
-    torch.testing.assert_close(mn.mean, w.double())
+    torch.testing.assert_close(mn.mean, w)
 
 
 # ---------------------------------------------------------------------------- the hooks

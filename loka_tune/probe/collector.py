@@ -28,8 +28,10 @@ goes on. :meth:`ProbeStats.check` (run by :func:`loka_tune.probe.measure`) then 
 
 from __future__ import annotations
 
+import contextlib
 import re
-from typing import Any, Callable, Iterable
+import time
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -66,7 +68,8 @@ class _StreamAcc:
             return False
         if self.moments is None:
             self.moments = RunningMoments(
-                self.dim, max_full_dim=self.max_full_dim, sketch_rank=self.sketch_rank, device=x.device
+                self.dim, max_full_dim=self.max_full_dim, sketch_rank=self.sketch_rank, device=x.device,
+                generator=gen,
             )
         self.moments.update(x)
         self.batches += 1
@@ -131,7 +134,14 @@ class Probe:
         max_full_dim: feature dims above it keep diagonal + low-rank statistics.
         sketch_rank: rank of that low-rank sketch.
         weight_ema: EMA factor of the weight model.
+        weight_flip_flop: 0 (default) fits the weight model's factors by their moment
+            estimators (two GEMMs per collection); k >= 1 runs k flip-flop MLE steps per
+            collection instead (inverts both factors: costly on wide layers). See
+            :mod:`loka_tune.probe.weights`.
         seed: seeds the subsampling (quantiles, real rows).
+        profile: record the seconds each site's collection takes (device-synchronised) in
+            :attr:`timings` (``"<site>.x"``, ``"<site>.dy"``, ``"<site>.w"``, summed over
+            collections): what ``benchmarks/probe_collect_cost.py`` reports.
     """
 
     def __init__(
@@ -146,7 +156,9 @@ class Probe:
         max_full_dim: int = MAX_FULL_DIM,
         sketch_rank: int = DEFAULT_SKETCH_RANK,
         weight_ema: float = 0.5,
+        weight_flip_flop: int = 0,
         seed: int = 0,
+        profile: bool = False,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ProbeError(f"Probe needs an nn.Module, got {type(model).__name__}")
@@ -156,12 +168,15 @@ class Probe:
             raise ProbeError(f"step_on must be 'forward' or 'manual', got {step_on=!r}")
         if not 0.0 < weight_ema <= 1.0:
             raise ProbeError(f"weight_ema must be in (0, 1], got {weight_ema=!r}")
+        if isinstance(weight_flip_flop, bool) or not isinstance(weight_flip_flop, int) or weight_flip_flop < 0:
+            raise ProbeError(f"weight_flip_flop must be an integer >= 0, got {weight_flip_flop=!r}")
         if max_full_dim < 1 or sketch_rank < 1 or real_rows < 1:
             raise ProbeError(f"max_full_dim, sketch_rank and real_rows must be >= 1, got"
                              f" {max_full_dim=}, {sketch_rank=}, {real_rows=}")
         self.model, self.every, self.step_on = model, every, step_on
         self.keep_real, self.real_rows = keep_real, int(real_rows)
         self.max_full_dim, self.sketch_rank, self.weight_ema = int(max_full_dim), int(sketch_rank), weight_ema
+        self.weight_flip_flop = weight_flip_flop
         found = find_sites(model)
         if sites is not None:
             found = _select(found, list(sites))
@@ -178,6 +193,8 @@ class Probe:
         self._due = False
         self._root_handles: list[Any] = []
         self._site_handles: list[Any] = []
+        self.profile = bool(profile)
+        self.timings: dict[str, float] = {}
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> "Probe":
@@ -234,7 +251,8 @@ class Probe:
         self.collections += 1
         with torch.no_grad():
             for site in self._sites.values():
-                self._collect_weight(site)
+                with self._timed(site, "w", site.mod.weight):
+                    self._collect_weight(site)
         for site in self._sites.values():
             self._site_handles.append(site.mod.register_forward_hook(self._make_hook(site)))
 
@@ -250,15 +268,14 @@ class Probe:
         def hook(mod: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
             if not inputs or not torch.is_tensor(inputs[0]) or not torch.is_tensor(output):
                 return
-            with torch.no_grad():
+            with torch.no_grad(), self._timed(site, "x", inputs[0]):
                 x = inputs[0].detach().reshape(-1, site.x.dim)  # (M, K)
                 idx = None
                 if self.keep_real and site.real_at != self.collections:
                     # the first call of this collection only, so that X and dY rows pair up
                     # (a module called twice per forward sees its backward in reverse order)
                     site.real_at = self.collections
-                    m = x.shape[0]
-                    idx = torch.randperm(m, generator=self._gen)[: self.real_rows].sort().values
+                    idx = _row_subset(x.shape[0], self.real_rows, self._gen)
                 site.x.add(x, self._gen, idx)
             if output.requires_grad:
                 output.register_hook(self._make_grad_hook(site, idx))
@@ -267,10 +284,25 @@ class Probe:
 
     def _make_grad_hook(self, site: _Site, idx: torch.Tensor | None) -> Callable[[torch.Tensor], None]:
         def grad_hook(g: torch.Tensor) -> None:
-            with torch.no_grad():
+            with torch.no_grad(), self._timed(site, "dy", g):
                 site.dy.add(g.detach().reshape(-1, site.dy.dim), self._gen, idx)  # (M, N)
 
         return grad_hook
+
+    @contextlib.contextmanager
+    def _timed(self, site: _Site, part: str, like: torch.Tensor) -> Iterator[None]:
+        if not self.profile:
+            yield
+            return
+        cuda = like.is_cuda
+        if cuda:
+            torch.cuda.synchronize(like.device)
+        t0 = time.perf_counter()
+        yield
+        if cuda:
+            torch.cuda.synchronize(like.device)
+        key = f"{site.name}.{part}"
+        self.timings[key] = self.timings.get(key, 0.0) + time.perf_counter() - t0
 
     def _collect_weight(self, site: _Site) -> None:
         w = site.mod.weight.detach()  # (N, K)
@@ -279,15 +311,19 @@ class Probe:
             return
         if site.w is None:
             site.w = MatrixNormalEMA(
-                w.shape[0], w.shape[1], ema=self.weight_ema, max_full_dim=self.max_full_dim, device=w.device
+                w.shape[0], w.shape[1], ema=self.weight_ema, flip_flop=self.weight_flip_flop,
+                max_full_dim=self.max_full_dim, device=w.device, generator=self._gen,
             )
         site.w.update(w)
-        aw = w.abs().flatten().float()
+        aw = w.abs().flatten()
         site.w_amax = float(aw.max())
-        if aw.numel() > QUANTILE_SAMPLE:
-            aw = aw[torch.randint(aw.numel(), (QUANTILE_SAMPLE,), generator=self._gen).to(aw.device)]
-        site.w_absq = torch.quantile(aw, torch.tensor(QUANTILES, device=aw.device)).double().cpu().numpy()
-        wc = w.double() - w.double().mean()
+        if aw.numel() > QUANTILE_SAMPLE:  # quantiles and kurtosis from a subsample
+            idx = torch.randint(aw.numel(), (QUANTILE_SAMPLE,), generator=self._gen).to(aw.device)
+            sub = w.flatten()[idx].double()
+        else:
+            sub = w.flatten().double()
+        site.w_absq = torch.quantile(sub.abs(), torch.tensor(QUANTILES, device=sub.device, dtype=sub.dtype)).cpu().numpy()
+        wc = sub - sub.mean()
         var = float((wc * wc).mean())
         site.w_kurt = float((wc**4).mean()) / var**2 - 3.0 if var > 0 else 0.0
 
@@ -311,6 +347,14 @@ class Probe:
                 bias=getattr(m, "bias", None) is not None,
             )
         return ProbeStats(sites, self.every, self.steps, self.collections, type(self.model).__name__)
+
+
+def _row_subset(m: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """Up to ``k`` distinct random row indices of ``m``, sorted (no O(m) permutation when m >> k)."""
+    if m <= 8 * k:
+        return torch.randperm(m, generator=gen)[:k].sort().values
+    u = torch.randint(m, (k + k // 8,), generator=gen).unique()  # collisions are rare when m >> k
+    return u[torch.randperm(u.numel(), generator=gen)[:k]].sort().values
 
 
 def _select(found: dict[str, nn.Linear], patterns: list[str]) -> dict[str, nn.Linear]:

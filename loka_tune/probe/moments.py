@@ -18,7 +18,10 @@ exact diagonal and a Frequent Directions sketch (Liberty 2013; Ghashami et al. 2
 ``M2`` equals ``A^T A`` for ``A`` = the within-batch centred rows of every batch stacked with
 one row ``sqrt(n_a n_b / n) delta`` per merge, so the sketch sees those rows and satisfies the
 FD guarantee ``0 <= M2 - B^T B`` and ``||M2 - B^T B||_2 <= ||A - A_k||_F^2 / (l - k)`` for
-every ``k < l`` (``l = sketch_rank``).
+every ``k < l`` (``l = sketch_rank``). To bound the cost of a collection, a batch of more
+than ``sketch_rows`` (512) rows feeds the sketch a random subset of that many rows, scaled by
+``sqrt(rows / 512)`` (an unbiased estimate of the batch's scatter): the guarantee then holds
+for that stream, the diagonal stays exact.
 """
 
 from __future__ import annotations
@@ -31,38 +34,56 @@ __all__ = ["MAX_FULL_DIM", "RunningMoments", "FrequentDirections"]
 
 MAX_FULL_DIM = 2048  # largest feature dim with a full covariance (32 MiB float64 per tensor)
 DEFAULT_SKETCH_RANK = 64  # rows of the Frequent Directions sketch above MAX_FULL_DIM
+DEFAULT_SKETCH_ROWS = 512  # rows per call fed to the sketch (a random subset, reweighted)
 
 
 class FrequentDirections:
-    """A Frequent Directions sketch ``B (<= l, d)`` with ``B^T B ~= A^T A`` for appended rows ``A``."""
+    """A Frequent Directions sketch ``B (<= l, d)`` with ``B^T B ~= A^T A`` for appended rows ``A``.
 
-    def __init__(self, dim: int, rank: int, *, device: torch.device | str | None = None) -> None:
+    Each shrink works on the Gram matrix of the buffer (``m x m``, m <= ``l + max_append``):
+    ``G = Y Y^T`` on the data's device, its eigendecomposition on the host (float64; a few
+    ms for m ~ 600), then ``B = diag(sqrt((lam_i - lam_l) / lam_i)) U^T Y`` for the top ``l``:
+    the same result as an SVD of ``Y`` (up to rounding in the discarded directions), without a
+    GPU SVD of a wide matrix per chunk, which is what made collections slow.
+    """
+
+    def __init__(self, dim: int, rank: int, *, device: torch.device | str | None = None,
+                 max_append: int = 1024) -> None:
         assert rank >= 1 and dim >= 1
-        self.dim, self.rank = dim, rank
-        self._b = torch.zeros(0, dim, dtype=torch.float64, device=device)  # (<= 2 l, d)
+        self.dim, self.rank, self.max_append = dim, rank, max(int(max_append), rank)
+        self._b = torch.zeros(0, dim, dtype=torch.float64, device=device)  # (<= l + max_append, d)
 
     def append(self, rows: torch.Tensor) -> None:
         """Add rows ``(r, d)`` (float64) to the sketch."""
         rows = rows.reshape(-1, self.dim)
-        step = 2 * self.rank
-        for i in range(0, rows.shape[0], step):
-            self._b = torch.cat([self._b, rows[i : i + step]])
+        for i in range(0, rows.shape[0], self.max_append):
+            self._b = torch.cat([self._b, rows[i : i + self.max_append]])
             if self._b.shape[0] > 2 * self.rank:
-                self._shrink()
+                self._b = self._top(self._b, shrink=True)[2]
 
-    def _shrink(self) -> None:
-        _, s, vt = torch.linalg.svd(self._b, full_matrices=False)  # s descending
-        if s.shape[0] > self.rank:
-            s2 = (s[: self.rank] ** 2 - s[self.rank] ** 2).clamp_min(0.0)
-            self._b = s2.sqrt()[:, None] * vt[: self.rank]  # (l, d)
+    def _top(self, y: torch.Tensor, *, shrink: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(values (r,), vectors (r, d), B (r, d))`` of the top ``r <= l`` directions of ``y``
+        (values are shrunk by the (l+1)-th one when ``shrink``)."""
+        g = (y @ y.T).to("cpu")  # (m, m) Gram matrix, host
+        lam, u = torch.linalg.eigh(0.5 * (g + g.T))  # ascending
+        lam, u = lam.flip(0).clamp_min(0.0), u.flip(1)
+        r = min(self.rank, lam.shape[0])
+        delta = lam[r] if shrink and lam.shape[0] > r else lam.new_zeros(())
+        keep = lam[:r]
+        ok = keep > keep[0] * 1e-14 if r else keep > 0  # directions resolved in float64
+        inv = torch.where(ok, keep.clamp_min(1e-300).rsqrt(), torch.zeros_like(keep))
+        vecs = (inv[:, None] * u[:, :r].T).to(y.device) @ y  # (r, d) unit rows (v_i = Y^T u_i / s_i)
+        vals = torch.where(ok, keep - delta, torch.zeros_like(keep)).clamp_min(0.0)
+        b = vals.sqrt().to(y.device)[:, None] * vecs
+        keep_rows = vals > 0
+        return vals[keep_rows].to(y.device), vecs[keep_rows.to(y.device)], b[keep_rows.to(y.device)]
 
     def eig(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The sketch as ``(values (r,), vectors (r, d))``: ``B^T B = V^T diag(values) V``, r <= l."""
         if self._b.shape[0] == 0:
             return self._b.new_zeros(0), self._b.new_zeros(0, self.dim)
-        _, s, vt = torch.linalg.svd(self._b, full_matrices=False)
-        r = min(self.rank, s.shape[0])
-        return s[:r] ** 2, vt[:r]
+        vals, vecs, _ = self._top(self._b, shrink=False)
+        return vals, vecs
 
 
 class RunningMoments:
@@ -78,9 +99,13 @@ class RunningMoments:
         *,
         max_full_dim: int = MAX_FULL_DIM,
         sketch_rank: int = DEFAULT_SKETCH_RANK,
+        sketch_rows: int = DEFAULT_SKETCH_ROWS,
         device: torch.device | str | None = None,
+        generator: torch.Generator | None = None,
     ) -> None:
         self.dim = int(dim)
+        self.sketch_rows = int(sketch_rows)
+        self._gen = generator if generator is not None else torch.Generator().manual_seed(0)
         self.full = self.dim <= max_full_dim
         self.n = 0
         f64 = dict(dtype=torch.float64, device=device)
@@ -89,7 +114,9 @@ class RunningMoments:
         self.m2d = torch.zeros(self.dim, **f64)  # its diagonal (always exact)
         self.m3 = torch.zeros(self.dim, **f64)
         self.m4 = torch.zeros(self.dim, **f64)
-        self.sketch = None if self.full else FrequentDirections(self.dim, sketch_rank, device=device)
+        self.sketch = None if self.full else FrequentDirections(
+            self.dim, sketch_rank, device=device, max_append=self.sketch_rows + 1
+        )
 
     def update(self, x: torch.Tensor) -> None:
         xb = x.detach().reshape(-1, self.dim).to(torch.float64)  # (rows, d)
@@ -111,7 +138,7 @@ class RunningMoments:
             if self.full:
                 self.m2 = m2_b
             else:
-                self.sketch.append(xc)
+                self.sketch.append(self._sketch_rows(xc))
             return
         na, n = self.n, self.n + nb
         delta = mb - self.mean  # (d,)
@@ -131,10 +158,19 @@ class RunningMoments:
         if self.full:
             self.m2 = self.m2 + m2_b + torch.outer(delta, delta) * (na * nb / n)
         else:
-            self.sketch.append(xc)
-            self.sketch.append((delta * math.sqrt(na * nb / n))[None])  # the Chan cross term
+            cross = (delta * math.sqrt(na * nb / n))[None]  # the Chan cross term, one row
+            self.sketch.append(torch.cat([self._sketch_rows(xc), cross]))
         self.mean = self.mean + delta * (nb / n)
         self.n = n
+
+    def _sketch_rows(self, xc: torch.Tensor) -> torch.Tensor:
+        """At most ``sketch_rows`` random rows of ``xc``, scaled by ``sqrt(rows / kept)`` so
+        that their scatter is an unbiased estimate of the batch's (all rows when fewer)."""
+        nb = xc.shape[0]
+        if nb <= self.sketch_rows:
+            return xc
+        idx = torch.randperm(nb, generator=self._gen)[: self.sketch_rows].to(xc.device)
+        return xc[idx] * math.sqrt(nb / self.sketch_rows)
 
     # ------------------------------------------------------------------ read-outs
     def covariance(self, ddof: int = 1) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""A matrix-normal model of a linear layer's weight, fitted online (flip-flop + EMA).
+"""A matrix-normal model of a linear layer's weight, fitted online with an EMA.
 
 Model: ``vec(W) ~ N(vec(M), V kron U)`` for ``W (N, K)`` (out x in), i.e. ``W = M + A Z B^T``
 with ``Z`` iid standard normal, ``U = A A^T (N, N)`` the row covariance and ``V = B B^T (K, K)``
@@ -10,25 +10,38 @@ Fit, once per probe collection ``t`` (the weight ``W_t`` is read directly, no ho
 - mean: ``M_t = (1 - a) M_{t-1} + a W_t`` (EMA, ``a = ema``, default 0.5: collections are
   ~100 steps apart, so the recent weight dominates), ``M_1 = W_1``;
 - residual ``R_t = W_t - M_{t-1}`` (how far the weight moved since the last collections);
-- ``flip_flop`` (default 2) alternating MLE steps, each an EMA of the one-sample flip-flop
-  estimates: ``U <- (1 - a) U + a R V^-1 R^T / K``, then ``V <- (1 - a) V + a R^T U^-1 R / N``
-  (the first residual initialises them, from ``V = I``), then the scale fix.
-- shrinkage: one residual has rank <= min(N, K), and the EMA keeps only about
+- ``U`` and ``V``, by one of two estimators (``flip_flop``):
+
+  * ``flip_flop=0`` (default), the moment estimators: EMAs of ``S_U = R R^T`` and
+    ``S_V = R^T R``. For ``R ~ MN(0, U, V)``, ``E[R R^T] = tr(V) U`` and
+    ``E[R^T R] = tr(U) V``, so ``V = K S_V / tr(S_V)`` and ``U = S_U / K`` are consistent
+    estimates under our scale convention. They are also the first flip-flop iteration
+    started from identity factors. Cost per collection: two GEMMs (``N^2 K + K^2 N``, run in
+    float32; a sum over more than ``max_full_dim`` columns or rows uses that many random ones,
+    rescaled: unbiased, and at most ``2 * 2048^3`` flops), no inverse: this is what keeps a
+    collection cheap on wide layers.
+  * ``flip_flop=k >= 1``: ``k`` alternating MLE (flip-flop) steps per collection, each an EMA
+    of the one-sample estimates ``U <- (1 - a) U + a R V^-1 R^T / K``, then
+    ``V <- (1 - a) V + a R^T U^-1 R / N``, then the scale fix. Statistically more efficient
+    for strongly non-Kronecker-separable noise, but each step inverts both factors
+    (``O(N^3 + K^3)`` in float64): on a 2048-wide layer that is seconds on a CPU.
+
+- shrinkage (applied when the factors are read, never fed back into the EMA, where it would
+  compound): one residual has rank <= min(N, K), and the EMA keeps only about
   ``n_eff = min(residuals, (2 - a) / a)`` of them, so each full factor is shrunk toward its
   scaled identity, ``U <- (1 - r) U + r mean(diag U) I`` with ``r = N / (N + n_eff K)`` (the
-  K columns of each residual are the observations of U; ``r = K / (K + n_eff N)`` for V),
-  which keeps traces (the per-element variance) and makes the inverses of the next
-  flip-flop steps well conditioned: without it a direction that no earlier residual
-  spanned gets a ~0 eigenvalue, and its inverse blows the other factor up by orders of
-  magnitude. Inverses are also ridge-regularised (``1e-6 * trace / dim``).
+  K columns of each residual are the observations of U; ``r = K / (K + n_eff N)`` for V).
+  This keeps the traces (the per-element variance), makes the factors positive definite and,
+  in flip-flop mode, keeps the inverses well conditioned: without it a direction that no
+  earlier residual spanned has a ~0 eigenvalue whose inverse blows the other factor up.
 
 A factor whose dim exceeds ``max_full_dim`` (2048, as for activations) is kept diagonal
-(the same updates restricted to the diagonal). Synthetic weights drawn from this model are
+(the same estimators restricted to the diagonal). Synthetic weights drawn from this model are
 the running mean plus noise of the size of the recent weight updates: draws stay close to
 the weight the layer actually has, which is what the error of its GEMMs depends on (scale
 per row / per block, outliers). ``benchmarks/probe_learned_vs_normal.py`` checks that errors
 measured on draws of this model agree with errors on the current weight itself
-(``weights="current"`` in :func:`loka_tune.probe.measure`).
+(``weights="current"`` in :func:`loka_tune.probe.measure`) to within the sampling noise.
 """
 
 from __future__ import annotations
@@ -54,13 +67,31 @@ def _ridge_inverse(s: torch.Tensor) -> torch.Tensor:
 
 
 def _shrink(s: torch.Tensor, n_obs: float) -> torch.Tensor:
-    """Shrink a full ``(d, d)`` covariance toward ``mean(diag) I`` by ``d / (d + n_obs)``."""
+    """Shrink a full ``(d, d)`` covariance toward ``mean(diag) I`` by ``d / (d + n_obs)``
+    (the result exactly symmetric)."""
     if s.dim() == 1:
         return s
+    s = 0.5 * (s + s.T)
     d = s.shape[0]
     r = d / (d + n_obs)
     mu = float(torch.diagonal(s).mean())
     return (1.0 - r) * s + (r * mu) * torch.eye(d, dtype=s.dtype, device=s.device)
+
+
+def _gram(r: torch.Tensor, full: bool, max_cols: int, gen: torch.Generator) -> torch.Tensor:
+    """``r r^T`` ``(d, d)`` (float32 GEMM, float64 result) or its diagonal ``(d,)``.
+
+    A full one over more than ``max_cols`` columns is estimated from ``max_cols`` random
+    columns scaled by ``cols / max_cols`` (unbiased): it bounds the GEMM at ``d^2 max_cols``."""
+    r32 = r.to(torch.float32)
+    if not full:
+        return (r32 * r32).sum(1).to(torch.float64)
+    cols = r32.shape[1]
+    if cols > max_cols:
+        idx = torch.randperm(cols, generator=gen)[:max_cols].to(r32.device)
+        sub = r32[:, idx]
+        return (sub @ sub.T).to(torch.float64) * (cols / max_cols)
+    return (r32 @ r32.T).to(torch.float64)
 
 
 class MatrixNormalEMA:
@@ -72,26 +103,54 @@ class MatrixNormalEMA:
         cols: int,
         *,
         ema: float = 0.5,
-        flip_flop: int = 2,
+        flip_flop: int = 0,
         max_full_dim: int = MAX_FULL_DIM,
         device: torch.device | str | None = None,
+        generator: torch.Generator | None = None,
     ) -> None:
-        assert 0.0 < ema <= 1.0 and flip_flop >= 1
+        assert 0.0 < ema <= 1.0 and flip_flop >= 0
+        self.max_full_dim = int(max_full_dim)
+        self._gen = generator if generator is not None else torch.Generator().manual_seed(0)
         self.rows, self.cols, self.ema, self.flip_flop = int(rows), int(cols), float(ema), int(flip_flop)
         self.u_full = self.rows <= max_full_dim
         self.v_full = self.cols <= max_full_dim
         self.count = 0  # collections seen
         self.residuals = 0  # collections that moved the weight (fitted U, V)
+        f32 = dict(dtype=torch.float32, device=device)
         f64 = dict(dtype=torch.float64, device=device)
-        self.mean = torch.zeros(self.rows, self.cols, **f64)
-        self.last = torch.zeros(self.rows, self.cols, **f64)
-        self.u = torch.zeros(self.rows, self.rows, **f64) if self.u_full else torch.zeros(self.rows, **f64)
-        self.v = torch.eye(self.cols, **f64) if self.v_full else torch.ones(self.cols, **f64)
-        self._u_raw, self._v_raw = self.u, self.v  # EMA states before shrinkage
+        self.mean = torch.zeros(self.rows, self.cols, **f32)
+        self.last = torch.zeros(self.rows, self.cols, **f32)
+        # EMA states, before shrinkage: S_U, S_V (moments) or the scale-fixed U, V (flip-flop)
+        self._u_raw = torch.zeros(self.rows, self.rows, **f64) if self.u_full else torch.zeros(self.rows, **f64)
+        self._v_raw = torch.eye(self.cols, **f64) if self.v_full else torch.ones(self.cols, **f64)
 
+    # ------------------------------------------------------------------ the factors
+    @property
+    def _n_eff(self) -> float:
+        return min(float(max(self.residuals, 1)), (2.0 - self.ema) / self.ema)
+
+    def _scaled(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The unshrunk factors under the ``trace(V) = K`` convention."""
+        if self.flip_flop or self.residuals == 0:
+            return self._u_raw, self._v_raw
+        tr = float(self._v_raw.trace() if self.v_full else self._v_raw.sum())  # = ||R||_F^2 EMA > 0
+        assert tr > 0, "a residual that moved the weight has a positive norm"
+        return self._u_raw / self.cols, self._v_raw * (self.cols / tr)
+
+    @property
+    def u(self) -> torch.Tensor:
+        """The row covariance ``(N, N)`` (or its diagonal), shrunk."""
+        return _shrink(self._scaled()[0], self._n_eff * self.cols)
+
+    @property
+    def v(self) -> torch.Tensor:
+        """The column covariance ``(K, K)`` (or its diagonal), trace K, shrunk."""
+        return _shrink(self._scaled()[1], self._n_eff * self.rows)
+
+    # ------------------------------------------------------------------ the update
     def update(self, w: torch.Tensor) -> None:
         """Fold in the weight ``w (N, K)`` of one collection."""
-        w = w.detach().to(device=self.mean.device, dtype=torch.float64)
+        w = w.detach().to(device=self.mean.device, dtype=torch.float32)
         assert w.shape == (self.rows, self.cols), (w.shape, self.rows, self.cols)
         self.last = w.clone()
         self.count += 1
@@ -105,8 +164,16 @@ class MatrixNormalEMA:
             return  # the weight did not move: nothing to learn about U, V
         first = self.residuals == 0
         self.residuals += 1
-        n_eff = min(float(self.residuals), (2.0 - a) / a)  # residuals the EMA effectively keeps
-        # the EMA runs on the raw estimates; shrinkage is applied on use (it must not compound)
+        if self.flip_flop == 0:
+            cap = self.max_full_dim
+            su, sv = _gram(r, self.u_full, cap, self._gen), _gram(r.T, self.v_full, cap, self._gen)  # R R^T, R^T R
+            self._u_raw = su if first else (1.0 - a) * self._u_raw + a * su
+            self._v_raw = sv if first else (1.0 - a) * self._v_raw + a * sv
+            return
+        self._flip_flop(r.to(torch.float64), first)
+
+    def _flip_flop(self, r: torch.Tensor, first: bool) -> None:
+        a, n_eff = self.ema, self._n_eff
         u_raw, v_raw = self._u_raw, self._v_raw
         u, v = self.u, self.v
         for _ in range(self.flip_flop):
@@ -122,7 +189,6 @@ class MatrixNormalEMA:
                 v_raw, u_raw = v_raw / c, u_raw * c  # scale fix: trace(V) = K
             u, v = _shrink(u_raw, n_eff * self.cols), _shrink(v_raw, n_eff * self.rows)
         self._u_raw, self._v_raw = u_raw, v_raw
-        self.u, self.v = u, v
 
     @staticmethod
     def _sandwich(r: torch.Tensor, inv: torch.Tensor, out_full: bool, inv_full: bool) -> torch.Tensor:
