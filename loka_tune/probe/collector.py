@@ -17,7 +17,10 @@ training mode counts as one step; with ``step_on="manual"`` the training loop ca
 
 Between collections the only cost is one forward pre-hook on the root module that
 increments a counter: no per-site hooks exist, so the overhead is nil on non-collection
-steps. Inputs with leading dims (3-D activations) are flattened into rows: each row is one
+steps. A collection itself is kept cheap: float64 moments of the rows (a ``(d, d)`` GEMM per
+tensor up to 2048 features, a Frequent Directions sketch fed 512 rows above), the weight
+model by two float32 GEMMs (moment estimators), quantiles and kurtosis on subsamples.
+``Probe(profile=True)`` times each site's collection (``benchmarks/probe_collect_cost.py``). Inputs with leading dims (3-D activations) are flattened into rows: each row is one
 independent draw of the feature vector.
 
 Non-finite batches: a collected ``X`` or ``dY`` holding NaN/inf is *not merged* (it would
@@ -74,12 +77,13 @@ class _StreamAcc:
         self.moments.update(x)
         self.batches += 1
         self.rows = x.shape[0]
-        ax = x.detach().abs().flatten()
-        self.amax = max(self.amax, float(ax.max()) if ax.numel() else 0.0)
-        if ax.numel() > QUANTILE_SAMPLE:
-            idx = torch.randint(ax.numel(), (QUANTILE_SAMPLE,), generator=gen).to(ax.device)
-            ax = ax[idx]
-        q = torch.quantile(ax.float(), torch.tensor(QUANTILES, device=ax.device))
+        flat = x.detach().reshape(-1)
+        if flat.numel():
+            self.amax = max(self.amax, float(torch.linalg.vector_norm(flat, float("inf"))))
+        if flat.numel() > QUANTILE_SAMPLE:
+            flat = flat[torch.randint(flat.numel(), (QUANTILE_SAMPLE,), generator=gen).to(flat.device)]
+        ax = flat.abs().float()
+        q = torch.quantile(ax, torch.tensor(QUANTILES, device=ax.device))
         self.absq_sum += q.double().cpu().numpy()
         if real_idx is not None:
             self.real = x.detach()[real_idx.to(x.device)].float().cpu()
