@@ -54,6 +54,10 @@ def _get(rec: Any, name: str, default: Any = None) -> Any:
 
 
 def _records(report: Any) -> list[Any]:
+    if hasattr(report, "select") and hasattr(report, "primary_dist"):
+        # a probe report may hold several input distributions (learned, normal, real): plan on
+        # the probe's answer only, never on a mix
+        report = report.select(report.primary_dist)
     recs = _get(report, "results", None) if not isinstance(report, (list, tuple)) else report
     if recs is None:
         raise ConfigError(

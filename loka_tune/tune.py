@@ -616,7 +616,8 @@ def prepare_study(cfg: StudyConfig, study: Any, *, device: str, force: bool = Fa
                     return modeled_speedup(cid, m, k, n, role, cfg.objective.cost_device)
                 except UnsupportedChoiceError:
                     return 0.0
-        space = prune_by_probe(space, report.results, max_error=cfg.probe.max_error,
+        primary = report.select(report.primary_dist) if hasattr(report, "select") else report
+        space = prune_by_probe(space, primary.results, max_error=cfg.probe.max_error,
                                min_speedup=cfg.probe.min_speedup, speedup=speedup_fn)
     n_fp8 = space.n_fp8_candidates()
     _log(f"[loka-tune] space: {len(space.sites)} sites, {n_fp8} FP8 candidates after pruning,"

@@ -127,3 +127,24 @@ def test_bad_arguments() -> None:
         build_plan(_report(), max_error=0)
     with pytest.raises(ConfigError, match="report"):
         build_plan(object())
+
+
+def test_build_plan_uses_only_the_primary_distribution_of_a_probe_report():
+    """A report with learned and normal results plans on the learned ones only."""
+    from loka_tune.config import GemmRole
+    from loka_tune.dispatch import build_plan
+    from loka_tune.probe.report import CandidateResult, ProbeReport
+
+    fields = CandidateResult.__dataclass_fields__
+
+    def rec(choice: str, mere: float, speedup: float, dist: str) -> CandidateResult:
+        values = dict(site="a", role=GemmRole.FWD.value, choice=choice, m=4096, k=4096, n=4096, mere=mere,
+                      mere_std=0.0, sqnr_db=30.0, sqnr_std=0.0, time_s=1.0 / speedup, bf16_time_s=1.0,
+                      speedup=speedup, time_source="modeled", safe=mere <= 0.2, fast=speedup >= 1.05, dist=dist)
+        return CandidateResult(**{k: v for k, v in values.items() if k in fields})
+
+    learned = [rec("e4m3.row.torch_scaled_mm", 0.9, 1.5, "learned")]  # unsafe under the learned inputs
+    normal = [rec("e4m3.row.torch_scaled_mm", 0.1, 1.5, "normal")]  # looks safe under normal inputs
+    report = ProbeReport(learned + normal, [], 0.2, 1.05, {}, None)
+    plan = build_plan(report, max_error=0.2, min_speedup=1.05, resolve_emulated=False)
+    assert plan.resolve("a").fwd.is_bf16
