@@ -41,6 +41,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
+from loka_tune._io import atomic_write_text
 from loka_tune.errors import ConfigError
 
 __all__ = [
@@ -610,12 +611,7 @@ class PrecisionConfig:
 
     def save(self, path: str | Path) -> Path:
         """Write the config as JSON (atomically: a crash never leaves half a file)."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(self.to_json() + "\n")
-        tmp.replace(path)
-        return path
+        return atomic_write_text(path, self.to_json() + "\n")
 
     @classmethod
     def load(cls, path: str | Path) -> "PrecisionConfig":

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Iterable
 
+from loka_tune._io import atomic_write_text
 from loka_tune.errors import ProbeError
 
 __all__ = ["REPORT_SCHEMA_VERSION", "CandidateResult", "SkippedCandidate", "ProbeReport"]
@@ -184,12 +185,7 @@ class ProbeReport:
 
     def save(self, path: str | Path) -> Path:
         """Write the report as JSON (atomically)."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(self.to_json() + "\n")
-        tmp.replace(path)
-        return path
+        return atomic_write_text(path, self.to_json() + "\n")
 
     @classmethod
     def from_dict(cls, obj: dict[str, Any], *, source: str = "<dict>") -> "ProbeReport":
