@@ -30,9 +30,25 @@ def _study_file(tmp_path: Path, n_trials: int, storage: str = "") -> Path:
     return p
 
 
-def _worker(study: Path, *extra: str) -> subprocess.Popen:
+# Runs the real CLI; with a delay, every trial evaluation first sleeps, so that a fast machine cannot finish the
+# whole study between two polls of the test (the kill test needs a trial that is still running when it looks).
+_SLOW_CLI = """
+import sys, time
+import loka_tune.tune as tune
+_evaluate = tune.evaluate_config
+def _slow(*a, **k):
+    time.sleep(DELAY)
+    return _evaluate(*a, **k)
+tune.evaluate_config = _slow
+from loka_tune.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _worker(study: Path, *extra: str, trial_delay_s: float = 0.0) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    return subprocess.Popen([sys.executable, "-W", "ignore", "-m", "loka_tune", "tune", str(study), "--no-tracking",
+    launcher = ["-c", _SLOW_CLI.replace("DELAY", repr(trial_delay_s))] if trial_delay_s else ["-m", "loka_tune"]
+    return subprocess.Popen([sys.executable, "-W", "ignore", *launcher, "tune", str(study), "--no-tracking",
                              *extra], env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -59,7 +75,7 @@ def _assert_no_duplicate_evaluations(study) -> None:  # noqa: ANN001
 @pytest.mark.slow
 def test_kill_9_mid_study_then_rerun_loses_and_repeats_nothing(tmp_path: Path) -> None:
     study_file = _study_file(tmp_path, n_trials=6)
-    proc = _worker(study_file)
+    proc = _worker(study_file, trial_delay_s=3.0)
     db = tmp_path / "runs" / "t" / "optuna.db"
     deadline = time.time() + 240
     snapshot = None
@@ -99,7 +115,7 @@ def test_kill_9_mid_study_then_rerun_loses_and_repeats_nothing(tmp_path: Path) -
 
 
 def _two_workers(study_file: Path, n_trials: int) -> None:
-    procs = [_worker(study_file, "--worker-index", str(i)) for i in range(2)]
+    procs = [_worker(study_file, "--worker-index", str(i), trial_delay_s=1.0) for i in range(2)]  # both get trials
     outs = [p.communicate(timeout=400)[0] for p in procs]
     for p, out in zip(procs, outs):
         assert p.returncode == 0, out
