@@ -8,7 +8,7 @@ Variants of ``hardswish(blocknorm(x @ W.T + b))`` (bf16 activations, BlockNorm b
   Hardswish in bf16;
 - ``fp8 fused``: :class:`~loka_tune.kernels.fused.FusedLinearBlockNormHardswish`
   (``e4m3.row.fa.triton``: one fused forward kernel; backward epilogue kernel + triton FP8
-  dgrad / wgrad).
+  dgrad / wgrad); ``fp8 fused, bf16 bwd GEMMs``: the same forward, dgrad / wgrad in bf16.
 
 ``fwd`` is an inference forward (``torch.no_grad``), ``fwd+bwd`` a training step of the chain
 (forward, then backward of a fixed upstream gradient into X, W and b). Times are
@@ -50,6 +50,8 @@ def _variants(lin: nn.Linear) -> dict[str, nn.Module]:
     return {  # bf16 compile last: its compiles are the slow part, the budget may skip it
         "bf16 eager": bf16,
         "fp8 fused": FusedLinearBlockNormHardswish(lin, BlockNorm(BLOCK), nn.Hardswish(), choice=CHOICE),
+        "fp8 fused, bf16 bwd GEMMs": FusedLinearBlockNormHardswish(lin, BlockNorm(BLOCK), nn.Hardswish(), choice=CHOICE,
+                                                                   dgrad="bf16", wgrad="bf16"),
         "fp8 unfused": nn.Sequential(LokaLinear.from_linear(lin, CHOICE), BlockNorm(BLOCK), nn.Hardswish()),
         "bf16 compile": torch.compile(nn.Sequential(lin, BlockNorm(BLOCK), nn.Hardswish())),
     }
@@ -64,12 +66,15 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=None, help="JSON results path")
     ap.add_argument("--budget", type=float, default=70.0, help="seconds of wall time before skipping the rest")
     ap.add_argument("--quick", action="store_true", help="two shapes only")
+    ap.add_argument("--cudagraph", action="store_true",
+                    help="also time each variant replayed as a CUDA graph (triton.testing.do_bench_cudagraph):"
+                         " GPU time without the Python/launch overhead, as inside a graph-captured train step")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
     import triton
-    from triton.testing import do_bench
+    from triton.testing import do_bench, do_bench_cudagraph
 
     t0 = time.perf_counter()
     dev = torch.device("cuda")
@@ -100,6 +105,18 @@ def main() -> int:
 
                 step()
                 row["fwd_bwd_ms"] = do_bench(step, warmup=10, rep=40, grad_to_none=[xg, lin.weight, lin.bias])
+                if args.cudagraph:
+                    params = [p for p in mod.parameters() if p.requires_grad]
+
+                    def fwd_nograd() -> None:
+                        with torch.no_grad():
+                            mod(x)
+
+                    def grad_step() -> None:  # no .grad accumulation inside the graph
+                        torch.autograd.grad(mod(xg), [xg, *params], dh)
+
+                    row["fwd_ms_graph"] = do_bench_cudagraph(fwd_nograd, rep=40)
+                    row["fwd_bwd_ms_graph"] = do_bench_cudagraph(grad_step, rep=40)
             except Exception as e:  # record and go on: one variant failing must not hide the rest
                 row["error"] = f"{type(e).__name__}: {e}"[:300]
             rows.append(row)
@@ -133,8 +150,10 @@ def main() -> int:
         del x, w, qx, qw
     # speedups of the fused kernel
     by = {(r["M"], r["K"], r["N"], r["variant"]): r for r in rows}
-    lines = ["| M | K=N | variant | fwd ms | fwd+bwd ms | fused speedup fwd | fused speedup fwd+bwd | rel err vs bf16 |",
-             "|---|---|---|---|---|---|---|---|"]
+    graph = any("fwd_bwd_ms_graph" in r for r in rows)
+    gh = " fwd ms (graph) | fwd+bwd ms (graph) | fused speedup fwd+bwd (graph) |" if graph else ""
+    lines = ["| M | K=N | variant | fwd ms | fwd+bwd ms | fused speedup fwd | fused speedup fwd+bwd |" + gh
+             + " rel err vs bf16 |", "|---|---|---|---|---|---|---|" + "---|" * (3 if graph else 0) + "---|"]
     for r in rows:
         f = by.get((r["M"], r["K"], r["N"], "fp8 fused"), {})
 
@@ -148,8 +167,9 @@ def main() -> int:
 
         note = r.get("error") or r.get("skipped") or ""
         err = f"{r['rel_err_vs_bf16']:.4f}" if "rel_err_vs_bf16" in r else note
+        gcells = f" {cell('fwd_ms_graph')} | {cell('fwd_bwd_ms_graph')} | {sp('fwd_bwd_ms_graph')} |" if graph else ""
         lines.append(f"| {r['M']} | {r['K']} | {r['variant']} | {cell('fwd_ms')} | {cell('fwd_bwd_ms')} | "
-                     f"{sp('fwd_ms')} | {sp('fwd_bwd_ms')} | {err} |")
+                     f"{sp('fwd_ms')} | {sp('fwd_bwd_ms')} |{gcells} {err} |")
     if sweep:
         r0 = sweep[0]
         lines += ["", f"Fused forward kernel alone (quantized operands given), M={r0['M']} K={r0['K']} N={r0['N']}, b={BLOCK}:", "",
@@ -167,7 +187,8 @@ def main() -> int:
         "python": platform.python_version(),
         "choice": CHOICE,
         "block": BLOCK,
-        "timing": "triton.testing.do_bench median (ms), warmup=10 ms, rep=40 ms",
+        "timing": "triton.testing.do_bench median (ms), warmup=10 ms, rep=40 ms"
+                  + ("; (graph): triton.testing.do_bench_cudagraph, rep=40 ms" if args.cudagraph else ""),
         "wall_s": round(time.perf_counter() - t0, 1),
     }
     print(f"\nwall {meta['wall_s']} s on {meta['device']}")

@@ -3,6 +3,7 @@
 # Usage on the H200, from the repo root, after installing the carried wheels:
 #   bash benchmarks/run_session_h200.sh "$OUT" 1   # tests, train step, probe overhead, Mods, policies, fused
 #   bash benchmarks/run_session_h200.sh "$OUT" 2   # the capped wukong_h200 study
+#   bash benchmarks/run_session_h200.sh "$OUT" probe  # probe GPU test, probe overhead, fused epilogue (CUDA graphs too)
 set -uo pipefail
 out=${1:?usage: run_session_h200.sh OUTDIR}
 mkdir -p "$out"
@@ -61,4 +62,16 @@ timeout "${STUDY_TIMEOUT:-190}" python3 -m loka_tune tune studies/wukong_h200.to
   | tail -40 | tee "$out/study.log"
 python3 -m loka_tune report studies/wukong_h200.toml 2>&1 | tail -30 | tee -a "$out/study.log"
 python3 -m loka_tune export studies/wukong_h200.toml --out "$out/wukong_best.json" 2>&1 | tail -5 | tee -a "$out/study.log"
+fi
+if [ "$part" = probe ]; then
+echo "== GPU tests: probe on CUDA, fused epilogue"
+timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_probe_stats.py \
+  tests/test_fused_epilogue.py 2>&1 | tail -15 | tee "$out/gpu_tests.log"
+echo "== probe overhead (large Wukong, B=8192, every=100, 400 probed steps)"
+timeout "${STEP_TIMEOUT:-240}" python3 benchmarks/train_step.py --model wukong --preset large --batch 8192 \
+  --steps 150 --num-sparse 40 --cardinality 100000 --probe-every 100 --probe-steps 400 --profile-steps 5 \
+  --out "$out/train_step_probe.json" 2>&1 | grep -v "UserWarning\|_warn_once" | tee "$out/train_step_probe.log"
+echo "== fused epilogue (do_bench and CUDA graphs)"
+timeout "${FUSED_TIMEOUT:-170}" python3 benchmarks/fused_epilogue.py --cudagraph --budget 140 \
+  --out "$out/fused.json" 2>&1 | tail -30 | tee "$out/fused.log"
 fi

@@ -7,8 +7,11 @@ Measures, for one model/preset at one batch size on synthetic data generated on 
      mode): dense linear GEMMs (mm/addmm/_scaled_mm), other GEMMs (bmm: interactions),
      embeddings, optimizer, everything else; and the time to generate one batch;
   3. with ``--probe-every N``: the same loop with a ``loka_tune.Probe(model, every=N)``
-     attached, and its overhead on the mean step time (the collection steps included),
-     against plain runs before and after it (their difference is the noise).
+     attached for ``--probe-steps`` steps: its overhead on the mean step time against plain
+     runs before and after it (their difference is the run-to-run noise), and directly: the
+     extra time of each collection step over the median of the other steps of the same run,
+     divided by N median steps (the steady figure leaves out the first collection, which
+     also allocates the accumulators; both are printed).
 
 Example (the BENCHMARKS.md entries):
     python benchmarks/train_step.py --model wukong --preset large --batch 8192 --steps 200 \
@@ -238,6 +241,8 @@ def main() -> int:
     ap.add_argument("--cardinality", type=int, default=100_000)
     ap.add_argument("--profile-steps", type=int, default=10)
     ap.add_argument("--probe-every", type=int, default=0, help="also measure the probe's overhead (0: skip)")
+    ap.add_argument("--probe-steps", type=int, default=400,
+                    help="steps with the probe attached (at least 2 x --probe-every)")
     ap.add_argument("--variant", action="append", default=[],
                     help="LABEL|MODS|PRECISION, repeatable: MODS = none or nobias,bn256,hswish,pad16;"
                          " PRECISION = bf16, torchao:tensorwise, uniform:e4m3.row.fa.triton, or a config JSON"
@@ -301,8 +306,9 @@ def main() -> int:
     if args.probe_every:
         from loka_tune.probe import Probe
 
-        with Probe(model, every=args.probe_every) as probe:
-            probed = timed_loop(step, batches, args.steps)
+        every = args.probe_every
+        with Probe(model, every=every) as probe:
+            probed = timed_loop(step, batches, max(args.probe_steps, 2 * every))
         plain2 = timed_loop(step, batches, args.steps)
         result["probe"] = summarize(probed, args.warmup)
         result["plain_after"] = summarize(plain2, args.warmup)
@@ -310,6 +316,19 @@ def main() -> int:
         base = (result["plain"]["mean_ms"] + result["plain_after"]["mean_ms"]) / 2
         result["probe_overhead_mean"] = result["probe"]["mean_ms"] / base - 1
         result["plain_noise_mean"] = abs(result["plain"]["mean_ms"] - result["plain_after"]["mean_ms"]) / base
+        # Direct: the probe works only in its collection steps (steps every, 2 every, ...: the
+        # i-th timed step is the probe's step i + 1); their extra time over the median of the
+        # other steps of the same run is the cost of one collection, free of run-to-run drift.
+        coll = [i for i in range(len(probed)) if (i + 1) % every == 0]
+        other = [t for i, t in enumerate(probed) if (i + 1) % every and i >= args.warmup]
+        med = statistics.median(other)
+        extra = [probed[i] - med for i in coll]
+        steady = extra[1:] or extra  # the first collection also allocates the accumulators
+        result["probe_collection_extra_ms"] = [e * 1e3 for e in extra]
+        result["probe_noncollection_median_ms"] = med * 1e3
+        result["probe_overhead_steady"] = statistics.fmean(steady) / (every * med)
+        result["probe_overhead_first"] = extra[0] / (every * med)
+        result["probe_hook_cost_noncollection"] = med * 1e3 / result["plain"]["median_ms"] - 1
 
     def dump() -> None:
         if args.out:
@@ -329,7 +348,12 @@ def main() -> int:
         print(f"probe every {args.probe_every}: mean {result['probe']['mean_ms']:.2f} ms vs"
               f" {result['plain']['mean_ms']:.2f} / {result['plain_after']['mean_ms']:.2f} ms plain"
               f" -> overhead {result['probe_overhead_mean']:+.2%} (plain-vs-plain noise"
-              f" {result['plain_noise_mean']:.2%}; {result['probe_collections']} collections)", flush=True)
+              f" {result['plain_noise_mean']:.2%}; {result['probe_collections']} collections)")
+        print(f"probe, direct: collection steps cost "
+              + ", ".join(f"{e:+.1f}" for e in result["probe_collection_extra_ms"])
+              + f" ms over the median other step ({result['probe_noncollection_median_ms']:.2f} ms);"
+              f" overhead at every={args.probe_every}: steady {result['probe_overhead_steady']:+.3%},"
+              f" first collection {result['probe_overhead_first']:+.3%}", flush=True)
     if args.variant:
         del model, optimizers, step
         torch.cuda.empty_cache()

@@ -379,6 +379,37 @@ def test_nonfinite_batches_are_skipped_recorded_and_reported() -> None:
     assert not rep.results and {s.site for s in rep.skipped if s.role == "*"} == {"a", "b"}
 
 
+def test_a_rejected_batch_leaves_every_moment_bit_identical() -> None:
+    x = torch.from_numpy(_data(50, 5))
+    bad = x.clone()
+    bad[3, 2] = float("inf")
+    for kw in ({}, {"max_full_dim": 2, "sketch_rank": 2}):  # full covariance and sketch mode
+        rm = RunningMoments(5, **kw)
+        rm.update(x, torch.isfinite(x).all())
+        before = [t.clone() for t in (rm._n, rm.mean, rm.m2d, rm.m3, rm.m4)] + ([rm.m2.clone()] if rm.full else [])
+        rm.update(bad, torch.isfinite(bad).all())  # decided on the device: no host read of the flag
+        after = [rm._n, rm.mean, rm.m2d, rm.m3, rm.m4] + ([rm.m2] if rm.full else [])
+        for b, a in zip(before, after):
+            assert torch.equal(a, b)
+        assert rm.n == 50
+
+
+def test_rows_above_max_rows_merge_a_random_subset() -> None:
+    model = Toy()
+    x = torch.randn(4, 7, 6)  # 28 rows per site and collection
+    with Probe(model, every=1, max_rows=10) as p:
+        for _ in range(3):
+            model(x).sum().backward()
+    s = p.stats.sites["a"]
+    assert s.x.count == 30 and s.dy.count == 30 and s.x.rows == 28  # 10 of 28 rows, 3 collections
+    assert s.x.real.shape == (28, 6)  # the real-replay rows are drawn from the whole batch
+    rows = x.reshape(-1, 6).double().numpy()
+    assert np.all(np.isfinite(s.x.cov))
+    assert np.all((s.x.mean >= rows.min(0)) & (s.x.mean <= rows.max(0)))  # a mean of actual rows
+    with pytest.raises(ProbeError, match="max_rows"):
+        Probe(model, max_rows=0)
+
+
 def test_problems_of_unselected_sites_do_not_block_measuring_others() -> None:
     model = Toy()
     with Probe(model, every=1) as p:
@@ -441,3 +472,28 @@ def test_load_bad_files(tmp_path) -> None:
     (tmp_path / "junk.npz").write_text("not a zip")
     with pytest.raises(ProbeError, match="not a probe stats file"):
         ProbeStats.load(tmp_path / "junk.npz")
+
+
+@pytest.mark.gpu
+def test_probe_on_cuda_collects_what_it_collects_on_the_cpu() -> None:
+    """The device path (counters, flags, amax and quantiles kept on the GPU, a rejected batch
+    masked there) gives the CPU path's statistics, to float64 rounding."""
+    x = torch.randn(3, 4, 7, 6, dtype=torch.float64)
+    x[1, 0, 0, 0] = float("nan")  # the second collection's X is rejected on both devices
+    out = {}
+    for dev in ("cpu", "cuda"):
+        torch.manual_seed(0)
+        model = Toy().double().to(dev)
+        with Probe(model, every=1, max_rows=20) as p:  # 28 rows > 20: the subset path too
+            for i in range(3):
+                model(x[i].to(dev)).sum().backward()
+        out[dev] = p.stats
+    for site in ("a", "b"):
+        for part in ("x", "dy"):
+            c, g = getattr(out["cpu"].sites[site], part), getattr(out["cuda"].sites[site], part)
+            assert (c.count, c.batches, c.nonfinite) == (g.count, g.batches, g.nonfinite)
+            np.testing.assert_allclose(g.mean, c.mean, rtol=1e-9, atol=1e-12)
+            np.testing.assert_allclose(g.cov, c.cov, rtol=1e-9, atol=1e-12)
+            assert g.amax == pytest.approx(c.amax, rel=1e-6)
+            np.testing.assert_allclose(g.absq, c.absq, rtol=1e-6)
+        np.testing.assert_allclose(out["cuda"].sites[site].w.u, out["cpu"].sites[site].w.u, rtol=1e-5, atol=1e-7)

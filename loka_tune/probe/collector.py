@@ -19,9 +19,14 @@ Between collections the only cost is one forward pre-hook on the root module tha
 increments a counter: no per-site hooks exist, so the overhead is nil on non-collection
 steps. A collection itself is kept cheap: float64 moments of the rows (a ``(d, d)`` GEMM per
 tensor up to 2048 features, a Frequent Directions sketch fed 512 rows above), the weight
-model by two float32 GEMMs (moment estimators), quantiles and kurtosis on subsamples.
-``Probe(profile=True)`` times each site's collection (``benchmarks/probe_collect_cost.py``). Inputs with leading dims (3-D activations) are flattened into rows: each row is one
-independent draw of the feature vector.
+model by two float32 GEMMs (moment estimators), quantiles and kurtosis on subsamples, at
+most ``max_rows`` (65,536) rows per tensor (a random subset above). On a GPU the collection
+of ``X`` and ``dY`` never reads a value back to the host (finite checks, counters, amax and
+quantiles stay device tensors until :attr:`Probe.stats`), so it does not stall the training
+loop; the weight update reads one flag per site, and a Frequent Directions shrink (features
+above ``max_full_dim``) one small Gram matrix. ``Probe(profile=True)`` times each site's
+collection (``benchmarks/probe_collect_cost.py``). Inputs with leading dims (3-D
+activations) are flattened into rows: each row is one independent draw of the feature vector.
 
 Non-finite batches: a collected ``X`` or ``dY`` holding NaN/inf is *not merged* (it would
 poison the running moments) and is counted per site (``TensorStats.nonfinite``); training
@@ -41,7 +46,7 @@ import torch
 from torch import nn
 
 from loka_tune.errors import ProbeError
-from loka_tune.probe.moments import DEFAULT_SKETCH_RANK, MAX_FULL_DIM, RunningMoments
+from loka_tune.probe.moments import DEFAULT_SKETCH_RANK, MAX_FULL_DIM, RunningMoments, random_rows
 from loka_tune.probe.stats import QUANTILES, ProbeStats, SiteStats, TensorStats, WeightStats, find_sites
 from loka_tune.probe.weights import MatrixNormalEMA
 
@@ -49,49 +54,62 @@ __all__ = ["Probe"]
 
 QUANTILE_SAMPLE = 1 << 16  # elements of |x| subsampled per collection for the quantiles
 REAL_ROWS = 256  # rows of the last batch kept per site for "real" replay (float32)
+MAX_ROWS = 1 << 16  # rows of X / dY merged per collection and site (a random subset above)
 
 
 class _StreamAcc:
-    """Accumulators of one operand stream (x or dy) of one site."""
+    """Accumulators of one operand stream (x or dy) of one site.
 
-    def __init__(self, dim: int, max_full_dim: int, sketch_rank: int) -> None:
-        self.dim, self.max_full_dim, self.sketch_rank = dim, max_full_dim, sketch_rank
+    On a GPU nothing here reads a value back to the host while training runs: the finite
+    check, the counters, amax and the quantile sums stay device tensors, read at
+    :meth:`snapshot`.
+    """
+
+    def __init__(self, dim: int, max_full_dim: int, sketch_rank: int, max_rows: int) -> None:
+        self.dim, self.max_full_dim, self.sketch_rank, self.max_rows = dim, max_full_dim, sketch_rank, max_rows
         self.moments: RunningMoments | None = None  # created on first data (on its device)
-        self.batches = 0
-        self.nonfinite = 0
+        self.batches: torch.Tensor | int = 0  # merged batches (device counter once data came)
+        self.nonfinite: torch.Tensor | int = 0  # rejected batches
         self.rows = 0
-        self.amax = 0.0
-        self.absq_sum = np.zeros(len(QUANTILES))
+        self.amax: torch.Tensor | float = 0.0
+        self.absq_sum: torch.Tensor | np.ndarray = np.zeros(len(QUANTILES))
         self.real: torch.Tensor | None = None
 
-    def add(self, x: torch.Tensor, gen: torch.Generator, real_idx: torch.Tensor | None) -> bool:
-        """Merge rows ``x (rows, dim)``; False (and counted) when they hold NaN/inf."""
-        if not bool(torch.isfinite(x).all()):
-            self.nonfinite += 1
-            return False
+    def add(self, x: torch.Tensor, gen: torch.Generator, real_idx: torch.Tensor | None) -> None:
+        """Merge rows ``x (rows, dim)``; a batch holding NaN/inf is not merged (and counted)."""
+        x = x.detach()
+        ok = torch.isfinite(x).all()
         if self.moments is None:
             self.moments = RunningMoments(
                 self.dim, max_full_dim=self.max_full_dim, sketch_rank=self.sketch_rank, device=x.device,
                 generator=gen,
             )
-        self.moments.update(x)
-        self.batches += 1
+            self.batches = torch.zeros((), dtype=torch.int64, device=x.device)
+            self.nonfinite = torch.zeros((), dtype=torch.int64, device=x.device)
+            self.amax = torch.zeros((), dtype=torch.float32, device=x.device)
+            self.absq_sum = torch.zeros(len(QUANTILES), dtype=torch.float64, device=x.device)
         self.rows = x.shape[0]
-        flat = x.detach().reshape(-1)
-        if flat.numel():
-            self.amax = max(self.amax, float(torch.linalg.vector_norm(flat, float("inf"))))
+        if real_idx is not None:  # the same rows of X and dY: taken before any subsampling
+            self.real = torch.where(ok, x[real_idx.to(x.device, non_blocking=True)].float(), torch.nan)
+        if x.shape[0] > self.max_rows:  # a random subset of the rows (i.i.d. draws of the feature vector)
+            x = x[random_rows(x.shape[0], self.max_rows, gen, x.device)]
+        self.moments.update(x, ok)
+        self.batches += ok.long()
+        self.nonfinite += (~ok).long()
+        flat = x.reshape(-1)
+        if flat.numel() == 0:
+            return
+        zero = torch.zeros((), dtype=torch.float32, device=x.device)
+        self.amax = torch.maximum(self.amax, torch.where(ok, torch.linalg.vector_norm(flat, float("inf")).float(), zero))
         if flat.numel() > QUANTILE_SAMPLE:
-            flat = flat[torch.randint(flat.numel(), (QUANTILE_SAMPLE,), generator=gen).to(flat.device)]
+            flat = flat[random_rows(flat.numel(), QUANTILE_SAMPLE, gen, flat.device)]
         ax = flat.abs().float()
-        q = torch.quantile(ax, torch.tensor(QUANTILES, device=ax.device))
-        self.absq_sum += q.double().cpu().numpy()
-        if real_idx is not None:
-            self.real = x.detach()[real_idx.to(x.device)].float().cpu()
-        return True
+        q = torch.quantile(torch.where(ok, ax, zero), torch.tensor(QUANTILES, device=ax.device))
+        self.absq_sum += q.double()
 
     def snapshot(self) -> TensorStats:
-        t = TensorStats(dim=self.dim, batches=self.batches, nonfinite=self.nonfinite, rows=self.rows,
-                        amax=self.amax)
+        batches, nonfinite = int(self.batches), int(self.nonfinite)
+        t = TensorStats(dim=self.dim, batches=batches, nonfinite=nonfinite, rows=self.rows, amax=float(self.amax))
         m = self.moments
         if m is None or m.n == 0:
             return t
@@ -105,8 +123,9 @@ class _StreamAcc:
             vals, vecs = m.low_rank()
             t.lr_vals, t.lr_vecs = vals.cpu().numpy(), vecs.cpu().numpy()
         t.kurtosis = m.excess_kurtosis().cpu().numpy()
-        t.absq = self.absq_sum / max(self.batches, 1)
-        t.real = None if self.real is None else self.real.numpy()
+        t.absq = (self.absq_sum / max(batches, 1)).cpu().numpy()
+        real = None if self.real is None else self.real.cpu()
+        t.real = None if real is None or not bool(torch.isfinite(real).all()) else real.numpy()
         return t
 
 
@@ -114,12 +133,12 @@ class _Site:
     def __init__(self, name: str, mod: nn.Linear, probe: "Probe") -> None:
         self.name, self.mod = name, mod
         k, n = mod.in_features, mod.out_features
-        self.x = _StreamAcc(k, probe.max_full_dim, probe.sketch_rank)
-        self.dy = _StreamAcc(n, probe.max_full_dim, probe.sketch_rank)
+        self.x = _StreamAcc(k, probe.max_full_dim, probe.sketch_rank, probe.max_rows)
+        self.dy = _StreamAcc(n, probe.max_full_dim, probe.sketch_rank, probe.max_rows)
         self.w: MatrixNormalEMA | None = None
-        self.w_amax = 0.0
-        self.w_absq = np.zeros(len(QUANTILES))
-        self.w_kurt = 0.0
+        self.w_amax: torch.Tensor | float = 0.0  # device tensors once collected (read at snapshot)
+        self.w_absq: torch.Tensor | np.ndarray = np.zeros(len(QUANTILES))
+        self.w_kurt: torch.Tensor | float = 0.0
         self.w_nonfinite = 0
         self.real_at = -1  # the collection whose batch ``x.real`` / ``dy.real`` hold
 
@@ -135,6 +154,10 @@ class Probe:
         sites: optional names or ``re:<regex>`` patterns restricting the sites.
         keep_real: keep the last collected batch of each site (``real_rows`` random rows of X
             and the same rows of dY) for "real" replay.
+        max_rows: rows of X and dY merged per collection and site; a batch with more rows (a
+            3-D input flattens to batch x tokens rows) merges ``max_rows`` of them drawn at
+            random with replacement: the moments estimate the same distribution at a bounded
+            cost (and are exact, for any batch split, below the cap).
         max_full_dim: feature dims above it keep diagonal + low-rank statistics.
         sketch_rank: rank of that low-rank sketch.
         weight_ema: EMA factor of the weight model.
@@ -157,6 +180,7 @@ class Probe:
         sites: Iterable[str] | None = None,
         keep_real: bool = True,
         real_rows: int = REAL_ROWS,
+        max_rows: int = MAX_ROWS,
         max_full_dim: int = MAX_FULL_DIM,
         sketch_rank: int = DEFAULT_SKETCH_RANK,
         weight_ema: float = 0.5,
@@ -174,11 +198,11 @@ class Probe:
             raise ProbeError(f"weight_ema must be in (0, 1], got {weight_ema=!r}")
         if isinstance(weight_flip_flop, bool) or not isinstance(weight_flip_flop, int) or weight_flip_flop < 0:
             raise ProbeError(f"weight_flip_flop must be an integer >= 0, got {weight_flip_flop=!r}")
-        if max_full_dim < 1 or sketch_rank < 1 or real_rows < 1:
-            raise ProbeError(f"max_full_dim, sketch_rank and real_rows must be >= 1, got"
-                             f" {max_full_dim=}, {sketch_rank=}, {real_rows=}")
+        if max_full_dim < 1 or sketch_rank < 1 or real_rows < 1 or max_rows < 1:
+            raise ProbeError(f"max_full_dim, sketch_rank, real_rows and max_rows must be >= 1, got"
+                             f" {max_full_dim=}, {sketch_rank=}, {real_rows=}, {max_rows=}")
         self.model, self.every, self.step_on = model, every, step_on
-        self.keep_real, self.real_rows = keep_real, int(real_rows)
+        self.keep_real, self.real_rows, self.max_rows = keep_real, int(real_rows), int(max_rows)
         self.max_full_dim, self.sketch_rank, self.weight_ema = int(max_full_dim), int(sketch_rank), weight_ema
         self.weight_flip_flop = weight_flip_flop
         found = find_sites(model)
@@ -320,16 +344,15 @@ class Probe:
             )
         site.w.update(w)
         aw = w.abs().flatten()
-        site.w_amax = float(aw.max())
+        site.w_amax = aw.max()
         if aw.numel() > QUANTILE_SAMPLE:  # quantiles and kurtosis from a subsample
-            idx = torch.randint(aw.numel(), (QUANTILE_SAMPLE,), generator=self._gen).to(aw.device)
-            sub = w.flatten()[idx].double()
+            sub = w.flatten()[random_rows(aw.numel(), QUANTILE_SAMPLE, self._gen, aw.device)].double()
         else:
             sub = w.flatten().double()
-        site.w_absq = torch.quantile(sub.abs(), torch.tensor(QUANTILES, device=sub.device, dtype=sub.dtype)).cpu().numpy()
+        site.w_absq = torch.quantile(sub.abs(), torch.tensor(QUANTILES, device=sub.device, dtype=sub.dtype))
         wc = sub - sub.mean()
-        var = float((wc * wc).mean())
-        site.w_kurt = float((wc**4).mean()) / var**2 - 3.0 if var > 0 else 0.0
+        var = (wc * wc).mean()
+        site.w_kurt = torch.where(var > 0, (wc**4).mean() / var.clamp_min(1e-300) ** 2 - 3.0, torch.zeros_like(var))
 
     # ------------------------------------------------------------------ read-out
     @property
@@ -345,7 +368,8 @@ class Probe:
                 ws.mean = s.w.mean.float().cpu().numpy()
                 ws.last = s.w.last.float().cpu().numpy()
                 ws.u, ws.v = s.w.u.float().cpu().numpy(), s.w.v.float().cpu().numpy()
-                ws.amax, ws.absq, ws.kurtosis = s.w_amax, s.w_absq, s.w_kurt
+                ws.amax, ws.kurtosis = float(s.w_amax), float(s.w_kurt)
+                ws.absq = s.w_absq.cpu().numpy() if torch.is_tensor(s.w_absq) else s.w_absq
             sites[name] = SiteStats(
                 name, m.in_features, m.out_features, s.x.snapshot(), s.dy.snapshot(), ws,
                 bias=getattr(m, "bias", None) is not None,

@@ -9,7 +9,8 @@ as independent draws: recommendation models have no cross-batch operation):
 - per-feature third and fourth central moments (Pebay 2008 pairwise formulas), which give
   the excess kurtosis of each feature;
 
-everything in float64 on the device of the data (no host sync per batch on a GPU).
+everything in float64 on the device of the data, the row count included: an update never
+reads a value back to the host (no GPU sync), except for the Frequent Directions shrink below.
 
 Feature dims above ``max_full_dim`` (default :data:`MAX_FULL_DIM` = 2048: a 2048^2 float64
 matrix is 32 MiB, the largest we keep per tensor) do not keep the full ``M2``: they keep the
@@ -19,7 +20,7 @@ exact diagonal and a Frequent Directions sketch (Liberty 2013; Ghashami et al. 2
 one row ``sqrt(n_a n_b / n) delta`` per merge, so the sketch sees those rows and satisfies the
 FD guarantee ``0 <= M2 - B^T B`` and ``||M2 - B^T B||_2 <= ||A - A_k||_F^2 / (l - k)`` for
 every ``k < l`` (``l = sketch_rank``). To bound the cost of a collection, a batch of more
-than ``sketch_rows`` (512) rows feeds the sketch a random subset of that many rows, scaled by
+than ``sketch_rows`` (512) rows feeds the sketch that many rows drawn at random (with replacement), scaled by
 ``sqrt(rows / 512)`` (an unbiased estimate of the batch's scatter): the guarantee then holds
 for that stream, the diagonal stays exact.
 """
@@ -30,11 +31,19 @@ import math
 
 import torch
 
-__all__ = ["MAX_FULL_DIM", "RunningMoments", "FrequentDirections"]
+__all__ = ["MAX_FULL_DIM", "RunningMoments", "FrequentDirections", "random_rows"]
 
 MAX_FULL_DIM = 2048  # largest feature dim with a full covariance (32 MiB float64 per tensor)
 DEFAULT_SKETCH_RANK = 64  # rows of the Frequent Directions sketch above MAX_FULL_DIM
 DEFAULT_SKETCH_ROWS = 512  # rows per call fed to the sketch (a random subset, reweighted)
+
+
+def random_rows(m: int, k: int, gen: torch.Generator, device: torch.device) -> torch.Tensor:
+    """``k`` row indices drawn uniformly from ``range(m)`` with replacement (so a scatter summed
+    over them and scaled by ``m / k`` is unbiased), on ``device`` without a host sync: drawn
+    with ``gen`` on its own device and copied asynchronously when the devices differ."""
+    idx = torch.randint(m, (k,), generator=gen, device=gen.device)
+    return idx if idx.device == torch.device(device) else idx.to(device, non_blocking=True)
 
 
 class FrequentDirections:
@@ -107,8 +116,8 @@ class RunningMoments:
         self.sketch_rows = int(sketch_rows)
         self._gen = generator if generator is not None else torch.Generator().manual_seed(0)
         self.full = self.dim <= max_full_dim
-        self.n = 0
         f64 = dict(dtype=torch.float64, device=device)
+        self._n = torch.zeros((), **f64)  # rows merged, on the device (exact in float64 up to 2^53)
         self.mean = torch.zeros(self.dim, **f64)
         self.m2 = torch.zeros(self.dim, self.dim, **f64) if self.full else None  # scatter matrix
         self.m2d = torch.zeros(self.dim, **f64)  # its diagonal (always exact)
@@ -118,7 +127,16 @@ class RunningMoments:
             self.dim, sketch_rank, device=device, max_append=self.sketch_rows + 1
         )
 
-    def update(self, x: torch.Tensor) -> None:
+    @property
+    def n(self) -> int:
+        """Rows merged so far (reads the device counter: a host sync on a GPU)."""
+        return int(self._n.item())
+
+    def update(self, x: torch.Tensor, ok: torch.Tensor | None = None) -> None:
+        """Merge the rows of ``x``. ``ok`` (a 0-d bool tensor, e.g. ``isfinite(x).all()``):
+        when False the batch is not merged, without reading the flag on the host (no GPU
+        sync): the batch's statistics are masked to zero and its count to 0, which leaves
+        every running moment exactly unchanged."""
         xb = x.detach().reshape(-1, self.dim).to(torch.float64)  # (rows, d)
         nb = xb.shape[0]
         if nb == 0:
@@ -132,36 +150,42 @@ class RunningMoments:
         m3_b = (xc2 * xc).sum(0)
         m4_b = (xc2 * xc2).sum(0)
         m2_b = xc.T @ xc if self.full else None  # (d, d)
-        if self.n == 0:
-            self.n, self.mean = nb, mb
-            self.m2d, self.m3, self.m4 = m2d_b, m3_b, m4_b
-            if self.full:
-                self.m2 = m2_b
-            else:
-                self.sketch.append(self._sketch_rows(xc))
-            return
-        na, n = self.n, self.n + nb
+        if ok is not None:  # a rejected batch: zero statistics and count (where, not *: NaN * 0 = NaN)
+            ok = ok.to(self.mean.device)
+            zero = torch.zeros((), dtype=torch.float64, device=self.mean.device)
+            mb, m2d_b, m3_b, m4_b = (torch.where(ok, t, zero) for t in (mb, m2d_b, m3_b, m4_b))
+            m2_b = None if m2_b is None else torch.where(ok, m2_b, zero)
+            xc = torch.where(ok, xc, zero)
+            nb_t = torch.where(ok, torch.full((), float(nb), dtype=torch.float64, device=self.mean.device), zero)
+        else:
+            nb_t = torch.full((), float(nb), dtype=torch.float64, device=self.mean.device)
+        # The Chan/Pebay merge with the counts as device tensors; with na = 0 it reduces exactly
+        # to "take the batch" (mean + delta * nb / n = mb), with nb = 0 to "keep the state".
+        na = self._n
+        n = na + nb_t
+        n1 = n.clamp_min(1.0)  # both counts 0: every numerator below is 0 too
         delta = mb - self.mean  # (d,)
         d2 = delta * delta
         m2a, m3a = self.m2d, self.m3
         # Pebay's pairwise formulas, each using the *old* lower moments
         self.m4 = (
             self.m4 + m4_b
-            + d2 * d2 * (na * nb * (na * na - na * nb + nb * nb) / n**3)
-            + 6.0 * d2 * (na * na * m2d_b + nb * nb * m2a) / n**2
-            + 4.0 * delta * (na * m3_b - nb * m3a) / n
+            + d2 * d2 * (na * nb_t * (na * na - na * nb_t + nb_t * nb_t) / n1**3)
+            + 6.0 * d2 * (na * na * m2d_b + nb_t * nb_t * m2a) / n1**2
+            + 4.0 * delta * (na * m3_b - nb_t * m3a) / n1
         )
         self.m3 = (
-            m3a + m3_b + d2 * delta * (na * nb * (na - nb) / n**2) + 3.0 * delta * (na * m2d_b - nb * m2a) / n
+            m3a + m3_b + d2 * delta * (na * nb_t * (na - nb_t) / n1**2)
+            + 3.0 * delta * (na * m2d_b - nb_t * m2a) / n1
         )
-        self.m2d = m2a + m2d_b + d2 * (na * nb / n)
+        self.m2d = m2a + m2d_b + d2 * (na * nb_t / n1)
         if self.full:
-            self.m2 = self.m2 + m2_b + torch.outer(delta, delta) * (na * nb / n)
+            self.m2 = self.m2 + m2_b + torch.outer(delta, delta) * (na * nb_t / n1)
         else:
-            cross = (delta * math.sqrt(na * nb / n))[None]  # the Chan cross term, one row
+            cross = (delta * torch.sqrt(na * nb_t / n1))[None]  # the Chan cross term, one row (0 if na = 0)
             self.sketch.append(torch.cat([self._sketch_rows(xc), cross]))
-        self.mean = self.mean + delta * (nb / n)
-        self.n = n
+        self.mean = self.mean + delta * (nb_t / n1)
+        self._n = n
 
     def _sketch_rows(self, xc: torch.Tensor) -> torch.Tensor:
         """At most ``sketch_rows`` random rows of ``xc``, scaled by ``sqrt(rows / kept)`` so
@@ -169,7 +193,7 @@ class RunningMoments:
         nb = xc.shape[0]
         if nb <= self.sketch_rows:
             return xc
-        idx = torch.randperm(nb, generator=self._gen)[: self.sketch_rows].to(xc.device)
+        idx = random_rows(nb, self.sketch_rows, self._gen, xc.device)
         return xc[idx] * math.sqrt(nb / self.sketch_rows)
 
     # ------------------------------------------------------------------ read-outs

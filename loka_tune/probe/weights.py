@@ -88,7 +88,7 @@ def _gram(r: torch.Tensor, full: bool, max_cols: int, gen: torch.Generator) -> t
         return (r32 * r32).sum(1).to(torch.float64)
     cols = r32.shape[1]
     if cols > max_cols:
-        idx = torch.randperm(cols, generator=gen)[:max_cols].to(r32.device)
+        idx = torch.randperm(cols, generator=gen)[:max_cols].to(r32.device, non_blocking=True)
         sub = r32[:, idx]
         return (sub @ sub.T).to(torch.float64) * (cols / max_cols)
     return (r32 @ r32.T).to(torch.float64)
