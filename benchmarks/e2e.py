@@ -1,0 +1,308 @@
+"""End-to-end evaluation (issue 8): a tuned config against bf16 and uniform FP8 policies.
+
+For one study's model and data (``--study``, e.g. ``studies/wukong_h200.toml``; ``--preset``
+and ``--batch`` override it), trains each variant from the same initial weights on the same
+data order (paired: seed ``s`` of every variant sees the same batches) with the product's
+trainer (:func:`loka_tune.objectives.trainer.train`: CUDA-event step times, median after
+``--warmup`` steps; quantization and optimizers included; ``--compile`` wraps the model in
+``torch.compile``), and reports per variant:
+
+- the train step time (median over seeds), speed-up vs bf16 and vs bf16 with the config's Mods;
+- the eval log loss, and the relative log loss vs bf16 + Mods and vs bf16 of the same seed
+  (mean and standard deviation over ``--seeds``);
+- with ``--infer-batches``, the eval-mode forward latency (``torch.no_grad``; compiled with
+  ``--compile``) of the trained model at those serving batch sizes, vs bf16 + Mods.
+
+Variants (``--variants``, comma list, in this order by default; each name is one of):
+
+- ``bf16``: no Mods, bf16 autocast; ``bf16_mods``: the config's Mods (``--config``), bf16;
+- ``config``: the exported loka-tune config (``--config``: Mods and per-site precision);
+- ``torchao_tensorwise`` / ``torchao_rowwise``: torchao's own float8 training
+  (``convert_to_float8_training``, ``Float8LinearConfig.from_recipe_name``) on every linear it
+  accepts (dims divisible by 16), after the same Mods; ``torchao_tensorwise_filter`` /
+  ``torchao_rowwise_filter``: with torchao's size filter (``_auto_filter_for_recipe``);
+- ``fbgemm_rowwise``, ``scaled_mm_rowwise``, ``triton_rowwise``: one loka-tune backend on
+  every eligible linear (``uniform:e4m3.row.fa.<backend>`` through ``loka_tune.apply``), after
+  the same Mods: the best of these is "our best single backend everywhere".
+
+GPU-only variants are recorded as skipped on a CPU. Results are written to ``--out`` after
+every run (a run that dies keeps what finished); ``--budget`` seconds of wall time stop
+starting new variants. Example (the BENCHMARKS.md table):
+
+    python benchmarks/e2e.py --study studies/wukong_h200.toml --batch 8192 --steps 150 --seeds 0 \\
+        --config best.json --compile --infer-batches 512,2048,8192 --out $OUT/e2e
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from loka_tune.applier import apply  # noqa: E402
+from loka_tune.config import ModsConfig, PrecisionConfig, SitePrecision  # noqa: E402
+from loka_tune.objectives.trainer import TrainConfig, train  # noqa: E402
+
+VARIANTS = ("bf16", "bf16_mods", "config", "torchao_tensorwise", "torchao_rowwise", "torchao_tensorwise_filter",
+            "torchao_rowwise_filter", "fbgemm_rowwise", "scaled_mm_rowwise", "triton_rowwise")
+_UNIFORM = {"fbgemm_rowwise": "e4m3.row.fa.fbgemm", "scaled_mm_rowwise": "e4m3.row.fa.torch_scaled_mm",
+            "triton_rowwise": "e4m3.row.fa.triton"}
+_GPU_ONLY = {"torchao_tensorwise", "torchao_rowwise", "torchao_tensorwise_filter", "torchao_rowwise_filter",
+             *_UNIFORM}
+
+
+def _torchao(model: nn.Module, recipe: str, size_filter: bool) -> dict[str, Any]:
+    """torchao's float8 training on ``model`` (in place); returns what it converted."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    from torchao.float8.float8_linear_utils import _auto_filter_for_recipe
+
+    if size_filter:
+        keep: Callable[[nn.Module, str], bool] = _auto_filter_for_recipe(recipe, filter_fqns=[])
+    else:
+        def keep(mod: nn.Module, fqn: str) -> bool:  # torchao's hardware requirement only
+            return isinstance(mod, nn.Linear) and mod.in_features % 16 == 0 and mod.out_features % 16 == 0
+    seen: list[str] = []
+
+    def filt(mod: nn.Module, fqn: str) -> bool:
+        ok = keep(mod, fqn)
+        if ok and isinstance(mod, nn.Linear):
+            seen.append(fqn)
+        return ok
+
+    convert_to_float8_training(model, module_filter_fn=filt, config=Float8LinearConfig.from_recipe_name(recipe))
+    return {"fp8_sites": len(seen), "sites": seen}
+
+
+def prepare(name: str, model: nn.Module, config: PrecisionConfig) -> dict[str, Any]:
+    """Turn a fresh bf16 ``model`` into variant ``name`` in place; returns what was done."""
+    mods = config.mods
+    if name == "bf16":
+        return {"fp8_sites": 0}
+    if name == "bf16_mods":
+        apply(model, PrecisionConfig(mods=mods))
+        return {"fp8_sites": 0, "mods": mods.short_str()}
+    if name == "config":
+        s = apply(model, config, strict=False)
+        return {"fp8_sites": len(s.replaced), "fallbacks": len(s.fallbacks), "mods": mods.short_str()}
+    if name.startswith("torchao_"):
+        if mods.any:
+            apply(model, PrecisionConfig(mods=mods))
+        recipe = name.split("_")[1]
+        return {**_torchao(model, recipe, name.endswith("_filter")), "mods": mods.short_str()}
+    if name in _UNIFORM:
+        s = apply(model, PrecisionConfig(default=SitePrecision.parse(_UNIFORM[name]), mods=mods), strict=False)
+        return {"fp8_sites": len(s.replaced), "fallbacks": len(s.fallbacks), "mods": mods.short_str()}
+    raise SystemExit(f"unknown variant {name!r}; choose from {', '.join(VARIANTS)}")
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def inference_latency(model: nn.Module, source: Any, batch: int, dev: torch.device, *, compile_: bool,
+                      reps: int, autocast: bool) -> float:
+    """Median seconds of one eval-mode forward at ``batch`` rows (no_grad)."""
+    model.eval()
+    fwd = torch.compile(model) if compile_ else model
+    b = next(iter(source.batches("eval", batch, seed=0, device=dev)))
+    ctx = torch.autocast(dev.type, dtype=torch.bfloat16) if autocast else torch.autocast(dev.type, enabled=False)
+    times = []
+    with torch.no_grad(), ctx:
+        for i in range(reps + 5):
+            if dev.type == "cuda":
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record()
+                fwd(b.dense, b.sparse)
+                e1.record()
+                e1.synchronize()
+                dt = e0.elapsed_time(e1) / 1e3
+            else:
+                t0 = time.perf_counter()
+                fwd(b.dense, b.sparse)
+                dt = time.perf_counter() - t0
+            if i >= 5:
+                times.append(dt)
+    return statistics.median(times)
+
+
+def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per-variant medians/means over seeds, speed-ups and paired relative log losses."""
+    by: dict[str, list[dict[str, Any]]] = {}
+    for r in runs:
+        by.setdefault(r["variant"], []).append(r)
+
+    def step(v: str) -> float | None:
+        ok = [r["step_time_s"] for r in by.get(v, []) if r.get("status") == "ok"]
+        return statistics.median(ok) if ok else None
+
+    def ll(v: str) -> dict[int, float]:
+        return {r["seed"]: r["eval_logloss"] for r in by.get(v, []) if r.get("status") == "ok"}
+
+    rows = []
+    for v, rs in by.items():
+        row: dict[str, Any] = {"variant": v, "seeds": [r["seed"] for r in rs]}
+        first = rs[0]
+        for k in ("fp8_sites", "fallbacks", "mods", "skipped", "error"):
+            if k in first:
+                row[k] = first[k]
+        st = step(v)
+        row["step_ms"] = None if st is None else st * 1e3
+        for ref in ("bf16", "bf16_mods"):
+            base = step(ref)
+            row[f"speedup_vs_{ref}"] = None if st is None or base is None else base / st
+            a, b = ll(v), ll(ref)
+            rel = [100.0 * (a[s] / b[s] - 1.0) for s in a if s in b and math.isfinite(a[s]) and math.isfinite(b[s])]
+            row[f"rel_ll_pct_vs_{ref}"] = statistics.fmean(rel) if rel else None
+            row[f"rel_ll_pct_vs_{ref}_sd"] = statistics.stdev(rel) if len(rel) > 1 else None
+        lls = list(ll(v).values())
+        row["eval_logloss"] = statistics.fmean(lls) if lls else None
+        inf = [r["infer_s"] for r in rs if "infer_s" in r]
+        if inf:
+            row["infer_ms"] = {str(k): 1e3 * statistics.median([d[k] for d in inf if k in d]) for k in inf[0]}
+        rows.append(row)
+    base_inf = next((r.get("infer_ms") for r in rows if r["variant"] == "bf16_mods"), None)
+    for r in rows:
+        if base_inf and r.get("infer_ms"):
+            r["infer_speedup_vs_bf16_mods"] = {k: base_inf[k] / r["infer_ms"][k] for k in r["infer_ms"] if k in base_inf}
+    return {"rows": rows}
+
+
+def table(summary: dict[str, Any]) -> str:
+    def f(v: Any, fmt: str) -> str:
+        return "-" if v is None else format(v, fmt)
+
+    lines = ["| variant | Mods | FP8 sites | step ms | vs bf16 | vs bf16+Mods | rel. LL vs bf16+Mods (sd) | rel. LL vs bf16 |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in summary["rows"]:
+        note = r.get("skipped") or r.get("error")
+        if note:
+            lines.append(f"| {r['variant']} | | | {note[:80]} | | | | |")
+            continue
+        sd = r.get("rel_ll_pct_vs_bf16_mods_sd")
+        lines.append(
+            f"| {r['variant']} | {r.get('mods', 'none')} | {r.get('fp8_sites', 0)} | {f(r['step_ms'], '.2f')} |"
+            f" {f(r['speedup_vs_bf16'], '.3f')}x | {f(r['speedup_vs_bf16_mods'], '.3f')}x |"
+            f" {f(r['rel_ll_pct_vs_bf16_mods'], '+.3f')}%" + ("" if sd is None else f" ({sd:.3f})") + " |"
+            f" {f(r['rel_ll_pct_vs_bf16'], '+.3f')}% |")
+    inf = [r for r in summary["rows"] if r.get("infer_ms")]
+    if inf:
+        sizes = list(inf[0]["infer_ms"])
+        lines += ["", "| variant | " + " | ".join(f"fwd ms @ {b}" for b in sizes) + " | speed-up vs bf16+Mods |",
+                  "|---|" + "---|" * (len(sizes) + 1)]
+        for r in inf:
+            sp = r.get("infer_speedup_vs_bf16_mods", {})
+            lines.append(f"| {r['variant']} | " + " | ".join(f"{r['infer_ms'][b]:.3f}" for b in sizes)
+                         + " | " + ", ".join(f"{sp[b]:.2f}x" for b in sizes if b in sp) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--study", type=Path, required=True, help="study file: model, preset, data, learning rates")
+    ap.add_argument("--preset", default=None, help="override the study's model preset")
+    ap.add_argument("--batch", type=int, default=None, help="override the study's batch size")
+    ap.add_argument("--steps", type=int, default=150)
+    ap.add_argument("--warmup", type=int, default=30, help="steps left out of the step-time median")
+    ap.add_argument("--seeds", default="0", help="comma list: paired runs per variant")
+    ap.add_argument("--config", type=Path, default=None, help="the exported loka-tune config (JSON)")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--compile", action="store_true", help="torch.compile the model (training and inference)")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--infer-batches", default="", help="comma list of serving batch sizes (empty: skip)")
+    ap.add_argument("--infer-variants", default="bf16,bf16_mods,config")
+    ap.add_argument("--infer-reps", type=int, default=30)
+    ap.add_argument("--eval-batches", type=int, default=8)
+    ap.add_argument("--budget", type=float, default=float("inf"), help="seconds: start no new run after this")
+    ap.add_argument("--out", type=Path, required=True, help="output folder (results.json, table.md)")
+    args = ap.parse_args(argv)
+
+    from loka_tune.study import load_study
+    from loka_tune.tune import make_model, make_source, resolve_device
+
+    t_start = time.perf_counter()
+    cfg = load_study(args.study)
+    if args.preset:
+        cfg = replace(cfg, model=replace(cfg.model, preset=args.preset))
+    dev = torch.device(resolve_device(args.device))
+    source = make_source(cfg)
+    config = PrecisionConfig.load(args.config) if args.config else PrecisionConfig(
+        mods=ModsConfig(no_bias=True, blocknorm=256, hardswish=True))
+    seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    names = [v.strip() for v in args.variants.split(",") if v.strip()]
+    bad = [v for v in names if v not in VARIANTS]
+    if bad:
+        raise SystemExit(f"unknown variant(s) {bad}; choose from {', '.join(VARIANTS)}")
+    if "config" in names and args.config is None:
+        raise SystemExit("the 'config' variant needs --config best.json (loka-tune export STUDY --out best.json)")
+    infer_sizes = [int(b) for b in args.infer_batches.split(",") if b.strip()]
+    infer_variants = {v.strip() for v in args.infer_variants.split(",")}
+    t = cfg.training
+    tcfg = TrainConfig(steps=args.steps, batch_size=args.batch or t.batch_size, lr_dense=t.lr_dense,
+                       lr_sparse=t.lr_sparse, warmup_steps=min(args.warmup, args.steps - 1), window=min(25, args.steps),
+                       eval_batches=args.eval_batches, device=str(dev), compile=args.compile,
+                       log_every=max(args.steps, 10))
+    meta = {"study": str(args.study), "model": cfg.model.name, "preset": cfg.model.preset, "batch": tcfg.batch_size,
+            "steps": args.steps, "warmup": tcfg.warmup_steps, "seeds": seeds, "compile": args.compile,
+            "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu",
+            "torch": torch.__version__, "python": platform.python_version(), "date": time.strftime("%Y-%m-%d"),
+            "config": str(args.config) if args.config else None, "config_mods": config.mods.short_str(),
+            "argv": sys.argv[1:] if argv is None else argv}
+    args.out.mkdir(parents=True, exist_ok=True)
+    runs: list[dict[str, Any]] = []
+
+    def dump() -> None:
+        summary = summarize(runs)
+        (args.out / "results.json").write_text(json.dumps({"meta": meta, "runs": runs, **summary}, indent=1))
+        (args.out / "table.md").write_text(table(summary) + "\n")
+
+    for name in names:
+        for seed in seeds:
+            rec: dict[str, Any] = {"variant": name, "seed": seed}
+            if time.perf_counter() - t_start > args.budget:
+                rec["skipped"] = "over the --budget"
+            elif name in _GPU_ONLY and dev.type != "cuda":
+                rec["skipped"] = "needs a CUDA GPU"
+            else:
+                try:
+                    torch.manual_seed(seed)
+                    model = make_model(cfg, source, seed=seed)
+                    model.to(dev)
+                    rec.update(prepare(name, model, config))
+                    res = train(model, source, replace(tcfg, seed=seed), progress=False)
+                    rec.update(status=res.status, step_time_s=res.step_time_s, eval_logloss=res.eval_logloss,
+                               eval_ne=res.eval_ne, eval_auc=res.eval_auc, wall_s=res.wall_s)
+                    if infer_sizes and name in infer_variants and res.status == "ok":
+                        rec["infer_s"] = {str(b): inference_latency(
+                            model, source, b, dev, compile_=args.compile, reps=args.infer_reps,
+                            autocast=dev.type == "cuda") for b in infer_sizes}
+                    del model
+                except Exception as e:  # record it and go on: one broken variant must not hide the rest
+                    rec["error"] = f"{type(e).__name__}: {e}"[:400]
+                if dev.type == "cuda":
+                    torch.cuda.empty_cache()
+            runs.append(rec)
+            dump()
+            shown = {k: rec[k] for k in ("status", "step_time_s", "eval_logloss", "fp8_sites", "skipped", "error")
+                     if k in rec}
+            print(f"[e2e {time.perf_counter() - t_start:6.0f}s] {name} seed {seed}: {shown}", flush=True)
+    dump()
+    print()
+    print(table(summarize(runs)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

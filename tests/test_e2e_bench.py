@@ -1,0 +1,58 @@
+"""benchmarks/e2e.py on the CPU: the paired runs, the summary arithmetic, skipped GPU variants."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from loka_tune.config import ModsConfig, PrecisionConfig, SitePrecision
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("e2e_bench", REPO / "benchmarks" / "e2e.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU behaviour (GPU variants skipped)")
+def test_e2e_pairs_runs_and_summarizes(tmp_path: Path) -> None:
+    e2e = _load()
+    cfg = PrecisionConfig(default=SitePrecision.parse("e4m3.row.emulated"), mods=ModsConfig(no_bias=True, hardswish=True))
+    cfg_path = tmp_path / "best.json"
+    cfg_path.write_text(cfg.to_json())
+    rc = e2e.main(["--study", str(REPO / "studies" / "quickstart.toml"), "--steps", "4", "--warmup", "1",
+                   "--seeds", "0,1", "--variants", "bf16,bf16_mods,config,fbgemm_rowwise", "--config", str(cfg_path),
+                   "--infer-batches", "32", "--infer-reps", "2", "--out", str(tmp_path / "out")])
+    assert rc == 0
+    res = json.loads((tmp_path / "out" / "results.json").read_text())
+    runs = res["runs"]
+    assert [(r["variant"], r["seed"]) for r in runs] == [
+        (v, s) for v in ("bf16", "bf16_mods", "config", "fbgemm_rowwise") for s in (0, 1)]
+    assert all(r["skipped"] == "needs a CUDA GPU" for r in runs if r["variant"] == "fbgemm_rowwise")
+    ok = [r for r in runs if "skipped" not in r]
+    assert all(r["status"] == "ok" and r["step_time_s"] > 0 for r in ok)
+    rows = {r["variant"]: r for r in res["rows"]}
+    assert rows["config"]["fp8_sites"] > 0 and rows["config"]["mods"] == "nobias+hswish"
+    ll = {(r["variant"], r["seed"]): r["eval_logloss"] for r in ok}
+    rel = [100 * (ll[("config", s)] / ll[("bf16_mods", s)] - 1) for s in (0, 1)]  # paired by seed
+    assert rows["config"]["rel_ll_pct_vs_bf16_mods"] == pytest.approx(sum(rel) / 2)
+    assert rows["bf16_mods"]["rel_ll_pct_vs_bf16_mods"] == 0.0
+    assert rows["bf16"]["speedup_vs_bf16"] == 1.0
+    assert set(rows["config"]["infer_ms"]) == {"32"} and "infer_speedup_vs_bf16_mods" in rows["config"]
+    assert "| config |" in (tmp_path / "out" / "table.md").read_text()
+
+
+def test_e2e_rejects_unknown_variants_and_a_missing_config(tmp_path: Path) -> None:
+    e2e = _load()
+    base = ["--study", str(REPO / "studies" / "quickstart.toml"), "--out", str(tmp_path)]
+    with pytest.raises(SystemExit, match="unknown variant"):
+        e2e.main(base + ["--variants", "bf16,fp4"])
+    with pytest.raises(SystemExit, match="needs --config"):
+        e2e.main(base + ["--variants", "config"])
