@@ -4,6 +4,8 @@
 #   bash benchmarks/run_session_h200.sh "$OUT" 1   # tests, train step, probe overhead, Mods, policies, fused
 #   bash benchmarks/run_session_h200.sh "$OUT" 2   # the capped wukong_h200 study
 #   bash benchmarks/run_session_h200.sh "$OUT" probe  # probe GPU test, probe overhead, fused epilogue (CUDA graphs too)
+#   bash benchmarks/run_session_h200.sh "$OUT" study  # wukong_h200 study for STUDY_TIMEOUT s (resumes runs/ if carried), report, export
+#   bash benchmarks/run_session_h200.sh "$OUT" e2e    # benchmarks/e2e.py with $CONFIG (default: the exported best.json)
 set -uo pipefail
 out=${1:?usage: run_session_h200.sh OUTDIR}
 mkdir -p "$out"
@@ -74,4 +76,20 @@ timeout "${STEP_TIMEOUT:-240}" python3 benchmarks/train_step.py --model wukong -
 echo "== fused epilogue (do_bench and CUDA graphs)"
 timeout "${FUSED_TIMEOUT:-170}" python3 benchmarks/fused_epilogue.py --cudagraph --budget 140 \
   --out "$out/fused.json" 2>&1 | tail -30 | tee "$out/fused.log"
+fi
+if [ "$part" = study ]; then
+echo "== wukong_h200 study (stops starting trials after STUDY_TIMEOUT; resumable)"
+timeout "${STUDY_CAP:-540}" python3 -m loka_tune tune studies/wukong_h200.toml --device cuda \
+  --timeout "${STUDY_TIMEOUT:-420}" --no-tracking --force 2>&1 | grep -v "UserWarning\|_warn_once" | tee "$out/study.log"
+python3 -m loka_tune report studies/wukong_h200.toml 2>&1 | tail -40 | tee -a "$out/study.log"
+python3 -m loka_tune export studies/wukong_h200.toml --out "$out/wukong_best.json" 2>&1 | tail -5 | tee -a "$out/study.log"
+mkdir -p "$out/runs" && cp -r runs/wukong_h200 "$out/runs/" 2>/dev/null
+fi
+if [ "$part" = e2e ]; then
+CONFIG=${CONFIG:-benchmarks/results/wukong_h200_best.json}
+echo "== end-to-end: large Wukong, B=8192, compiled, $CONFIG"
+timeout "${E2E_CAP:-560}" python3 benchmarks/e2e.py --study studies/wukong_h200.toml --batch 8192 \
+  --steps "${E2E_STEPS:-120}" --warmup 30 --seeds "${E2E_SEEDS:-0}" --config "$CONFIG" --compile \
+  --infer-batches 512,2048,8192 --budget "${E2E_BUDGET:-480}" --out "$out/e2e" 2>&1 \
+  | grep -v "UserWarning\|_warn_once" | tee "$out/e2e.log"
 fi
