@@ -18,13 +18,12 @@ training mode counts as one step; with ``step_on="manual"`` the training loop ca
 Between collections the only cost is one forward pre-hook on the root module that
 increments a counter: no per-site hooks exist, so the overhead is nil on non-collection
 steps. A collection itself is kept cheap: float64 moments of the rows (a ``(d, d)`` GEMM per
-tensor up to 2048 features, a Frequent Directions sketch fed 512 rows above), the weight
+tensor up to 2048 features, a streaming Nystrom sketch (two GEMMs) above), the weight
 model by two float32 GEMMs (moment estimators), quantiles and kurtosis on subsamples, at
 most ``max_rows`` (65,536) rows per tensor (a random subset above). On a GPU the collection
 of ``X`` and ``dY`` never reads a value back to the host (finite checks, counters, amax and
 quantiles stay device tensors until :attr:`Probe.stats`), so it does not stall the training
-loop; the weight update reads one flag per site, and a Frequent Directions shrink (features
-above ``max_full_dim``) one small Gram matrix. ``Probe(profile=True)`` times each site's
+loop; the weight update reads two flags per site (finite, moved). ``Probe(profile=True)`` times each site's
 collection (``benchmarks/probe_collect_cost.py``). Inputs with leading dims (3-D
 activations) are flattened into rows: each row is one independent draw of the feature vector.
 

@@ -10,19 +10,23 @@ as independent draws: recommendation models have no cross-batch operation):
   the excess kurtosis of each feature;
 
 everything in float64 on the device of the data, the row count included: an update never
-reads a value back to the host (no GPU sync), except for the Frequent Directions shrink below.
+reads a value back to the host (no GPU sync).
 
 Feature dims above ``max_full_dim`` (default :data:`MAX_FULL_DIM` = 2048: a 2048^2 float64
 matrix is 32 MiB, the largest we keep per tensor) do not keep the full ``M2``: they keep the
-exact diagonal and a Frequent Directions sketch (Liberty 2013; Ghashami et al. 2016) of
-``M2`` with ``sketch_rank`` rows. The Chan merge is exactly "append rows" in that picture:
-``M2`` equals ``A^T A`` for ``A`` = the within-batch centred rows of every batch stacked with
-one row ``sqrt(n_a n_b / n) delta`` per merge, so the sketch sees those rows and satisfies the
-FD guarantee ``0 <= M2 - B^T B`` and ``||M2 - B^T B||_2 <= ||A - A_k||_F^2 / (l - k)`` for
-every ``k < l`` (``l = sketch_rank``). To bound the cost of a collection, a batch of more
-than ``sketch_rows`` (512) rows feeds the sketch that many rows drawn at random (with replacement), scaled by
-``sqrt(rows / 512)`` (an unbiased estimate of the batch's scatter): the guarantee then holds
-for that stream, the diagonal stays exact.
+exact diagonal and a streaming randomized Nystrom sketch of ``M2`` (Tropp, Yurtsever, Udell &
+Cevher, "Fixed-rank approximation of a positive-semidefinite matrix from streaming data",
+NeurIPS 2017): ``Y = M2 Omega`` for a fixed Gaussian test matrix ``Omega (d, 2 r)``. ``M2`` is a
+sum of outer products of rows (``A^T A`` for ``A`` = the within-batch centred rows of every
+batch stacked with one row ``sqrt(n_a n_b / n) delta`` per Chan merge), so ``Y`` is updated
+by two GEMMs per batch, exactly, with no decomposition and no host sync while training runs;
+the rank-``r`` approximation ``M2 ~= V^T diag(values) V`` is computed once, when read
+(Cholesky + SVD of small matrices). It is exact when ``rank(M2) <= 2 r`` and never
+overestimates (``M2 - approx`` is PSD up to the stabilising shift); its expected error is
+within ``1 + r / (r - 1)`` of the best rank-``r`` approximation's in the nuclear norm (their
+Theorem 4.1 with ``k = 2 r``). A batch of more than ``sketch_rows`` (4096) rows feeds the
+sketch that many rows drawn at random (with replacement), scaled by ``sqrt(rows / kept)``
+(an unbiased estimate of the batch's scatter); the diagonal stays exact.
 """
 
 from __future__ import annotations
@@ -31,11 +35,11 @@ import math
 
 import torch
 
-__all__ = ["MAX_FULL_DIM", "RunningMoments", "FrequentDirections", "random_rows"]
+__all__ = ["MAX_FULL_DIM", "RunningMoments", "NystromSketch", "random_rows"]
 
 MAX_FULL_DIM = 2048  # largest feature dim with a full covariance (32 MiB float64 per tensor)
-DEFAULT_SKETCH_RANK = 64  # rows of the Frequent Directions sketch above MAX_FULL_DIM
-DEFAULT_SKETCH_ROWS = 512  # rows per call fed to the sketch (a random subset, reweighted)
+DEFAULT_SKETCH_RANK = 64  # rank of the Nystrom sketch above MAX_FULL_DIM (sketch width 2 x 64)
+DEFAULT_SKETCH_ROWS = 4096  # rows per call fed to the sketch (a random subset, reweighted, above)
 
 
 def random_rows(m: int, k: int, gen: torch.Generator, device: torch.device) -> torch.Tensor:
@@ -46,53 +50,51 @@ def random_rows(m: int, k: int, gen: torch.Generator, device: torch.device) -> t
     return idx if idx.device == torch.device(device) else idx.to(device, non_blocking=True)
 
 
-class FrequentDirections:
-    """A Frequent Directions sketch ``B (<= l, d)`` with ``B^T B ~= A^T A`` for appended rows ``A``.
+class NystromSketch:
+    """A streaming Nystrom sketch ``Y = A Omega`` of a PSD matrix ``A = sum_i a_i a_i^T`` (rows appended).
 
-    Each shrink works on the Gram matrix of the buffer (``m x m``, m <= ``l + max_append``):
-    ``G = Y Y^T`` on the data's device, its eigendecomposition on the host (float64; a few
-    ms for m ~ 600), then ``B = diag(sqrt((lam_i - lam_l) / lam_i)) U^T Y`` for the top ``l``:
-    the same result as an SVD of ``Y`` (up to rounding in the discarded directions), without a
-    GPU SVD of a wide matrix per chunk, which is what made collections slow.
+    ``Omega`` is ``(dim, k)`` standard normal, ``k = oversample * rank``; :meth:`append` adds
+    ``rows^T (rows Omega)`` to ``Y`` (two GEMMs, on the rows' device, no host sync);
+    :meth:`eig` returns the top-``rank`` eigenpairs of the Nystrom approximation
+    ``Y (Omega^T Y)^+ Y^T`` with the stabilising shift of Tropp et al. 2017 (Algorithm 3).
     """
 
     def __init__(self, dim: int, rank: int, *, device: torch.device | str | None = None,
-                 max_append: int = 1024) -> None:
-        assert rank >= 1 and dim >= 1
-        self.dim, self.rank, self.max_append = dim, rank, max(int(max_append), rank)
-        self._b = torch.zeros(0, dim, dtype=torch.float64, device=device)  # (<= l + max_append, d)
+                 generator: torch.Generator | None = None, oversample: int = 2) -> None:
+        assert rank >= 1 and dim >= 1 and oversample >= 1
+        self.dim, self.rank = int(dim), int(rank)
+        self.k = min(self.dim, oversample * self.rank)
+        gen = generator if generator is not None else torch.Generator().manual_seed(0)
+        omega = torch.randn(self.dim, self.k, generator=gen, dtype=torch.float64, device=gen.device)
+        self.omega = omega.to(device) if device is not None else omega
+        self.y = torch.zeros(self.dim, self.k, dtype=torch.float64, device=self.omega.device)
 
     def append(self, rows: torch.Tensor) -> None:
-        """Add rows ``(r, d)`` (float64) to the sketch."""
+        """Add rows ``(r, dim)`` (float64): ``Y += rows^T (rows Omega)``."""
         rows = rows.reshape(-1, self.dim)
-        for i in range(0, rows.shape[0], self.max_append):
-            self._b = torch.cat([self._b, rows[i : i + self.max_append]])
-            if self._b.shape[0] > 2 * self.rank:
-                self._b = self._top(self._b, shrink=True)[2]
-
-    def _top(self, y: torch.Tensor, *, shrink: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(values (r,), vectors (r, d), B (r, d))`` of the top ``r <= l`` directions of ``y``
-        (values are shrunk by the (l+1)-th one when ``shrink``)."""
-        g = (y @ y.T).to("cpu")  # (m, m) Gram matrix, host
-        lam, u = torch.linalg.eigh(0.5 * (g + g.T))  # ascending
-        lam, u = lam.flip(0).clamp_min(0.0), u.flip(1)
-        r = min(self.rank, lam.shape[0])
-        delta = lam[r] if shrink and lam.shape[0] > r else lam.new_zeros(())
-        keep = lam[:r]
-        ok = keep > keep[0] * 1e-14 if r else keep > 0  # directions resolved in float64
-        inv = torch.where(ok, keep.clamp_min(1e-300).rsqrt(), torch.zeros_like(keep))
-        vecs = (inv[:, None] * u[:, :r].T).to(y.device) @ y  # (r, d) unit rows (v_i = Y^T u_i / s_i)
-        vals = torch.where(ok, keep - delta, torch.zeros_like(keep)).clamp_min(0.0)
-        b = vals.sqrt().to(y.device)[:, None] * vecs
-        keep_rows = vals > 0
-        return vals[keep_rows].to(y.device), vecs[keep_rows.to(y.device)], b[keep_rows.to(y.device)]
+        self.y += rows.T @ (rows @ self.omega)
 
     def eig(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The sketch as ``(values (r,), vectors (r, d))``: ``B^T B = V^T diag(values) V``, r <= l."""
-        if self._b.shape[0] == 0:
-            return self._b.new_zeros(0), self._b.new_zeros(0, self.dim)
-        vals, vecs, _ = self._top(self._b, shrink=False)
-        return vals, vecs
+        """``(values (r,), vectors (r, dim))`` with ``A ~= V^T diag(values) V``, values descending, r <= rank."""
+        y, om = self.y, self.omega
+        norm = float(torch.linalg.matrix_norm(y))
+        if norm == 0.0:
+            return y.new_zeros(0), y.new_zeros(0, self.dim)
+        nu = math.sqrt(self.dim) * torch.finfo(torch.float64).eps * norm
+        y_nu = y + nu * om
+        c = om.T @ y_nu
+        c = 0.5 * (c + c.T)
+        jitter = 0.0
+        for _ in range(8):  # C is PSD; rounding can make a tiny eigenvalue negative
+            chol, info = torch.linalg.cholesky_ex(c + jitter * torch.eye(self.k, dtype=c.dtype, device=c.device))
+            if int(info) == 0:
+                break
+            jitter = max(jitter * 10.0, nu * 1e-3 + 1e-300)
+        b = torch.linalg.solve_triangular(chol, y_nu.T, upper=False).T  # Y_nu C^-1/2: (dim, k)
+        u, sv, _ = torch.linalg.svd(b, full_matrices=False)
+        lam = (sv * sv - nu).clamp_min(0.0)
+        r = min(self.rank, int((lam > lam[0] * 1e-14).sum()) if float(lam[0]) > 0 else 0)
+        return lam[:r], u[:, :r].T.contiguous()
 
 
 class RunningMoments:
@@ -123,9 +125,7 @@ class RunningMoments:
         self.m2d = torch.zeros(self.dim, **f64)  # its diagonal (always exact)
         self.m3 = torch.zeros(self.dim, **f64)
         self.m4 = torch.zeros(self.dim, **f64)
-        self.sketch = None if self.full else FrequentDirections(
-            self.dim, sketch_rank, device=device, max_append=self.sketch_rows + 1
-        )
+        self.sketch = None if self.full else NystromSketch(self.dim, sketch_rank, device=device, generator=self._gen)
 
     @property
     def n(self) -> int:

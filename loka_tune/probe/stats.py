@@ -67,8 +67,8 @@ class TensorStats:
     """Statistics of one operand stream (``x`` or ``dy``) of a site; rows are ``(.., dim)`` rows.
 
     ``cov`` is the full ``(dim, dim)`` covariance (ddof 1) when ``dim <= max_full_dim``; else it
-    is ``None`` and ``var`` (exact) + ``lr_vals (r,)``, ``lr_vecs (r, dim)`` (a Frequent
-    Directions sketch, ``cov ~= lr_vecs.T diag(lr_vals) lr_vecs``) describe it.
+    is ``None`` and ``var`` (exact) + ``lr_vals (r,)``, ``lr_vecs (r, dim)`` (a streaming
+    Nystrom sketch, ``cov ~= lr_vecs.T diag(lr_vals) lr_vecs``) describe it.
     ``absq[i]`` is the quantile ``QUANTILES[i]`` of ``|x|``, averaged over collections (each
     on a subsample); ``amax`` the largest ``|x|`` seen. ``real`` is the last captured batch
     (a random subset of its rows, float32) or ``None``.
