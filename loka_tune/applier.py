@@ -10,8 +10,17 @@ one of them; (4) resolve each site's :class:`SitePrecision` (exact name, then ``
 then default), check each GEMM choice against its backend on the layer's device and shape;
 (5) swap: a site that resolves to plain bf16 for all three GEMMs is (or becomes again) a plain
 ``nn.Linear``; every other site becomes a :class:`~loka_tune.kernels.linear.LokaLinear`
-sharing the layer's parameters (or, if it already is one, gets the new precision). Applying
-again with another config therefore just updates precisions: ``apply`` is idempotent.
+sharing the layer's parameters (or, if it already is one, gets the new precision); (6) with
+``mods.fuse_epilogue`` on, every (Linear, BlockNorm, Hard Swish) container chain (``MLPBlock``)
+whose linear site's fwd choice the fused kernel runs on the layer's device (rowwise
+e4m3/e5m2 ``.triton`` on CUDA, any ``.emulated`` choice) becomes one
+:class:`~loka_tune.kernels.fused.FusedLinearBlockNormHardswish` with that site's own fwd /
+dgrad / wgrad choices; the fused module keeps the three modules as children, so parameter
+names and the state dict do not change. Other chains (a bf16 site, an unsupported choice, an
+``nn.Sequential`` run, hooks) stay unfused and the summary says why: fusion is the same
+arithmetic in one kernel, so it is never an error, ``strict`` or not. A model applied before
+is first unfused (step 0), so applying again with another config just updates precisions
+(and fusion): ``apply`` is idempotent.
 
 Errors: a per-site rule that matches no layer -> :class:`ConfigError` naming the rule and
 listing real site names; an unknown backend name -> :class:`BackendError`; a choice its
@@ -48,6 +57,10 @@ class ApplySummary:
     GEMMs using it over all sites (three per site). ``fallbacks``: site -> {role: reason} for the
     GEMMs that ``strict=False`` sent to bf16. ``mods``: the ``ModsReport`` of the Mods run
     (``None`` if none ran); ``mods_note`` says why they did not run, if enabled.
+    ``fuse_epilogue``: whether the config asked for fused epilogues; then ``fused``: the
+    (Linear, BlockNorm, Hard Swish) chains (container names; the site is ``<chain>.linear``)
+    now running as one fused GEMM epilogue, ``fuse_skipped``: chain -> why it stays unfused,
+    ``fuse_note``: a remark (e.g. no chain found).
     """
 
     replaced: dict[str, str] = field(default_factory=dict)
@@ -58,6 +71,10 @@ class ApplySummary:
     mods: Any = None
     mods_note: str = ""
     config_key: str = ""
+    fuse_epilogue: bool = False
+    fused: list[str] = field(default_factory=list)
+    fuse_skipped: dict[str, str] = field(default_factory=dict)
+    fuse_note: str = ""
 
     @property
     def n_sites(self) -> int:
@@ -73,10 +90,15 @@ class ApplySummary:
             "fallbacks": {k: dict(v) for k, v in self.fallbacks.items()},
             "mods": mods,
             "mods_note": self.mods_note,
+            "fuse_epilogue": self.fuse_epilogue,
+            "fused": list(self.fused),
+            "fuse_skipped": dict(self.fuse_skipped),
+            "fuse_note": self.fuse_note,
         }
 
     def __str__(self) -> str:
         rows = [(s, self.replaced.get(s)) for s in self.shapes]
+        fused_sites = {f"{c}.linear" for c in self.fused}
         head = ("site", "K x N", "fwd", "dgrad", "wgrad", "note")
         table: list[tuple[str, ...]] = [head]
         for site, pid in rows:
@@ -86,6 +108,8 @@ class ApplySummary:
             note = "bf16 (nn.Linear)" if pid is None else ""
             if fb:
                 note = "fallback to bf16: " + ", ".join(sorted(fb))
+            if site in fused_sites:
+                note = "; ".join(x for x in (note, "fused epilogue") if x)
             table.append((site, f"{k} x {n}", *(prec[r].short_str() for r in ROLES), note))
         widths = [max(len(r[i]) for r in table) for i in range(len(head))]
         lines = [
@@ -101,6 +125,11 @@ class ApplySummary:
             lines.append(str(self.mods))
         elif self.mods_note:
             lines.append(f"Mods: {self.mods_note}")
+        if self.fuse_epilogue:
+            lines.append(f"Fused epilogue (Linear -> BlockNorm -> Hard Swish): {len(self.fused)} chain(s) fused,"
+                         f" {len(self.fuse_skipped)} skipped" + (f" ({self.fuse_note})" if self.fuse_note else ""))
+            lines += [f"  fused   {c}" for c in self.fused]
+            lines += [f"  skipped {c}: {r}" for c, r in self.fuse_skipped.items()]
         return "\n".join(lines)
 
 
@@ -129,11 +158,12 @@ def export(config: PrecisionConfig | Mapping[str, Any] | str | Path, path: str |
 
 
 def _run_mods(model: nn.Module, cfg: PrecisionConfig) -> tuple[Any, str]:
-    if not cfg.mods.any:
+    mods = cfg.mods.passes  # fuse_epilogue is not a pass: apply fuses after the swap
+    if not mods.any:
         return None, ""
     prev = model.__dict__.get(_MODS_ATTR)
-    if prev == cfg.mods:
-        return None, f"{cfg.mods.short_str()} already applied to this model (skipped)"
+    if prev == mods:
+        return None, f"{mods.short_str()} already applied to this model (skipped)"
     try:
         from loka_tune import mods as mods_pkg
     except ImportError as e:  # pragma: no cover - the package exists in the tree
@@ -147,12 +177,12 @@ def _run_mods(model: nn.Module, cfg: PrecisionConfig) -> tuple[Any, str]:
                 f"the config enables Mods ({cfg.mods.short_str()}) but this loka-tune has no"
                 " loka_tune.mods.apply_mods; set \"mods\" to all-off in the config or update loka-tune"
             ) from None
-    report = apply_mods(model, cfg.mods)
+    report = apply_mods(model, mods)
     if prev is not None:
-        note = f"Mods {prev.short_str()} had been applied before; now also ran {cfg.mods.short_str()}"
+        note = f"Mods {prev.short_str()} had been applied before; now also ran {mods.short_str()}"
     else:
         note = ""
-    model.__dict__[_MODS_ATTR] = cfg.mods
+    model.__dict__[_MODS_ATTR] = mods
     return report, note
 
 
@@ -243,6 +273,7 @@ def apply(
 
     See the module docstring for the steps and errors. Returns an :class:`ApplySummary`.
     """
+    from loka_tune.kernels.fused import FusedLinearBlockNormHardswish, fuse_epilogues, unfuse_epilogues
     from loka_tune.kernels.linear import LokaLinear, find_linears
 
     cfg = as_config(config)
@@ -254,7 +285,9 @@ def apply(
             " module (e.g. nn.Sequential(linear)) or use LokaLinear.from_linear(linear, precision)",
             key="(model)",
         )
-    summary = ApplySummary(config_key=cfg.key())
+    summary = ApplySummary(config_key=cfg.key(), fuse_epilogue=cfg.mods.fuse_epilogue)
+    if any(isinstance(m, FusedLinearBlockNormHardswish) for m in model.modules()):
+        unfuse_epilogues(model)  # a model applied before: back to plain chains, fused again below if asked
     summary.mods, summary.mods_note = _run_mods(model, cfg)
 
     linears = find_linears(model)
@@ -303,4 +336,11 @@ def apply(
             for parent, key in parents.get(id(lin), []):
                 parent._modules[key] = new
     summary.counts = dict(counts)
+    if cfg.mods.fuse_epilogue:
+        rep = fuse_epilogues(model, choice=None, sequential=False)
+        summary.fused = list(rep.fused)
+        summary.fuse_skipped = dict(rep.skipped)
+        if not rep.fused and not rep.skipped:
+            summary.fuse_note = ("no Linear -> BlockNorm -> Hard Swish chain in this model: turn on the"
+                                 " blocknorm and hardswish Mods (or build the model with them)")
     return summary

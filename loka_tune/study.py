@@ -103,7 +103,7 @@ __all__ = [
     "MOD_NAMES",
 ]
 
-MOD_NAMES = ("no_bias", "blocknorm", "hardswish", "pad")  # the Mods the sampler may switch on
+MOD_NAMES = ("no_bias", "blocknorm", "hardswish", "pad", "fuse_epilogue")  # the Mods the sampler may switch on
 OBJECTIVES = ("train_step", "inference")
 SPEED_SOURCES = ("auto", "measured", "modeled")
 PRUNERS = ("hopeless", "median", "none")
@@ -566,6 +566,10 @@ def parse_study(doc: Mapping[str, Any], *, base_dir: Path | None = None, source_
             raise ConfigError(f"got {b!r}; a backend name is lower-case letters, digits and '_'",
                               key="space.backends")
     mods = t.str_list("mods", d3.mods, choices=MOD_NAMES, allow_empty=True)
+    if "fuse_epilogue" in mods and not {"blocknorm", "hardswish"} <= set(mods):
+        raise ConfigError(f"got {list(mods)!r}: 'fuse_epilogue' fuses Linear -> BlockNorm -> Hard Swish chains,"
+                          " which exist only with the blocknorm and hardswish Mods on; add 'blocknorm' and"
+                          " 'hardswish' to space.mods (or drop 'fuse_epilogue')", key="space.mods")
     bn = t.get("blocknorm_sizes", list(d3.blocknorm_sizes))
     pm = t.get("pad_multiples", list(d3.pad_multiples))
     for k, v in (("blocknorm_sizes", bn), ("pad_multiples", pm)):

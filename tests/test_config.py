@@ -251,5 +251,31 @@ def test_mods_config() -> None:
         ModsConfig(pad=True)  # type: ignore[arg-type]
 
 
+def test_mods_fuse_epilogue_json() -> None:
+    m = ModsConfig(blocknorm=128, hardswish=True, fuse_epilogue=True)
+    assert m.any and m.short_str() == "bn128+hswish+fused"
+    assert m.passes == ModsConfig(blocknorm=128, hardswish=True) and not m.passes.fuse_epilogue
+    assert ModsConfig(fuse_epilogue=True).any and not ModsConfig(fuse_epilogue=True).any_pass
+    assert m.to_dict()["fuse_epilogue"] is True and ModsConfig.from_dict(m.to_dict()) == m
+    cfg = PrecisionConfig(default=SitePrecision.uniform("e4m3.row.emulated"), mods=m)
+    back = PrecisionConfig.from_json(cfg.to_json())
+    assert back == cfg and back.mods.fuse_epilogue and back.key() == cfg.key()
+    # off: not written, so the file (and the trial cache key) is what it was before the option
+    off = PrecisionConfig(default=SitePrecision.uniform("e4m3.row.emulated"), mods=m.passes)
+    assert "fuse_epilogue" not in off.to_json() and "fuse_epilogue" not in off.key()
+    assert off.key() != cfg.key()
+    # an old file (schema 1, no such key) loads with fusion off
+    old = json.loads(off.to_json())
+    assert "fuse_epilogue" not in old["mods"] and old["schema_version"] == SCHEMA_VERSION
+    loaded = PrecisionConfig.from_dict(old)
+    assert loaded.mods.fuse_epilogue is False and loaded == off
+    for bad in ("yes", 1, None):
+        obj = json.loads(cfg.to_json())
+        obj["mods"]["fuse_epilogue"] = bad
+        with pytest.raises(ConfigError) as ei:
+            PrecisionConfig.from_dict(obj)
+        assert ei.value.key == "mods.fuse_epilogue" and repr(bad) in str(ei.value)
+
+
 def test_roles_order() -> None:
     assert [r.value for r in ROLES] == ["fwd", "dgrad", "wgrad"]

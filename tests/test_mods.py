@@ -567,6 +567,7 @@ def test_mod_choices_and_params_round_trip() -> None:
         "blocknorm": [None, 64, 128, 256],
         "hardswish": [False, True],
         "pad": [None, 16],
+        "fuse_epilogue": [False, True],
     }
     assert mod_choices(include=("pad",), pad=(16, 32)) == {"pad": [None, 16, 32]}
     with pytest.raises(ConfigError, match="unknown Mod"):
@@ -578,12 +579,16 @@ def test_mod_choices_and_params_round_trip() -> None:
         for bn in choices["blocknorm"]:
             for hs in choices["hardswish"]:
                 for pd in choices["pad"]:
-                    m = mods_from_params({"mods.no_bias": nb, "blocknorm": bn, "mods.hardswish": hs,
-                                          "mods.pad": pd, "site.head.fwd": "bf16"})
-                    assert (m.no_bias, m.blocknorm, m.hardswish, m.pad) == (nb, bn, hs, pd)
-                    assert mods_from_params(mods_to_params(m)) == m
-                    seen.add(m.short_str())
-    assert len(seen) == 2 * 4 * 2 * 2
+                    for fu in choices["fuse_epilogue"]:
+                        m = mods_from_params({"mods.no_bias": nb, "blocknorm": bn, "mods.hardswish": hs,
+                                              "mods.pad": pd, "mods.fuse_epilogue": fu, "site.head.fwd": "bf16"})
+                        assert (m.no_bias, m.blocknorm, m.hardswish, m.pad, m.fuse_epilogue) == (nb, bn, hs, pd, fu)
+                        assert mods_from_params(mods_to_params(m)) == m
+                        seen.add(m.short_str())
+    assert len(seen) == 2 * 4 * 2 * 2 * 2
+    assert mods_from_params({"fuse_epilogue": "True"}).fuse_epilogue is True
+    with pytest.raises(ConfigError, match="mods.fuse_epilogue"):
+        mods_from_params({"mods.fuse_epilogue": "maybe"})
     assert mods_from_params({}) == ModsConfig()
     m = mods_from_params({"mods.no_bias": "True", "mods.blocknorm": "128", "mods.pad": "None"}, keep_bias=("x",))
     assert m == ModsConfig(no_bias=True, keep_bias=("x",), blocknorm=128)

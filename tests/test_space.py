@@ -150,6 +150,35 @@ def test_encode_round_trip_per_role() -> None:
     assert config_from_params(sp, dict(params)).key() == cfg.key()
 
 
+def test_fuse_epilogue_dimension() -> None:
+    dims = mods_dims(["blocknorm", "hardswish", "fuse_epilogue"], blocknorm_sizes=(64,))
+    assert dims["mods.fuse_epilogue"] == (False, True)
+    sp = _space(mods=dims)
+    assert distributions(sp)["mods.fuse_epilogue"].choices == (False, True)
+    assert SearchSpace.from_dict(sp.to_dict()).mods == sp.mods
+    params = {param_name("a", "fwd"): ROW, "mods.blocknorm": 64, "mods.hardswish": True, "mods.fuse_epilogue": True}
+    cfg = config_from_params(sp, params)
+    assert cfg.mods == ModsConfig(blocknorm=64, hardswish=True, fuse_epilogue=True)
+    back, notes = params_from_config(sp, cfg)
+    assert notes == [] and back["mods.fuse_epilogue"] is True
+    assert config_from_params(sp, back).key() == cfg.key()
+    unfused = config_from_params(sp, {**params, "mods.fuse_epilogue": False})
+    assert unfused.mods == ModsConfig(blocknorm=64, hardswish=True) and unfused.key() != cfg.key()
+    # without BlockNorm or Hard Swish there is no chain: fusion is dropped, same config as unfused
+    for off in ({"mods.blocknorm": None}, {"mods.hardswish": False}):
+        c = config_from_params(sp, {**params, **off})
+        assert c.mods.fuse_epilogue is False
+        assert c.key() == config_from_params(sp, {**params, **off, "mods.fuse_epilogue": False}).key()
+    lonely = PrecisionConfig.from_sites({"a": ROW}, mods=ModsConfig(blocknorm=64, fuse_epilogue=True))
+    _, notes = params_from_config(sp, lonely)
+    assert any(n.startswith("mods.fuse_epilogue") and "blocknorm and hardswish" in n for n in notes)
+    # a space without the dimension: a fused config is noted and decodes unfused
+    sp2 = _space(mods=mods_dims(["blocknorm", "hardswish"], blocknorm_sizes=(64,)))
+    p2, notes2 = params_from_config(sp2, cfg)
+    assert any("mods.fuse_epilogue" in n and "not searched" in n for n in notes2)
+    assert config_from_params(sp2, p2).mods == ModsConfig(blocknorm=64, hardswish=True)
+
+
 def test_params_from_config_notes_what_does_not_fit() -> None:
     sp = _space()
     cfg = PrecisionConfig.from_sites({"a": f"{TEN}|{TEN}|{TEN}", "b": ROW}, mods=ModsConfig(hardswish=True))

@@ -159,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
     from loka_tune.data import parse_data_spec
     from loka_tune.errors import ConfigError
     from loka_tune.models import build_model
-    from loka_tune.objectives.trainer import TrainConfig, train
+    from loka_tune.objectives.trainer import TrainConfig, resolve_device, train
 
     source = parse_data_spec(args.data)
     batch_size, steps = default_schedule(source, args.batch_size, args.steps)
@@ -194,6 +194,8 @@ def run(args: argparse.Namespace) -> int:
         except ModuleNotFoundError as e:  # pragma: no cover - only in a partial checkout
             raise ConfigError(f"cannot apply precision configs here ({e}): loka_tune.applier is "
                               "missing from this installation", key="--config") from e
+        # apply on the run's device: GPU backends (and the fused Triton epilogue) check it
+        model.to(resolve_device(cfg.device))
         summary = apply(model, args.config)
         replaced = dict(getattr(summary, "replaced", {}))
         if not args.no_progress:

@@ -27,7 +27,9 @@ Epilogue choices (the ``fwd`` GEMM choice selects the implementation by its back
 ``MLPBlock``-like containers (children ``linear``, ``norm``, ``act``, forward
 ``act(norm(linear(x)))``) and in ``nn.Sequential`` runs, and swaps them for
 :class:`FusedLinearBlockNormHardswish` (which keeps the original modules as children, so the
-parameter names and the state dict do not change for containers).
+parameter names and the state dict do not change for containers); :func:`unfuse_epilogues`
+undoes it. As a Mod (``ModsConfig.fuse_epilogue``), :func:`loka_tune.apply` runs the pass with
+``choice=None`` after the precision swap: each chain with its own LokaLinear's choices.
 
 Layering: kernels must not import :mod:`loka_tune.mods`, so a BlockNorm is recognised by its
 class name and attributes (``block``, ``eps``, ``weight``), not by ``isinstance``.
@@ -57,6 +59,7 @@ __all__ = [
     "fused_linear_blocknorm_hardswish",
     "fuse_epilogues",
     "is_blocknorm",
+    "unfuse_epilogues",
     "reference_epilogue",
     "reference_epilogue_backward",
 ]
@@ -81,8 +84,11 @@ def epilogue_supports(choice: GemmChoice | str, *, n: int, block: int, device: s
     if n % b:
         return (f"output width {n} is not a multiple of the BlockNorm block {block} (ragged last block):"
                 " the fused epilogue needs whole blocks; pad the layer or pick a block that divides it")
+    if c.is_bf16:
+        return f"the fwd GEMM is {c.short_str()!r}: the fused epilogue is an FP8 GEMM (nothing to fuse)"
     if c.backend not in EPILOGUE_BACKENDS:
-        return f"fused epilogue backend {c.backend!r} does not exist; use one of {list(EPILOGUE_BACKENDS)}"
+        return (f"the fused epilogue runs fwd choices of the backends {list(EPILOGUE_BACKENDS)}, not"
+                f" {c.short_str()!r}; use e.g. 'e4m3.row.fa.triton' (CUDA) or an '.emulated' choice")
     if c.backend == "emulated":
         return None
     if c.a_format not in _TRITON_FORMATS or c.b_format not in _TRITON_FORMATS or c.granularity != Granularity.ROW:
@@ -271,11 +277,19 @@ class FusedLinearBlockNormHardswish(nn.Module):
     (``nn.Hardswish``) as children, so parameter names are those of the replaced container.
     ``choice``: the fused fwd choice (``"e4m3.row.fa.triton"``, ``"e4m3.row.emulated"``, ...);
     ``dgrad`` / ``wgrad``: the backward GEMM choices (default: a LokaLinear's own, else
-    ``choice``). ``out_fp8=True``: :meth:`forward_fp8` also returns the rowwise e4m3 output.
+    ``choice``). ``choice=None``: ``linear`` must be a :class:`LokaLinear` and the module
+    follows its ``precision`` (all three GEMMs, also when it changes later; ``dgrad`` /
+    ``wgrad`` must then be ``None``). ``out_fp8=True``: :meth:`forward_fp8` also returns the
+    rowwise e4m3 output.
+
+    While ``linear`` has forward hooks or pre-hooks (site discovery, the probe), :meth:`forward`
+    runs the unfused chain ``act(norm(linear(x)))`` so that the hooks see the linear's real
+    input and output; the result is that of the linear's own precision (a plain ``nn.Linear``:
+    unquantized).
     """
 
     def __init__(self, linear: nn.Linear, norm: nn.Module, act: nn.Module | None = None, *,
-                 choice: GemmChoice | str = DEFAULT_CHOICE, dgrad: GemmChoice | str | None = None,
+                 choice: GemmChoice | str | None = DEFAULT_CHOICE, dgrad: GemmChoice | str | None = None,
                  wgrad: GemmChoice | str | None = None) -> None:
         super().__init__()
         if not is_eligible(linear):
@@ -289,14 +303,50 @@ class FusedLinearBlockNormHardswish(nn.Module):
         self.act = act if act is not None else nn.Hardswish()
         if type(self.act) is not nn.Hardswish:
             raise TypeError(f"act must be nn.Hardswish, got {type(self.act).__name__}")
-        fwd = GemmChoice.parse(choice) if isinstance(choice, str) else choice
-        own = linear.precision if isinstance(linear, LokaLinear) else None
-        dg = dgrad if dgrad is not None else (own.dgrad if own is not None else fwd)
-        wg = wgrad if wgrad is not None else (own.wgrad if own is not None else fwd)
-        self.precision = SitePrecision(fwd, dg, wg)
+        # where the chain came from, for unfuse_epilogues (plain attributes: not submodules)
+        self._origin: nn.Module | None = None  # the replaced container
+        self._seq_keys: tuple[str, str, str] | None = None  # or the keys of an nn.Sequential run
+        self._follow = choice is None
+        if self._follow:
+            if not isinstance(linear, LokaLinear):
+                raise UnsupportedChoiceError(
+                    f"choice=None follows the linear's LokaLinear precision, but the linear is a plain"
+                    f" {type(linear).__name__} (bf16): give an explicit choice or apply a precision first")
+            if dgrad is not None or wgrad is not None:
+                raise ValueError("choice=None takes all three GEMMs from the LokaLinear: leave dgrad and wgrad None")
+            self._precision = linear.precision
+        else:
+            fwd = GemmChoice.parse(choice) if isinstance(choice, str) else choice
+            own = linear.precision if isinstance(linear, LokaLinear) else None
+            dg = dgrad if dgrad is not None else (own.dgrad if own is not None else fwd)
+            wg = wgrad if wgrad is not None else (own.wgrad if own is not None else fwd)
+            self._precision = SitePrecision(fwd, dg, wg)
+        fwd = self.precision.fwd
         reason = epilogue_supports(fwd, n=linear.out_features, block=norm.block)
         if reason is not None:
             raise UnsupportedChoiceError(f"cannot fuse with {fwd.short_str()!r}: {reason}")
+
+    @property
+    def precision(self) -> SitePrecision:
+        """The fwd (fused) and dgrad / wgrad choices (with ``choice=None``: the LokaLinear's, now)."""
+        if self._follow:
+            own = getattr(self.linear, "precision", None)
+            if own is None:
+                raise UnsupportedChoiceError(
+                    f"this fused chain follows its linear's precision, but the linear is now a plain"
+                    f" {type(self.linear).__name__}: unfuse it (loka_tune.kernels.fused.unfuse_epilogues)")
+            return own
+        return self._precision
+
+    @precision.setter
+    def precision(self, value: SitePrecision | str) -> None:
+        self._precision = SitePrecision.from_obj(value, key="precision")
+        self._follow = False
+
+    @property
+    def follows_linear(self) -> bool:
+        """Whether the precision is the linear's (``choice=None``)."""
+        return self._follow
 
     @property
     def block(self) -> int:
@@ -307,6 +357,8 @@ class FusedLinearBlockNormHardswish(nn.Module):
         return self.norm.eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., K) -> (..., N)
+        if _hooked(self.linear):  # let hooks on the linear see its input and output
+            return self.act(self.norm(self.linear(x)))
         h, _, _ = fused_linear_blocknorm_hardswish(x, self.linear.weight, self.linear.bias, block=self.block,
                                                     eps=self.eps, precision=self.precision)
         return h
@@ -343,33 +395,51 @@ def _hooked(*mods: nn.Module) -> bool:
     return any(getattr(m, a, None) for m in mods for a in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks"))
 
 
-def _chain_reason(lin: nn.Module, norm: nn.Module, act: nn.Module, fwd: GemmChoice) -> str | None:
+def _chain_reason(lin: nn.Module, norm: nn.Module, act: nn.Module, fwd: GemmChoice | None) -> str | None:
+    """Why the chain cannot be fused (``None``: it can). ``fwd=None``: the linear's own fwd choice."""
     if not is_eligible(lin):
         return f"{type(lin).__name__} is not a plain nn.Linear / LokaLinear"
     if getattr(norm, "weight", None) is not None:
         return "BlockNorm has an affine weight: the fused epilogue is parameter-free"
     if _hooked(lin, norm, act):
         return "a module of the chain has hooks attached: fuse before attaching hooks"
-    return epilogue_supports(fwd, n=lin.out_features, block=norm.block)
+    if fwd is None:
+        own = getattr(lin, "precision", None)
+        if own is None:
+            return "the linear is a plain nn.Linear (a bf16 site): nothing to fuse"
+        fwd = own.fwd
+    dev = lin.weight.device
+    return epilogue_supports(fwd, n=lin.out_features, block=norm.block, device=None if dev.type == "meta" else dev)
 
 
-def fuse_epilogues(model: nn.Module, *, choice: GemmChoice | str = DEFAULT_CHOICE,
+def fuse_epilogues(model: nn.Module, *, choice: GemmChoice | str | None = DEFAULT_CHOICE,
                    dgrad: GemmChoice | str | None = None, wgrad: GemmChoice | str | None = None,
-                   containers: tuple[str, ...] = ("MLPBlock",)) -> FuseReport:
+                   containers: tuple[str, ...] = ("MLPBlock",), sequential: bool = True) -> FuseReport:
     """Swap every (Linear, BlockNorm, Hardswish) chain of ``model`` for a
     :class:`FusedLinearBlockNormHardswish`; returns a :class:`FuseReport`.
+
+    ``choice``: the fused fwd choice of every chain, with ``dgrad`` / ``wgrad`` (see
+    :class:`FusedLinearBlockNormHardswish`); ``choice=None``: each chain runs its own
+    :class:`LokaLinear`'s precision (what :func:`loka_tune.apply` uses), and a chain whose
+    linear is a plain ``nn.Linear`` (bf16) or whose fwd choice the fused kernel does not run
+    is skipped with the reason. The fused kernel must run the choice on the linear's device
+    (Triton: CUDA; fuse after moving the model), unless the model is on ``meta``.
 
     Chains are found in containers whose class name is in ``containers`` (their children
     ``linear``, ``norm``, ``act``; the container is replaced, the fused module keeps the three
     children so parameter names do not change) and as consecutive children of an
     ``nn.Sequential`` (the fused module takes the Linear's index, the BlockNorm's and the
     Hardswish's become ``nn.Identity``; the Linear's parameters then live under
-    ``<i>.linear.``). Chains the fused kernel cannot run (ragged blocks, affine BlockNorm,
-    hooks, an unsupported choice) are skipped and reported. Idempotent.
+    ``<i>.linear.``; ``sequential=False`` skips such runs instead, keeping every parameter
+    name). Chains the fused kernel cannot run (ragged blocks, affine BlockNorm,
+    hooks, an unsupported choice) are skipped and reported. Idempotent (chains already fused
+    are left as they are). :func:`unfuse_epilogues` undoes it.
     Run after :func:`loka_tune.mods.blocknorm` / ``hardswish`` and before building the optimizer.
     """
-    fwd = GemmChoice.parse(choice) if isinstance(choice, str) else choice
-    report = FuseReport(fwd.short_str())
+    if choice is None and (dgrad is not None or wgrad is not None):
+        raise ValueError("choice=None takes all three GEMMs from each LokaLinear: leave dgrad and wgrad None")
+    fwd = None if choice is None else (GemmChoice.parse(choice) if isinstance(choice, str) else choice)
+    report = FuseReport("per site" if fwd is None else fwd.short_str())
     named = dict(model.named_modules(remove_duplicate=False))
 
     def make(lin: nn.Module, norm: nn.Module, act: nn.Module) -> FusedLinearBlockNormHardswish:
@@ -393,7 +463,10 @@ def fuse_epilogues(model: nn.Module, *, choice: GemmChoice | str = DEFAULT_CHOIC
                 report.skipped.append((name, reason))
                 continue
             parent_name, _, attr = name.rpartition(".")
-            setattr(named[parent_name], attr, make(lin, norm, act))
+            fused = make(lin, norm, act)
+            fused.train(m.training)
+            fused.__dict__["_origin"] = m  # not a submodule: the state dict keeps its names
+            setattr(named[parent_name], attr, fused)
             report.fused.append(name)
         elif isinstance(m, nn.Sequential):
             keys = list(m._modules.keys())
@@ -404,10 +477,16 @@ def fuse_epilogues(model: nn.Module, *, choice: GemmChoice | str = DEFAULT_CHOIC
                         and type(act) is nn.Hardswish):
                     where = f"{name}.{keys[i]}" if name else keys[i]
                     reason = _chain_reason(lin, norm, act, fwd)  # type: ignore[arg-type]
+                    if reason is None and not sequential:
+                        reason = ("a run of nn.Sequential entries: fusing it would move the linear's parameters"
+                                  " to '<i>.linear.' (new state dict names); wrap the three in a container")
                     if reason is not None:
                         report.skipped.append((where, reason))
                     else:
-                        m._modules[keys[i]] = make(lin, norm, act)  # type: ignore[arg-type]
+                        fused = make(lin, norm, act)  # type: ignore[arg-type]
+                        fused.train(lin.training)  # type: ignore[union-attr]
+                        fused.__dict__["_seq_keys"] = tuple(keys[i:i + 3])
+                        m._modules[keys[i]] = fused
                         m._modules[keys[i + 1]] = nn.Identity()
                         m._modules[keys[i + 2]] = nn.Identity()
                         report.fused.append(where)
@@ -415,3 +494,38 @@ def fuse_epilogues(model: nn.Module, *, choice: GemmChoice | str = DEFAULT_CHOIC
                 else:
                     i += 1
     return report
+
+
+def unfuse_epilogues(model: nn.Module) -> list[str]:
+    """Undo :func:`fuse_epilogues`: every :class:`FusedLinearBlockNormHardswish` it made becomes
+    again the container (or the three ``nn.Sequential`` entries) it replaced, holding the fused
+    module's current ``linear`` / ``norm`` / ``act`` (a linear swapped since, e.g. by
+    :func:`loka_tune.apply`, stays swapped) and its forward hooks. Returns the names restored.
+    Fused modules built by hand (not by the pass) are left alone. Idempotent."""
+    out: list[str] = []
+    for pname, parent in list(model.named_modules()):
+        for key, child in list(parent._modules.items()):
+            if not isinstance(child, FusedLinearBlockNormHardswish):
+                continue
+            name = f"{pname}.{key}" if pname else key
+            origin, seq_keys = child.__dict__.get("_origin"), child.__dict__.get("_seq_keys")
+            if origin is not None:
+                origin.linear, origin.norm, origin.act = child.linear, child.norm, child.act
+                origin.train(child.training)
+                for attr in ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs",
+                             "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called"):
+                    if getattr(child, attr, None):
+                        getattr(origin, attr).update(getattr(child, attr))
+                parent._modules[key] = origin
+                out.append(name)
+            elif (seq_keys is not None and isinstance(parent, nn.Sequential) and seq_keys[0] == key
+                  and all(isinstance(parent._modules.get(k), nn.Identity) for k in seq_keys[1:])):
+                if _hooked(child):
+                    raise UnsupportedChoiceError(
+                        f"the fused chain {name!r} of an nn.Sequential has hooks attached, which cannot be moved"
+                        " to the three unfused modules: remove them first")
+                parent._modules[seq_keys[0]] = child.linear
+                parent._modules[seq_keys[1]] = child.norm
+                parent._modules[seq_keys[2]] = child.act
+                out.append(name)
+    return out

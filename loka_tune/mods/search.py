@@ -15,7 +15,7 @@ from loka_tune.errors import ConfigError
 
 __all__ = ["MOD_NAMES", "PARAM_PREFIX", "mod_choices", "mods_from_params", "mods_to_params"]
 
-MOD_NAMES: tuple[str, ...] = ("no_bias", "blocknorm", "hardswish", "pad")
+MOD_NAMES: tuple[str, ...] = ("no_bias", "blocknorm", "hardswish", "pad", "fuse_epilogue")
 PARAM_PREFIX = "mods."
 
 
@@ -28,8 +28,11 @@ def mod_choices(
     """Each Mod's options as an Optuna categorical list (``None`` / ``False`` = off, first).
 
     Default: ``{"no_bias": [False, True], "blocknorm": [None, 64, 128, 256],
-    "hardswish": [False, True], "pad": [None, 16]}``. ``include`` restricts the Mods searched
-    (the others stay off: :func:`mods_from_params` defaults them).
+    "hardswish": [False, True], "pad": [None, 16], "fuse_epilogue": [False, True]}``.
+    ``include`` restricts the Mods searched (the others stay off: :func:`mods_from_params`
+    defaults them). ``fuse_epilogue`` (run Linear -> BlockNorm -> Hard Swish as one fused FP8
+    GEMM epilogue, see :class:`~loka_tune.config.ModsConfig`) changes something only when
+    ``blocknorm`` and ``hardswish`` are on too.
     """
     unknown = [n for n in include if n not in MOD_NAMES]
     if unknown:
@@ -43,6 +46,7 @@ def mod_choices(
         "blocknorm": [None, *dict.fromkeys(blocknorm)],
         "hardswish": [False, True],
         "pad": [None, *dict.fromkeys(pad)],
+        "fuse_epilogue": [False, True],
     }
     return {n: full[n] for n in MOD_NAMES if n in include}
 
@@ -72,7 +76,7 @@ def _as_size(v: Any, key: str) -> int | None:
 def mods_from_params(params: Mapping[str, Any], *, keep_bias: Sequence[str] = ()) -> ModsConfig:
     """The :class:`ModsConfig` encoded in a trial's parameters.
 
-    Reads ``no_bias`` / ``blocknorm`` / ``hardswish`` / ``pad`` either bare or prefixed with
+    Reads ``no_bias`` / ``blocknorm`` / ``hardswish`` / ``pad`` / ``fuse_epilogue`` either bare or prefixed with
     ``"mods."``; other keys (the sites' choices) are ignored; a Mod absent from ``params`` is
     off. Values may also be the strings MLflow stores (``"True"``, ``"None"``, ``"128"``).
     An unknown ``"mods.*"`` key raises :class:`ConfigError`.
@@ -96,6 +100,7 @@ def mods_from_params(params: Mapping[str, Any], *, keep_bias: Sequence[str] = ()
         blocknorm=_as_size(found.get("blocknorm"), "mods.blocknorm"),
         hardswish=_as_bool(found.get("hardswish", False), "mods.hardswish"),
         pad=_as_size(found.get("pad"), "mods.pad"),
+        fuse_epilogue=_as_bool(found.get("fuse_epilogue", False), "mods.fuse_epilogue"),
     )
 
 
@@ -106,4 +111,5 @@ def mods_to_params(mods: ModsConfig, *, prefix: str = PARAM_PREFIX) -> dict[str,
         f"{prefix}blocknorm": mods.blocknorm,
         f"{prefix}hardswish": mods.hardswish,
         f"{prefix}pad": mods.pad,
+        f"{prefix}fuse_epilogue": mods.fuse_epilogue,
     }

@@ -15,6 +15,7 @@ from loka_tune.space.candidates import (
 from loka_tune.space.encode import (
     config_from_params,
     distributions,
+    fusable,
     mods_dims,
     mods_from_params,
     param_name,
@@ -28,6 +29,6 @@ __all__ = [
     "Site", "discover_sites", "gemm_shape",
     "SearchSpace", "SiteChoices", "build_space", "eligibility", "enumerate_candidates",
     "prune_by_probe",
-    "config_from_params", "distributions", "mods_dims", "mods_from_params", "param_name", "params_from_config",
+    "config_from_params", "distributions", "fusable", "mods_dims", "mods_from_params", "param_name", "params_from_config",
     "params_picking", "suggest",
 ]

@@ -3,14 +3,16 @@
 One categorical parameter per site x role with more than one surviving choice
 (``"<site>@<role>"``, values are choice ids such as ``"e4m3.row.emulated"``), or per site
 (``"<site>@all"``) when the space ties the three GEMMs together; one per Mods dimension
-(``"mods.<field>"``). Site x roles with bf16 as their only choice get no parameter: they are
-bf16 in every trial. Decoding is deterministic, so a config's :meth:`PrecisionConfig.key`
-identifies a trial across workers and restarts.
+(``"mods.<field>"``, e.g. ``"mods.fuse_epilogue"``: False / True, kept only with
+``blocknorm`` and ``hardswish`` on). Site x roles with bf16 as their only choice get no
+parameter: they are bf16 in every trial. Decoding is deterministic, so a config's
+:meth:`PrecisionConfig.key` identifies a trial across workers and restarts.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from typing import Any, Callable, Mapping, Sequence
 
 from loka_tune.config import ROLES, GemmChoice, ModsConfig, PrecisionConfig, SitePrecision
@@ -25,6 +27,7 @@ __all__ = [
     "params_picking",
     "mods_from_params",
     "mods_dims",
+    "fusable",
 ]
 
 ALL = "all"
@@ -86,10 +89,23 @@ def mods_dims(allowed: Sequence[str], *, blocknorm_sizes: Sequence[int] = (128,)
 
 
 def mods_from_params(params: Mapping[str, Any]) -> ModsConfig:
-    """The :class:`ModsConfig` of the ``mods.<field>`` parameters (absent ones are off)."""
+    """The :class:`ModsConfig` of the ``mods.<field>`` parameters (absent ones are off).
+
+    ``mods.fuse_epilogue`` is kept only when ``blocknorm`` and ``hardswish`` are on too:
+    without both there is no (Linear, BlockNorm, Hard Swish) chain to fuse, and dropping it
+    gives such a trial the config (and cache key) of the same trial unfused.
+    """
     from loka_tune.mods import mods_from_params as _decode
 
-    return _decode({k: v for k, v in params.items() if k.startswith("mods.")})
+    mods = _decode({k: v for k, v in params.items() if k.startswith("mods.")})
+    if mods.fuse_epilogue and not fusable(mods):
+        mods = replace(mods, fuse_epilogue=False)
+    return mods
+
+
+def fusable(mods: ModsConfig) -> bool:
+    """Whether ``mods`` makes the chains ``fuse_epilogue`` fuses (BlockNorm and Hard Swish on)."""
+    return mods.blocknorm is not None and mods.hardswish
 
 
 def _pattern(site: str, mods: ModsConfig) -> str:
@@ -155,9 +171,11 @@ def params_from_config(space: SearchSpace, config: PrecisionConfig) -> tuple[dic
         else:
             params[name] = choices[0]
             notes.append(f"{name}: {v!r} not among {list(choices)} -> {choices[0]!r}")
-    for field_ in ("no_bias", "blocknorm", "hardswish", "pad"):
+    for field_ in ("no_bias", "blocknorm", "hardswish", "pad", "fuse_epilogue"):
         if f"mods.{field_}" not in dims and mods.get(field_) not in (None, False):
             notes.append(f"mods.{field_}: {mods[field_]!r} not searched -> off")
+    if config.mods.fuse_epilogue and "mods.fuse_epilogue" in dims and not fusable(mods_from_params(params)):
+        notes.append("mods.fuse_epilogue: needs blocknorm and hardswish on in the space's encoding -> off")
     return params, notes
 
 
