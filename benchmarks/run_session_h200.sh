@@ -69,12 +69,16 @@ if [ "$part" = probe ]; then
 echo "== GPU tests: probe on CUDA, fused epilogue"
 timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_probe_stats.py \
   tests/test_fused_epilogue.py 2>&1 | tail -15 | tee "$out/gpu_tests.log"
-echo "== probe overhead (large Wukong, B=8192, every=100, 400 probed steps)"
-timeout "${STEP_TIMEOUT:-240}" python3 benchmarks/train_step.py --model wukong --preset large --batch 8192 \
-  --steps 150 --num-sparse 40 --cardinality 100000 --probe-every 100 --probe-steps 400 --profile-steps 5 \
+echo "== probe overhead (large Wukong, B=8192, every=100, 300 probed steps); Mods bf16 vs FP8 unfused vs fused"
+MODS=nobias,bn256,hswish
+timeout "${STEP_TIMEOUT:-270}" python3 benchmarks/train_step.py --model wukong --preset large --batch 8192 \
+  --steps 120 --num-sparse 40 --cardinality 100000 --probe-every 100 --probe-steps 300 --profile-steps 5 \
+  --variant-steps 40 --variant "bf16 all mods|$MODS|bf16" \
+  --variant "triton rowwise, all mods, unfused|$MODS|uniform:e4m3.row.fa.triton" \
+  --variant "triton rowwise, all mods, fused epilogue|$MODS,fused|uniform:e4m3.row.fa.triton" \
   --out "$out/train_step_probe.json" 2>&1 | grep -v "UserWarning\|_warn_once" | tee "$out/train_step_probe.log"
 echo "== fused epilogue (do_bench and CUDA graphs)"
-timeout "${FUSED_TIMEOUT:-170}" python3 benchmarks/fused_epilogue.py --cudagraph --budget 140 \
+timeout "${FUSED_TIMEOUT:-150}" python3 benchmarks/fused_epilogue.py --cudagraph --budget 110 \
   --out "$out/fused.json" 2>&1 | tail -30 | tee "$out/fused.log"
 fi
 if [ "$part" = study ]; then

@@ -147,7 +147,7 @@ def profile_breakdown(step, batches, steps: int) -> dict[str, float]:
 
 
 def parse_mods(text: str):
-    """'none' or a comma list of nobias, bn<block>, hswish, pad<multiple>."""
+    """'none' or a comma list of nobias, bn<block>, hswish, pad<multiple>, fused."""
     from loka_tune.config import ModsConfig
 
     kw: dict = {}
@@ -158,12 +158,14 @@ def parse_mods(text: str):
             kw["no_bias"] = True
         elif part == "hswish":
             kw["hardswish"] = True
+        elif part == "fused":  # the fused FP8 epilogue on Linear->BlockNorm->Hardswish chains (Triton FP8 sites)
+            kw["fuse_epilogue"] = True
         elif part.startswith("bn"):
             kw["blocknorm"] = int(part[2:])
         elif part.startswith("pad"):
             kw["pad"] = int(part[3:])
         else:
-            raise SystemExit(f"unknown mod {part!r} in {text!r}: use nobias, bn<block>, hswish, pad<multiple>")
+            raise SystemExit(f"unknown mod {part!r} in {text!r}: use nobias, bn<block>, hswish, pad<multiple>, fused")
     return ModsConfig(**kw)
 
 
@@ -244,7 +246,7 @@ def main() -> int:
     ap.add_argument("--probe-steps", type=int, default=400,
                     help="steps with the probe attached (at least 2 x --probe-every)")
     ap.add_argument("--variant", action="append", default=[],
-                    help="LABEL|MODS|PRECISION, repeatable: MODS = none or nobias,bn256,hswish,pad16;"
+                    help="LABEL|MODS|PRECISION, repeatable: MODS = none or nobias,bn256,hswish,pad16,fused;"
                          " PRECISION = bf16, torchao:tensorwise, uniform:e4m3.row.fa.triton, or a config JSON"
                          " (MODS 'config' keeps that file's mods). Timed after the main measurement.")
     ap.add_argument("--variant-steps", type=int, default=60)
