@@ -515,7 +515,8 @@ class PrecisionConfig:
     """A whole model's precision plan: mods, a default, per-site rules and provenance.
 
     Resolution for a layer name: the exact-name rule, else the first matching ``re:`` rule
-    (in file order), else ``default``. ``provenance`` records where the config came from
+    (in file order), else ``default``. ``sites`` may be given as a mapping ``{name or
+    "re:<regex>": SitePrecision or its id}`` (kept in order as :class:`SiteRule` entries). ``provenance`` records where the config came from
     (study, trial, metrics, device, versions): free-form JSON-able data.
     """
 
@@ -525,9 +526,18 @@ class PrecisionConfig:
     provenance: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "sites", tuple(self.sites))
+        sites = self.sites
+        if isinstance(sites, Mapping):  # {name or "re:<regex>": SitePrecision or its id}, in order
+            sites = tuple(SiteRule(k, v if isinstance(v, SitePrecision) else SitePrecision.from_obj(v, key=f"sites.{k}"))
+                          for k, v in sites.items())
+        sites = tuple(sites)
+        bad = [r for r in sites if not isinstance(r, SiteRule)]
+        if bad:
+            raise ConfigError(f"got {bad[0]!r}; sites take SiteRule(pattern, precision) entries or a mapping"
+                              " {site name or 're:<regex>': precision}", key="sites")
+        object.__setattr__(self, "sites", sites)
         seen: set[str] = set()
-        for rule in self.sites:
+        for rule in sites:
             if rule.pattern in seen:
                 raise ConfigError(f"the site {rule.pattern!r} is listed twice", key=f"sites.{rule.pattern}")
             seen.add(rule.pattern)

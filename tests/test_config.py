@@ -279,3 +279,16 @@ def test_mods_fuse_epilogue_json() -> None:
 
 def test_roles_order() -> None:
     assert [r.value for r in ROLES] == ["fwd", "dgrad", "wgrad"]
+
+
+def test_sites_given_as_a_mapping_become_ordered_rules() -> None:
+    from loka_tune.config import PrecisionConfig, SitePrecision, SiteRule
+
+    c = PrecisionConfig(sites={"a": SitePrecision.parse("e4m3.row.emulated"), "re:b.*": "e5m2.tensor.emulated"})
+    assert [r.pattern for r in c.sites] == ["a", "re:b.*"] and all(isinstance(r, SiteRule) for r in c.sites)
+    assert c.resolve("b1").fwd.short_str() == "e5m2.tensor.emulated"
+    assert PrecisionConfig.from_json(c.to_json()) == c
+    with pytest.raises(ConfigError, match="sites"):
+        PrecisionConfig(sites=["a"])
+    with pytest.raises(ConfigError, match=r"sites\.a"):
+        PrecisionConfig(sites={"a": "e9m9.row"})
