@@ -53,6 +53,7 @@ Layout (every section but ``[model]`` and ``[data]`` is optional)::
     min_dim = 16                 # ... and at least this big
 
     [probe]
+    enabled = true               # false: no probe run, no pruning, no Dispatch plan (the unpruned space)
     max_error = 0.2              # MERE above this = unsafe
     min_speedup = 1.0            # candidates not faster than bf16 by this factor are dropped
     samples = 32
@@ -62,6 +63,9 @@ Layout (every section but ``[model]`` and ``[data]`` is optional)::
     n_trials = 20                # and/or
     timeout_s = 600
     pruner = "hopeless"          # "hopeless", "median" or "none"
+    n_startup_trials = 8         # random trials before TPE models the results
+    enqueue_starts = true        # first trials: all-bf16, the Dispatch plan, all-FP8 at the fastest safe
+                                 # choices; false leaves every trial to the sampler
 
     [storage]
     url = ""                     # default sqlite:///<output_dir>/optuna.db; postgresql://... for many machines
@@ -337,6 +341,7 @@ class TrialsSection:
     hopeless_factor: float = 10.0
     prune_warmup_steps: int = 0
     n_startup_trials: int = 8
+    enqueue_starts: bool = True
 
 
 @dataclass(frozen=True)
@@ -616,6 +621,7 @@ def parse_study(doc: Mapping[str, Any], *, base_dir: Path | None = None, source_
         hopeless_factor=t.number("hopeless_factor", d5.hopeless_factor, minimum=1.0),
         prune_warmup_steps=t.integer("prune_warmup_steps", d5.prune_warmup_steps, minimum=0),
         n_startup_trials=t.integer("n_startup_trials", d5.n_startup_trials, minimum=0),
+        enqueue_starts=t.boolean("enqueue_starts", d5.enqueue_starts),
     )
     t.done()
     if trials.n_trials is None and trials.timeout_s is None:

@@ -6,6 +6,7 @@ One study, end to end (see ``docs/design.md``)::
                     + the Probe's online statistics during the first one
                 ──> space: sites x roles x candidates, pruned by the ProbeReport (unsafe / slow)
                 ──> enqueued: all-bf16, the Dispatch plan, all-FP8 at the fastest safe choices
+                    (unless ``[trials] enqueue_starts = false``)
                 ──> Optuna ask/tell (TPE with constraints, objective: step time)
                     trial -> PrecisionConfig -> fresh model (same init) -> apply -> paired short run
                           -> relative log loss vs the baseline, step time (measured or modeled)
@@ -638,14 +639,16 @@ def prepare_study(cfg: StudyConfig, study: Any, *, device: str, force: bool = Fa
     study.set_user_attr(ATTR_BASELINE, baseline.to_dict())
     ctx = StudyContext(cfg, study, source, baseline, space, device, speed, tracker, batch)
 
-    # the first trials
-    seeds: list[tuple[str, dict[str, Any]]] = [("all-bf16", params_picking(space, lambda sc, r, ch: BF16_ID))]
-    if report is not None:
-        plan = _dispatch_plan(cfg, report)
-        if plan is not None:
-            p, notes = params_from_config(space, plan)
-            seeds.append(("dispatch", p))
-    seeds.append(("all-fp8-fastest-safe", params_picking(space, _fastest_safe)))
+    # the first trials (unless [trials] enqueue_starts = false: then the sampler picks every trial)
+    seeds: list[tuple[str, dict[str, Any]]] = []
+    if cfg.trials.enqueue_starts:
+        seeds.append(("all-bf16", params_picking(space, lambda sc, r, ch: BF16_ID)))
+        if report is not None:
+            plan = _dispatch_plan(cfg, report)
+            if plan is not None:
+                p, notes = params_from_config(space, plan)
+                seeds.append(("dispatch", p))
+        seeds.append(("all-fp8-fastest-safe", params_picking(space, _fastest_safe)))
     for label, params in seeds:
         study.enqueue_trial(params, user_attrs={"seeded": label}, skip_if_exists=True)
     if tracker is not None:

@@ -135,6 +135,9 @@ MALFORMED = [
     ("[probe]\nmax_error = -1\n", "probe.max_error", "-1"),
     ("[trials]\nn_trials = 0\n", "trials.n_trials", ">= 1"),
     ("[trials]\npruner = \"asha\"\n", "trials.pruner", "'asha'"),
+    ("[trials]\nenqueue_starts = \"no\"\n", "trials.enqueue_starts", "'no'"),
+    ("[trials]\nenqueue_start = false\n", "trials.enqueue_start", "did you mean 'enqueue_starts'"),
+    ("[probe]\nenabled = 0\n", "probe.enabled", "true or false"),
     ("[storage]\nurl = \"sqlite:///:memory:\"\n", "storage.url", "in-memory"),
     ("[storage]\nurl = \"redis://localhost\"\n", "storage.url", "redis://"),
     ("[storage]\nheartbeat_s = 10\ngrace_s = 5\n", "storage.grace_s", "grace_s=5"),
@@ -180,3 +183,12 @@ def test_invalid_toml_and_missing_file(tmp_path: Path) -> None:
 def test_parse_study_rejects_non_mapping() -> None:
     with pytest.raises(ConfigError):
         parse_study(["not", "a", "table"])  # type: ignore[arg-type]
+
+
+def test_enqueue_starts_and_probe_enabled(tmp_path: Path) -> None:
+    cfg = load_study(_write(tmp_path, MINIMAL), cwd=tmp_path)
+    assert cfg.trials.enqueue_starts is True and cfg.probe.enabled is True  # defaults: what tune does today
+    off = load_study(_write(tmp_path, MINIMAL + "[probe]\nenabled = false\n[trials]\nenqueue_starts = false\n"),
+                     cwd=tmp_path)
+    assert off.trials.enqueue_starts is False and off.probe.enabled is False
+    assert off.to_dict()["trials"]["enqueue_starts"] is False

@@ -155,6 +155,37 @@ def test_resume_runs_no_completed_trial_again(tmp_path: Path) -> None:
     assert len(evaluated) == len(set(evaluated))  # no configuration evaluated twice
 
 
+def test_no_probe_and_no_enqueued_starts_leave_the_space_unpruned_and_the_sampler_alone(tmp_path: Path) -> None:
+    """[probe] enabled = false + [trials] enqueue_starts = false: the plain-TPE arm of the search benchmark."""
+    from loka_tune import tune
+    from loka_tune.space.candidates import SearchSpace
+
+    p = write_study(tmp_path, n_trials=2)
+    text = p.read_text().replace("min_speedup = 0.0", "min_speedup = 1.0")  # the probe would drop slow ones
+    p.write_text(text.replace("[probe]\n", "[probe]\nenabled = false\n")
+                 .replace("[trials]\n", "[trials]\nenqueue_starts = false\n"))
+    cfg = load_study(p)
+    assert not cfg.probe.enabled and not cfg.trials.enqueue_starts
+    study = tune.run_study(cfg, tracking=False, progress=False)
+    assert len(_done(study)) == 2
+    assert not any("seeded" in t.user_attrs for t in study.trials)  # every trial came from the sampler
+    assert not (cfg.output_dir / "probe_report.json").exists()
+    space = SearchSpace.from_dict(study.user_attrs[tune.ATTR_SPACE])
+    reasons = [why for sc in space.sites for d in sc.dropped.values() for why in d.values()]
+    assert all(why.startswith("ineligible") for why in reasons)  # nothing unsafe / slow removed
+    assert not any(sc.error or sc.speedup for sc in space.sites)
+    assert space.n_fp8_candidates() > 0
+    # the same study with the probe on drops slow candidates at this cost batch size: the check above can fail
+    p.write_text(text.replace("name = \"t\"", "name = \"t2\"").replace(str(tmp_path / "runs" / "t"),
+                                                                      str(tmp_path / "runs" / "t2"))
+                 .replace("n_trials = 2", "n_trials = 1"))
+    cfg2 = load_study(p)
+    s2 = tune.run_study(cfg2, tracking=False, progress=False)
+    assert s2.trials[0].user_attrs["seeded"] == "all-bf16"
+    pruned = SearchSpace.from_dict(s2.user_attrs[tune.ATTR_SPACE])
+    assert pruned.n_fp8_candidates() < space.n_fp8_candidates()
+
+
 def test_budget_below_noise_floor_is_refused_unless_forced(tmp_path: Path) -> None:
     from loka_tune import tune
 
@@ -186,10 +217,10 @@ def test_failed_trial_is_recorded_and_the_study_goes_on(tmp_path: Path, monkeypa
     cfg = load_study(write_study(tmp_path, n_trials=3))
     real = tune.trial_model
 
-    def flaky(cfg_, source, config):  # noqa: ANN001, ANN202
+    def flaky(cfg_, source, config, **kw):  # noqa: ANN001, ANN003, ANN202
         if config.sites:  # every config with an FP8 site "cannot run here"
             raise UnsupportedChoiceError("no kernel for this choice on this device")
-        return real(cfg_, source, config)
+        return real(cfg_, source, config, **kw)
 
     monkeypatch.setattr(tune, "trial_model", flaky)
     study = tune.run_study(cfg, tracking=False, progress=False)
