@@ -47,6 +47,13 @@ CONFIGS: dict[str, tuple[str, str, str]] = {
     "e5m2 grads (tensor)": ("e4m3.tensor.emulated", "e5m2+e4m3.tensor.emulated", "e5m2+e4m3.tensor.emulated"),
     "mixed": ("e4m3.row.emulated", "e4m3.block.emulated", "e5m2+e4m3.tensor.emulated"),
 }
+# --harsh adds configs that should hurt: e5m2 (2 mantissa bits) for every operand of every GEMM,
+# so that the loss effects span more than the paired-run noise
+HARSH: dict[str, tuple[str, str, str]] = {
+    "e5m2 everywhere (row)": ("e5m2.row.emulated",) * 3,
+    "e5m2 everywhere (tensor)": ("e5m2.tensor.emulated",) * 3,
+    "e5m2 everywhere (tensor, pow2)": ("e5m2.tensor.pow2.emulated",) * 3,
+}
 
 
 def _geo(xs: list[float]) -> float:
@@ -82,7 +89,7 @@ def run_model(name: str, args: argparse.Namespace, source) -> dict:
         print(f"{name} bf16 seed {seed}: eval logloss {r.eval_logloss:.5f}", file=sys.stderr)
 
     cands = sorted({c for chs in CONFIGS.values() for c in chs})
-    rep = measure(stats, cands, samples=args.samples, dists=("learned", "normal"), seed=0)
+    rep = measure(stats, cands, samples=args.samples, dists=("learned", "normal"), seed=0, e5m2_anywhere=args.harsh)
     mere = {(r.site, r.role, r.choice, r.dist): r.mere for r in rep.results}
     head = getattr(fresh(seeds[0]), "prediction_head", "head")
     sites = [s for s in stats.sites if s != head]
@@ -125,8 +132,11 @@ def main() -> int:
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--samples", type=int, default=16)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--harsh", action="store_true", help="also the e5m2-everywhere configs (larger errors)")
     ap.add_argument("--out", type=Path, default=Path("/tmp/probe_vs_loss"))
     args = ap.parse_args()
+    if args.harsh:
+        CONFIGS.update(HARSH)
     torch.set_num_threads(args.threads)  # tiny models: one thread avoids contention
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()

@@ -346,3 +346,14 @@ def test_run_probe_trains_then_measures_and_reanalyses(tmp_path) -> None:
         run_probe(nn.Sequential(nn.Linear(6, 3)), stats=path)
     with pytest.raises(ProbeError, match="never collected"):
         run_probe(model, data[:1], train_fn=train_fn, every=5)
+
+
+def test_e5m2_anywhere_measures_e5m2_weights_and_activations(gauss_stats: ProbeStats) -> None:
+    """Outside the search space, for calibration: e5m2 for every operand, and larger errors than e4m3."""
+    cands = ["e4m3.row.emulated", "e5m2.row.emulated"]
+    plain = measure(gauss_stats, cands, samples=3)
+    assert not [x for x in plain.results if x.choice == "e5m2.row.emulated"]
+    rep = measure(gauss_stats, cands, samples=3, e5m2_anywhere=True)
+    r = {(x.role, x.choice): x.mere for x in rep.results}
+    for role in ("fwd", "dgrad", "wgrad"):
+        assert r[role, "e5m2.row.emulated"] > 1.5 * r[role, "e4m3.row.emulated"]  # 2 vs 3 mantissa bits

@@ -137,11 +137,12 @@ def resolve_candidates(candidates: Iterable[GemmChoice | str] | None, *, include
     return out
 
 
-def _why_not(choice: GemmChoice, role: GemmRole, device: str, shape: tuple[int, int, int]) -> str | None:
+def _why_not(choice: GemmChoice, role: GemmRole, device: str, shape: tuple[int, int, int],
+             e5m2_anywhere: bool = False) -> str | None:
     """Why ``choice`` is not measured for ``role`` (None: measure it)."""
-    if choice.b_format == Format.E5M2:
+    if choice.b_format == Format.E5M2 and not e5m2_anywhere:
         return "e5m2 is for gradient operands; B (a weight or an activation) must be e4m3"
-    if choice.a_format == Format.E5M2 and role == GemmRole.FWD:
+    if choice.a_format == Format.E5M2 and role == GemmRole.FWD and not e5m2_anywhere:
         return "e5m2 is for gradient operands; A of fwd is the activation X"
     from loka_tune.kernels.registry import get_backend
 
@@ -180,6 +181,7 @@ def measure(
     seed: int = 0,
     progress: bool = False,
     num_threads: int | None = 1,
+    e5m2_anywhere: bool = False,
 ) -> ProbeReport:
     """Measure every candidate at every site and role of ``stats``; see the module docstring.
 
@@ -204,6 +206,9 @@ def measure(
         skip_bad_sites: skip sites with unusable stats (NaN/inf, nothing collected) and list
             them in ``report.skipped`` instead of raising :class:`ProbeError`.
         seed: seeds every draw (a site's draws do not depend on the other sites).
+        e5m2_anywhere: also measure e5m2 for weights and activations (outside the search space,
+            which keeps e5m2 for gradients): for calibration experiments that need choices
+            with large errors (``benchmarks/probe_vs_loss.py --harsh``).
         num_threads: torch CPU threads during the measurement (restored afterwards; None:
             leave as is). 1 by default: the probe's GEMMs are small, and multi-threaded
             small matmuls on a busy CPU are orders of magnitude slower (thread contention).
@@ -218,6 +223,7 @@ def measure(
                 operand_dtype=operand_dtype, guard_frac=guard_frac, max_error=max_error,
                 min_speedup=min_speedup, roles=roles, sites=sites, weights=weights,
                 skip_bad_sites=skip_bad_sites, seed=seed, progress=progress, num_threads=None,
+                e5m2_anywhere=e5m2_anywhere,
             )
         finally:
             torch.set_num_threads(old)
@@ -278,7 +284,7 @@ def measure(
             shape = site.shape(role.value)
             valid[role] = []
             for c in cands:
-                why = _why_not(c, role, device, shape)
+                why = _why_not(c, role, device, shape, e5m2_anywhere)
                 if why is None:
                     valid[role].append(c)
                 else:
