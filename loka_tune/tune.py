@@ -167,11 +167,13 @@ def speed_source(cfg: StudyConfig, device: str) -> str:
     return s
 
 
-def trial_model(cfg: StudyConfig, source: Any, config: PrecisionConfig) -> tuple[nn.Module, Any]:
-    """A fresh model (same init seed as the baseline) with ``config`` applied; returns it and the summary."""
+def trial_model(cfg: StudyConfig, source: Any, config: PrecisionConfig, *,
+                device: str = "cpu") -> tuple[nn.Module, Any]:
+    """A fresh model (same init seed as the baseline) on ``device`` with ``config`` applied
+    (on that device: GPU-only kernels accept only CUDA layers); returns it and the summary."""
     from loka_tune.applier import apply
 
-    model = make_model(cfg, source)
+    model = make_model(cfg, source).to(resolve_device(device))
     summary = apply(model, config)
     return model, summary
 
@@ -698,12 +700,13 @@ def evaluate_config(ctx: StudyContext, config: PrecisionConfig, *,
     cfg, bl = ctx.cfg, ctx.baseline
     t0 = time.perf_counter()
     try:
-        model, _summary = trial_model(cfg, ctx.source, config)
+        model, _summary = trial_model(cfg, ctx.source, config, device=ctx.device)
     except (UnsupportedChoiceError, BackendError) as e:
         return TrialOutcome("failed", reason=f"unsupported: {e}", wall_s=time.perf_counter() - t0)
     modeled = None
     if ctx.speed == "modeled":
-        modeled = modeled_seconds(model, ctx.batch, cfg, bl)
+        batch = ctx.batch if resolve_device(ctx.device) == "cpu" else _first_batch(ctx.source, cfg, ctx.device, max_rows=64)
+        modeled = modeled_seconds(model, batch, cfg, bl)
     base_curve = dict(zip(bl.window_steps, bl.window_losses))
 
     def on_step(step: int, window_loss: float) -> bool:
