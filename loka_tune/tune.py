@@ -524,7 +524,10 @@ def _probe_report(cfg: StudyConfig, stats: Any, candidates: Mapping[str, list[Ge
         for c in cs:
             if c not in flat:
                 flat.append(c)
-    report = measure(stats, flat, samples=cfg.probe.samples, device=device, cost_device=cfg.objective.cost_device)
+    # speed at the batch the objective is priced at (cost_batch_size, default the training batch)
+    scale = cfg.cost_batch_size / cfg.training.batch_size
+    report = measure(stats, flat, samples=cfg.probe.samples, device=device, cost_device=cfg.objective.cost_device,
+                     speed_row_scale=scale)
     report.save(out)
     return report
 

@@ -357,3 +357,16 @@ def test_e5m2_anywhere_measures_e5m2_weights_and_activations(gauss_stats: ProbeS
     r = {(x.role, x.choice): x.mere for x in rep.results}
     for role in ("fwd", "dgrad", "wgrad"):
         assert r[role, "e5m2.row.emulated"] > 1.5 * r[role, "e4m3.row.emulated"]  # 2 vs 3 mantissa bits
+
+
+def test_speed_row_scale_prices_the_production_batch(gauss_stats: ProbeStats) -> None:
+    base = measure(gauss_stats, ["e4m3.row.emulated"], samples=2, roles=["fwd"])
+    big = measure(gauss_stats, ["e4m3.row.emulated"], samples=2, roles=["fwd"], speed_row_scale=256.0)
+    b = {(x.choice, x.dist): x for x in base.results}
+    g = {(x.choice, x.dist): x for x in big.results}
+    k = ("e4m3.row.emulated", "learned")
+    assert g[k].m == 256 * b[k].m and (g[k].k, g[k].n) == (b[k].k, b[k].n)
+    assert g[k].mere == b[k].mere  # errors come from the same draws: only the priced shape changes
+    assert g[k].speedup > b[k].speedup  # FP8 pays off with more rows (cost model)
+    with pytest.raises(ProbeError, match="speed_row_scale"):
+        measure(gauss_stats, ["e4m3.row.emulated"], samples=1, speed_row_scale=0)

@@ -48,7 +48,7 @@ from loka_tune.config import GemmChoice, GemmRole, Format, ROLES
 from loka_tune.errors import LokaError, ProbeError
 from loka_tune.probe.report import CandidateResult, ProbeReport, SkippedCandidate, _check_thresholds, _fast, _safe
 from loka_tune.probe.speed import SpeedModel, default_speed_model
-from loka_tune.probe.stats import ProbeStats, SiteStats
+from loka_tune.probe.stats import ProbeStats, SiteStats, _role_shape
 from loka_tune.probe.synth import DISTS, MAX_ROWS, SiteSampler
 
 __all__ = [
@@ -182,6 +182,7 @@ def measure(
     progress: bool = False,
     num_threads: int | None = 1,
     e5m2_anywhere: bool = False,
+    speed_row_scale: float = 1.0,
 ) -> ProbeReport:
     """Measure every candidate at every site and role of ``stats``; see the module docstring.
 
@@ -206,6 +207,9 @@ def measure(
         skip_bad_sites: skip sites with unusable stats (NaN/inf, nothing collected) and list
             them in ``report.skipped`` instead of raising :class:`ProbeError`.
         seed: seeds every draw (a site's draws do not depend on the other sites).
+        speed_row_scale: price speed at ``rows x speed_row_scale`` rows instead of the rows the
+            probe saw (e.g. a study's ``cost_batch_size / batch_size``: speed at the production
+            batch, errors from the short runs' statistics); results' ``m`` is the priced M.
         e5m2_anywhere: also measure e5m2 for weights and activations (outside the search space,
             which keeps e5m2 for gradients): for calibration experiments that need choices
             with large errors (``benchmarks/probe_vs_loss.py --harsh``).
@@ -223,12 +227,15 @@ def measure(
                 operand_dtype=operand_dtype, guard_frac=guard_frac, max_error=max_error,
                 min_speedup=min_speedup, roles=roles, sites=sites, weights=weights,
                 skip_bad_sites=skip_bad_sites, seed=seed, progress=progress, num_threads=None,
-                e5m2_anywhere=e5m2_anywhere,
+                e5m2_anywhere=e5m2_anywhere, speed_row_scale=speed_row_scale,
             )
         finally:
             torch.set_num_threads(old)
     if not isinstance(stats, ProbeStats):
         raise ProbeError(f"measure() needs ProbeStats (Probe(...).stats or ProbeStats.load), got {type(stats).__name__}")
+    if isinstance(speed_row_scale, bool) or not isinstance(speed_row_scale, (int, float)) \
+            or not math.isfinite(speed_row_scale) or speed_row_scale <= 0:
+        raise ProbeError(f"speed_row_scale must be a finite number > 0, got {speed_row_scale=!r}")
     if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
         raise ProbeError(f"samples must be a positive integer, got {samples=!r}")
     dists = list(dict.fromkeys(dists))
@@ -300,8 +307,9 @@ def measure(
             meta_site.setdefault("rows_sampled", {})[dist] = sampler.rows
             if dist == "learned":
                 meta_site["jitter"] = sampler.jitter
+            priced_rows = max(1, round(site.rows * speed_row_scale))
             for role in roles:
-                m, k, n = site.shape(role.value)
+                m, k, n = _role_shape(role.value, priced_rows, site.in_features, site.out_features)
                 t_bf16 = _time(speed, time_cache, GemmChoice(), m, k, n, role)
                 for c in valid[role]:
                     e = np.asarray(errs[(role, c.short_str())], dtype=np.float64)  # (draws, 2)
