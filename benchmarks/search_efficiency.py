@@ -27,8 +27,9 @@ overall best was first reached (censored at the run's total short runs when neve
 
 The default base study is ``BASE_STUDY`` below: studies/quickstart.toml with a deeper DLRM (1024x2048
 and 2048x1024 top GEMMs, where FP8 pays off on an H200 for some roles and granularities, and a
-256-64-16 bottom MLP, where it does not) and a richer space (e4m3/e5m2, tensor/row/block, exact/pow2 scales, all four Mods);
-``--study FILE`` uses another study file instead.
+256-64-16 bottom MLP, where it does not) and a richer space (e4m3/e5m2, tensor/row/block, exact/pow2 scales, all four Mods),
+with the quickstart's training settings of the day it was run (30 steps x 64; the quickstart
+now trains 40 x 128); ``--study FILE`` uses another study file instead.
 """
 
 from __future__ import annotations
