@@ -515,6 +515,28 @@ class StudyContext:
     batch: Any = None  # one training batch on the CPU (site shapes for the cost model)
 
 
+def no_fp8_reason(space: SearchSpace, cfg: StudyConfig) -> str:
+    """Why a space has no FP8 candidate left: the counts of the drop reasons, and what to change."""
+    from collections import Counter
+
+    kinds: Counter[str] = Counter()
+    for sc in space.sites:
+        for why in (w for d in sc.dropped.values() for w in d.values()):
+            kinds[why.split(":", 1)[0]] += 1
+    parts = ", ".join(f"{n} {k}" for k, n in kinds.most_common()) or "no candidate at all"
+    hint = []
+    if kinds.get("slow"):
+        hint.append(f"no FP8 choice is predicted faster than bf16 at these GEMM shapes (cost batch"
+                    f" {cfg.cost_batch_size} rows, probe.min_speedup {cfg.probe.min_speedup}): FP8 pays off on"
+                    " wide layers (>= 2048) and large batches; lower probe.min_speedup to explore anyway")
+    if kinds.get("unsafe"):
+        hint.append(f"some choices exceed probe.max_error {cfg.probe.max_error}")
+    if not kinds or kinds.get("ineligible"):
+        hint.append("layers narrower than space.min_dim or not aligned to space.align take no FP8")
+    return (f"no FP8 candidate is left ({parts} site x GEMM x choice dropped): " + "; ".join(hint)
+            + ". The search explores the Mods only.")
+
+
 def _probe_report(cfg: StudyConfig, stats: Any, candidates: Mapping[str, list[GemmChoice]], device: str,
                   out: Path) -> Any:
     from loka_tune.probe import measure
@@ -628,6 +650,8 @@ def prepare_study(cfg: StudyConfig, study: Any, *, device: str, force: bool = Fa
     n_fp8 = space.n_fp8_candidates()
     _log(f"[loka-tune] space: {len(space.sites)} sites, {n_fp8} FP8 candidates after pruning,"
          f" {len(distributions(space))} parameters ({time.perf_counter() - t0:.1f}s to prepare)")
+    if n_fp8 == 0:
+        _log("[loka-tune] " + no_fp8_reason(space, cfg))
 
     # store, unless another worker was faster (then use theirs: every worker must share one space)
     attrs = study.user_attrs

@@ -262,3 +262,19 @@ def test_cli_tune_report_export(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert main(["export", "nope", "--storage", cfg.storage.url]) == 2
     assert "no study named 'nope'" in capsys.readouterr().err
     assert main(["report", str(tmp_path / "missing.toml")]) == 2
+
+
+def test_no_fp8_reason_counts_the_drops_and_names_the_knob(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from loka_tune import tune
+
+    cfg = load_study(write_study(tmp_path))
+    space = SimpleNamespace(sites=[
+        SimpleNamespace(dropped={"fwd": {"e4m3.row.emulated": "slow: speed-up 0.8 < min_speedup 1.0"},
+                                 "wgrad": {"e4m3.row.emulated": "ineligible: K=13 not a multiple of 16"}}),
+        SimpleNamespace(dropped={"fwd": {"e4m3.row.emulated": "slow: speed-up 0.9 < min_speedup 1.0"}}),
+    ])
+    msg = tune.no_fp8_reason(space, cfg)
+    assert "2 slow, 1 ineligible" in msg and "min_speedup" in msg and "min_dim" in msg and "Mods only" in msg
+    assert "unsafe" not in msg
