@@ -223,24 +223,32 @@ def modeled_seconds(model: nn.Module, batch: Any, cfg: StudyConfig, baseline: "B
 
 
 @torch.no_grad()
-def measure_forward_seconds(model: nn.Module, batch: Any, *, reps: int = 20, warmup: int = 5) -> float:
-    """Median seconds of ``model(dense, sparse)`` in eval mode (CUDA events on a GPU)."""
+def measure_forward_seconds(model: nn.Module, batch: Any, *, reps: int = 20, warmup: int = 5,
+                            autocast: str = "auto") -> float:
+    """Median seconds of ``model(dense, sparse)`` in eval mode (CUDA events on a GPU), under the
+    trainer's autocast rule for ``autocast`` ("auto": bf16 on CUDA, fp32 on the CPU; pass the
+    study's ``training.autocast``): the bf16 baseline is then timed in bf16, as it trains."""
+    from loka_tune.objectives.trainer import _autocast, _autocast_dtype
+
     was = model.training
     model.eval()
     on_cuda = batch.dense.is_cuda
+    dev = batch.dense.device
     times = []
     try:
         for i in range(warmup + reps):
             if on_cuda:
                 a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 a.record()
-                model(batch.dense, batch.sparse)
+                with _autocast(dev, _autocast_dtype(autocast, dev)):
+                    model(batch.dense, batch.sparse)
                 b.record()
                 torch.cuda.synchronize()
                 dt = a.elapsed_time(b) / 1e3
             else:
                 t0 = time.perf_counter()
-                model(batch.dense, batch.sparse)
+                with _autocast(dev, _autocast_dtype(autocast, dev)):
+                    model(batch.dense, batch.sparse)
                 dt = time.perf_counter() - t0
             if i >= warmup:
                 times.append(dt)
@@ -627,7 +635,7 @@ def prepare_study(cfg: StudyConfig, study: Any, *, device: str, force: bool = Fa
         from loka_tune.applier import apply
 
         apply(m, PrecisionConfig())
-        t = measure_forward_seconds(m, _first_batch(source, cfg, device))
+        t = measure_forward_seconds(m, _first_batch(source, cfg, device), autocast=cfg.training.autocast)
         baseline = replace(baseline, step_time_s=t)
 
     # probe pruning
@@ -765,7 +773,7 @@ def evaluate_config(ctx: StudyContext, config: PrecisionConfig, *,
     if modeled is not None:
         t = modeled
     elif cfg.objective.kind == "inference":
-        t = measure_forward_seconds(model, _first_batch(ctx.source, cfg, ctx.device))
+        t = measure_forward_seconds(model, _first_batch(ctx.source, cfg, ctx.device), autocast=cfg.training.autocast)
     else:
         t = float(res.step_time_s)
     rel = relative_log_loss(res.eval_logloss, bl.logloss) * 100.0

@@ -46,3 +46,55 @@ def test_trial_model_on_cuda_takes_gpu_kernels(tmp_path: Path, choice: str) -> N
     with torch.autocast("cuda", dtype=torch.bfloat16):
         out = model(b.dense, b.sparse)
     assert out.shape == (64,) and torch.isfinite(out).all()
+
+
+class _Recorder(torch.nn.Module):
+    """Records the dtype its linear computes in (what autocast makes of an fp32 input)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 1)
+        self.seen: list[torch.dtype] = []
+
+    def forward(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
+        y = self.lin(dense)
+        self.seen.append(y.dtype)
+        return y.float().reshape(-1)
+
+
+def test_measure_forward_seconds_times_under_the_training_autocast() -> None:
+    # the inference objective's baseline and trials were timed without autocast (fp32 GEMMs on
+    # a GPU against bf16-trained FP8 trials): the forward must run under the study's rule
+    from types import SimpleNamespace
+
+    from loka_tune.tune import measure_forward_seconds
+
+    batch = SimpleNamespace(dense=torch.randn(8, 4), sparse=torch.zeros(8, 1, dtype=torch.long))
+    m = _Recorder()
+    assert measure_forward_seconds(m, batch, reps=2, warmup=0, autocast="bf16") > 0
+    assert m.seen == [torch.bfloat16] * 2
+    m.seen.clear()
+    measure_forward_seconds(m, batch, reps=2, warmup=0)  # "auto" on the CPU: fp32, as the trainer
+    assert m.seen == [torch.float32] * 2
+
+
+def test_inference_objective_passes_the_study_autocast(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tune, cfg, src = _cfg_and_source(tmp_path)
+    from dataclasses import replace
+
+    cfg = replace(cfg, objective=replace(cfg.objective, kind="inference", speed="measured"),
+                  training=replace(cfg.training, autocast="bf16"))
+    seen: list[str] = []
+
+    def fake(model, batch, **kw):  # noqa: ANN001, ANN003, ANN202
+        seen.append(kw.get("autocast", "<default>"))
+        return 1e-3
+
+    monkeypatch.setattr(tune, "measure_forward_seconds", fake)
+    bl = tune.Baseline(seeds=(0,), eval_logloss=(0.5,), eval_ne=1.0, eval_auc=0.5, window_losses=(0.5,),
+                       window_steps=(cfg.training.steps,), noise_floor_pct=0.0, step_time_s=1e-3,
+                       speed_source="measured", measured_step_time_s=1e-3)
+    ctx = tune.StudyContext(cfg, None, src, bl, None, "cpu", "measured")
+    out = tune.evaluate_config(ctx, PrecisionConfig())
+    assert out.status == "ok", out
+    assert seen == ["bf16"]
