@@ -196,28 +196,32 @@ def run_variants(args, source, dev) -> list[dict]:
     rows = []
     for spec in args.variant:
         label, mods_text, precision = (spec.split("|") + ["none", "bf16"])[:3]
-        torch.manual_seed(0)
-        model = build_model(args.model, args.preset, num_dense=args.num_dense, cardinalities=source.cardinalities)
-        model = model.to(dev)
-        cfg = variant_config(mods_text, precision)
-        summary = apply(model, cfg, strict=False)
-        model = model.to(dev)
-        fwd_model = torch.compile(model) if args.compile else model
-        optimizers = build_optimizers(model, TrainConfig(batch_size=args.batch))
-        step = make_step(fwd_model, optimizers)
-        batches = iter(source.batches("train", args.batch, seed=0, device=dev))
-        times = timed_loop(step, batches, args.variant_steps)
-        row = {"variant": label, "mods": cfg.mods.short_str(), "precision": precision,
-               "fp8_sites": len([s for s, c in summary.replaced.items()]),
-               "fallbacks": len(summary.fallbacks), **summarize(times, min(args.warmup, args.variant_steps // 3))}
+        try:  # a variant that fails (a kernel that refuses a shape) is recorded; the others still run
+            torch.manual_seed(0)
+            model = build_model(args.model, args.preset, num_dense=args.num_dense, cardinalities=source.cardinalities)
+            model = model.to(dev)
+            cfg = variant_config(mods_text, precision)
+            summary = apply(model, cfg, strict=False)
+            model = model.to(dev)
+            fwd_model = torch.compile(model) if args.compile else model
+            optimizers = build_optimizers(model, TrainConfig(batch_size=args.batch))
+            step = make_step(fwd_model, optimizers)
+            batches = iter(source.batches("train", args.batch, seed=0, device=dev))
+            times = timed_loop(step, batches, args.variant_steps)
+            row = {"variant": label, "mods": cfg.mods.short_str(), "precision": precision,
+                   "fp8_sites": len([s for s, c in summary.replaced.items()]),
+                   "fallbacks": len(summary.fallbacks), **summarize(times, min(args.warmup, args.variant_steps // 3))}
+            print(f"  {label:28s} {row['median_ms']:8.2f} ms  ({row['fp8_sites']} FP8 sites, {row['fallbacks']} bf16"
+                  " fallbacks)", flush=True)
+        except Exception as e:  # noqa: BLE001
+            row = {"variant": label, "mods": mods_text, "precision": precision, "error": f"{type(e).__name__}: {e}"[:400]}
+            print(f"  {label:28s} FAILED: {row['error']}", flush=True)
         rows.append(row)
-        print(f"  {label:28s} {row['median_ms']:8.2f} ms  ({row['fp8_sites']} FP8 sites, {row['fallbacks']} bf16 fallbacks)",
-              flush=True)
-        del model, fwd_model, optimizers, step
+        model = fwd_model = optimizers = step = None
         torch.cuda.empty_cache()
-    base = rows[0]["median_ms"] if rows else None
+    base = rows[0].get("median_ms") if rows else None
     for r in rows:
-        r["speedup_vs_first"] = base / r["median_ms"]
+        r["speedup_vs_first"] = base / r["median_ms"] if base and "median_ms" in r else None
     return rows
 
 
@@ -227,6 +231,9 @@ def print_variants(rows: list[dict], args) -> None:
     print("| variant | mods | precision | FP8 sites | median ms | mean ms | speed-up vs first |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
+        if "error" in r:
+            print(f"| {r['variant']} | {r['mods']} | {r['precision']} | - | failed: {r['error'][:120]} | - | - |")
+            continue
         print(f"| {r['variant']} | {r['mods']} | {r['precision']} | {r['fp8_sites']} | {r['median_ms']:.2f} |"
               f" {r['mean_ms']:.2f} | {r['speedup_vs_first']:.3f}x |")
 
