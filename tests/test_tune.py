@@ -264,6 +264,24 @@ def test_cli_tune_report_export(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert main(["report", str(tmp_path / "missing.toml")]) == 2
 
 
+def test_report_without_matplotlib_prints_the_leaderboard(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    from loka_tune import tracking
+    from loka_tune.cli import main
+
+    p = write_study(tmp_path, n_trials=1)
+    assert main(["tune", str(p), "--no-tracking"]) == 0
+    capsys.readouterr()
+
+    def no_mpl(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        raise ImportError("No module named 'matplotlib'")
+
+    monkeypatch.setattr(tracking, "write_plots", no_mpl)
+    assert main(["report", str(p)]) == 0
+    out, err = capsys.readouterr()
+    assert "COMPLETE" in out and "plots skipped" in err and "--no-plots" in err
+
+
 def test_no_fp8_reason_counts_the_drops_and_names_the_knob(tmp_path: Path) -> None:
     from types import SimpleNamespace
 

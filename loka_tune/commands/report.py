@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 HELP = "print a study's leaderboard and write its plots (speed vs loss, best choice map)"
 
@@ -63,8 +64,12 @@ def run(args: argparse.Namespace) -> int:
         from loka_tune.tracking import write_plots
 
         out = Path(args.out_dir) if args.out_dir else (cfg.output_dir if cfg is not None else Path("."))
-        paths = write_plots(study, SearchSpace.from_dict(study.user_attrs[ATTR_SPACE]), out,
-                            budget_pct=float(budget or 0.0), speed_source=str(bl.get("speed_source")))
+        try:
+            paths = write_plots(study, SearchSpace.from_dict(study.user_attrs[ATTR_SPACE]), out,
+                                budget_pct=float(budget or 0.0), speed_source=str(bl.get("speed_source")))
+        except ImportError as e:  # a lean GPU box without matplotlib: the leaderboard above still stands
+            print(f"plots skipped: {e}; pip install matplotlib, or pass --no-plots", file=sys.stderr)
+            paths = []
         for p in paths:
             print(f"wrote {p}")
     return 0
