@@ -21,9 +21,10 @@ Variants (``--variants``, comma list, in this order by default; each name is one
   (``convert_to_float8_training``, ``Float8LinearConfig.from_recipe_name``) on every linear it
   accepts (dims divisible by 16), after the same Mods; ``torchao_tensorwise_filter`` /
   ``torchao_rowwise_filter``: with torchao's size filter (``_auto_filter_for_recipe``);
-- ``fbgemm_rowwise``, ``scaled_mm_rowwise``, ``triton_rowwise``: one loka-tune backend on
-  every eligible linear (``uniform:e4m3.row.fa.<backend>`` through ``loka_tune.apply``), after
-  the same Mods: the best of these is "our best single backend everywhere".
+- ``fbgemm_rowwise``, ``scaled_mm_rowwise``, ``triton_rowwise``: one loka-tune backend
+  (``e4m3.row.fa.<backend>``) on every GEMM it runs at the GEMM's real shape (bf16 where the
+  backend declares the shape unsupported, counted as fallbacks), through ``loka_tune.apply``,
+  after the same Mods: the best of these is "our best single backend everywhere".
 
 GPU-only variants are recorded as skipped on a CPU. Results are written to ``--out`` after
 every run (a run that dies keeps what finished); ``--budget`` seconds of wall time stop
@@ -85,7 +86,8 @@ def _torchao(model: nn.Module, recipe: str, size_filter: bool) -> dict[str, Any]
     return {"fp8_sites": len(seen), "sites": seen}
 
 
-def prepare(name: str, model: nn.Module, config: PrecisionConfig) -> dict[str, Any]:
+def prepare(name: str, model: nn.Module, config: PrecisionConfig, *, source: Any = None, batch_size: int = 0,
+            device: torch.device = torch.device("cpu")) -> dict[str, Any]:
     """Turn a fresh bf16 ``model`` into variant ``name`` in place; returns what was done."""
     mods = config.mods
     if name == "bf16":
@@ -102,9 +104,37 @@ def prepare(name: str, model: nn.Module, config: PrecisionConfig) -> dict[str, A
         recipe = name.split("_")[1]
         return {**_torchao(model, recipe, name.endswith("_filter")), "mods": mods.short_str()}
     if name in _UNIFORM:
-        s = apply(model, PrecisionConfig(default=SitePrecision.parse(_UNIFORM[name]), mods=mods), strict=False)
-        return {"fp8_sites": len(s.replaced), "fallbacks": len(s.fallbacks), "mods": mods.short_str()}
+        if mods.any:
+            apply(model, PrecisionConfig(mods=mods))
+        cfg, kept_bf16 = uniform_config(model, _UNIFORM[name], source, batch_size, device)
+        s = apply(model, replace(cfg, mods=mods), strict=False)
+        return {"fp8_sites": len(s.replaced), "fallbacks": len(s.fallbacks) + kept_bf16, "mods": mods.short_str()}
     raise SystemExit(f"unknown variant {name!r}; choose from {', '.join(VARIANTS)}")
+
+
+def uniform_config(model: nn.Module, choice_id: str, source: Any, batch_size: int,
+                   device: torch.device) -> tuple[PrecisionConfig, int]:
+    """``choice_id`` on every GEMM of every linear that its backend runs at the GEMM's real shape
+    (the batch's rows, 3-D inputs included: e.g. FBGEMM's rowwise GEMM is declared unsupported
+    above 32768 reduction rows, which a wgrad over batch x 256 rows exceeds); bf16 for the rest.
+    Returns the config and the number of GEMMs left in bf16 that way."""
+    from loka_tune.config import BF16, ROLES, GemmChoice
+    from loka_tune.kernels.registry import get_backend
+    from loka_tune.space.sites import discover_sites
+
+    choice = GemmChoice.parse(choice_id)
+    backend = get_backend(choice.backend)
+    b = next(iter(source.batches("train", 64, seed=0, device=device)))
+    sites = discover_sites(model, b.dense, b.sparse)
+    rules, kept = {}, 0
+    for site in sites:
+        per_role = []
+        for role in ROLES:
+            ok = backend.supports(choice, role, device=str(device), shape=site.shape(role, batch_size)) is None
+            per_role.append(choice if ok else BF16)
+            kept += not ok
+        rules[site.name] = SitePrecision(*per_role)
+    return PrecisionConfig(sites=rules), kept
 
 
 def _sync(dev: torch.device) -> None:
@@ -116,7 +146,7 @@ def inference_latency(model: nn.Module, source: Any, batch: int, dev: torch.devi
                       reps: int, autocast: bool) -> float:
     """Median seconds of one eval-mode forward at ``batch`` rows (no_grad)."""
     model.eval()
-    fwd = torch.compile(model) if compile_ else model
+    fwd = torch.compile(model, dynamic=False) if compile_ else model  # one static graph per serving batch
     b = next(iter(source.batches("eval", batch, seed=0, device=dev)))
     ctx = torch.autocast(dev.type, dtype=torch.bfloat16) if autocast else torch.autocast(dev.type, enabled=False)
     times = []
@@ -280,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
                     torch.manual_seed(seed)
                     model = make_model(cfg, source, seed=seed)
                     model.to(dev)
-                    rec.update(prepare(name, model, config))
+                    rec.update(prepare(name, model, config, source=source, batch_size=tcfg.batch_size, device=dev))
                     res = train(model, source, replace(tcfg, seed=seed), progress=False)
                     rec.update(status=res.status, step_time_s=res.step_time_s, eval_logloss=res.eval_logloss,
                                eval_ne=res.eval_ne, eval_auc=res.eval_auc, wall_s=res.wall_s)

@@ -5,7 +5,8 @@
 #   bash benchmarks/run_session_h200.sh "$OUT" 2   # the capped wukong_h200 study
 #   bash benchmarks/run_session_h200.sh "$OUT" probe  # probe GPU test, probe overhead, fused epilogue (CUDA graphs too)
 #   bash benchmarks/run_session_h200.sh "$OUT" study  # wukong_h200 study for STUDY_TIMEOUT s (resumes runs/ if carried), report, export
-#   bash benchmarks/run_session_h200.sh "$OUT" e2e    # benchmarks/e2e.py with $CONFIG (default: the exported best.json)
+#   bash benchmarks/run_session_h200.sh "$OUT" e2e    # benchmarks/e2e.py with $CONFIG (default: the study's export if
+#                                                      # present, else benchmarks/results/wukong_h200_best.json, else the modeled plan)
 set -uo pipefail
 out=${1:?usage: run_session_h200.sh OUTDIR}
 mkdir -p "$out"
@@ -85,12 +86,18 @@ if [ "$part" = study ]; then
 echo "== wukong_h200 study (stops starting trials after STUDY_TIMEOUT; resumable)"
 timeout "${STUDY_CAP:-540}" python3 -m loka_tune tune studies/wukong_h200.toml --device cuda \
   --timeout "${STUDY_TIMEOUT:-420}" --no-tracking --force 2>&1 | grep -v "UserWarning\|_warn_once" | tee "$out/study.log"
-python3 -m loka_tune report studies/wukong_h200.toml 2>&1 | tail -40 | tee -a "$out/study.log"
+python3 -m loka_tune report studies/wukong_h200.toml --out-dir "$out" 2>&1 | tail -40 | tee -a "$out/study.log"
 python3 -m loka_tune export studies/wukong_h200.toml --out "$out/wukong_best.json" 2>&1 | tail -5 | tee -a "$out/study.log"
+cp "$out/wukong_best.json" runs/wukong_h200/best.json 2>/dev/null  # stays on a warm machine for the e2e part
 mkdir -p "$out/runs" && cp -r runs/wukong_h200 "$out/runs/" 2>/dev/null
 fi
 if [ "$part" = e2e ]; then
-CONFIG=${CONFIG:-benchmarks/results/wukong_h200_best.json}
+# the exported config: $CONFIG, else the study's export on this (warm) machine, else one copied
+# into the repo from an earlier call's $OUT, else the CPU-built Dispatch plan
+for c in "${CONFIG:-}" runs/wukong_h200/best.json benchmarks/results/wukong_h200_best.json \
+         benchmarks/results/wukong_large_modeled_plan.json; do
+  if [ -n "$c" ] && [ -f "$c" ]; then CONFIG=$c; break; fi
+done
 echo "== end-to-end: large Wukong, B=8192, compiled, $CONFIG"
 timeout "${E2E_CAP:-560}" python3 benchmarks/e2e.py --study studies/wukong_h200.toml --batch 8192 \
   --steps "${E2E_STEPS:-120}" --warmup 30 --seeds "${E2E_SEEDS:-0}" --config "$CONFIG" --compile \

@@ -56,3 +56,33 @@ def test_e2e_rejects_unknown_variants_and_a_missing_config(tmp_path: Path) -> No
         e2e.main(base + ["--variants", "bf16,fp4"])
     with pytest.raises(SystemExit, match="needs --config"):
         e2e.main(base + ["--variants", "config"])
+
+
+def test_uniform_policy_keeps_bf16_where_the_backend_refuses_the_real_shape(monkeypatch: pytest.MonkeyPatch) -> None:
+    from loka_tune.config import BF16
+    from loka_tune.kernels.registry import get_backend
+    from loka_tune.study import load_study
+    from loka_tune.tune import make_model, make_source
+
+    e2e = _load()
+    cfg = load_study(REPO / "studies" / "quickstart.toml")
+    src = make_source(cfg)
+    model = make_model(cfg, src)
+    dev = torch.device("cpu")
+    full, kept = e2e.uniform_config(model, "e4m3.row.emulated", src, 128, dev)
+    assert kept == 0 and full.sites and all(r.precision.wgrad.short_str() == "e4m3.row.emulated" for r in full.sites)
+    backend = get_backend("emulated")
+    real = backend.supports
+    seen: list[tuple[int, int, int]] = []
+
+    def refuse_big_wgrad(choice, role, *, device=None, shape=None):  # noqa: ANN001, ANN202
+        if str(getattr(role, "value", role)) == "wgrad":
+            seen.append(shape)
+            return "reduction over more than 100 rows" if shape[1] > 100 else None
+        return real(choice, role, device=device, shape=shape)
+
+    monkeypatch.setattr(backend, "supports", refuse_big_wgrad)
+    cfg2, kept2 = e2e.uniform_config(model, "e4m3.row.emulated", src, 128, dev)
+    assert seen and all(k == 128 for _, k, _ in seen)  # wgrad's reduction dim is the real batch's rows
+    assert kept2 == len(cfg2.sites)
+    assert all(r.precision.wgrad == BF16 and r.precision.fwd.short_str() == "e4m3.row.emulated" for r in cfg2.sites)
