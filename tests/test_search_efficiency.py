@@ -10,57 +10,13 @@ from pathlib import Path
 
 import pytest
 
+from tests import test_tune as _tune_tests
+
 REPO = Path(__file__).resolve().parents[1]
 
-TINY = """
-[study]
-name = "se"
-
-[model]
-name = "dlrm"
-preset = "tiny"
-[model.overrides]
-embedding_dim = 16
-bottom_mlp = [32]
-top_mlp = [64]
-
-[data]
-source = "synthetic"
-[data.params]
-num_dense = 16
-cardinalities = [60, 60, 40, 40]
-eval_examples = 512
-
-[training]
-steps = 8
-batch_size = 32
-lr_dense = 3e-3
-lr_sparse = 3e-2
-seeds = [0, 1]
-eval_batches = 4
-window = 4
-warmup_steps = 1
-device = "cpu"
-
-[objective]
-budget_pct = 50.0
-speed = "modeled"
-cost_batch_size = 262144
-
-[space]
-formats = ["e4m3"]
-granularities = ["row", "tensor"]
-backends = ["emulated"]
-
-[probe]
-samples = 2
-every = 4
-min_speedup = 1.0
-
-[trials]
-n_trials = 99
-n_startup_trials = 2
-"""
+# test_tune's tiny DLRM study; arm_config sets the name, output dir, trial count and tracking
+TINY = _tune_tests.TINY.format(name="se", out="unused", model=_tune_tests.DLRM, budget=50.0, space_extra="",
+                               n_trials=99, tracking="false").replace("min_speedup = 0.0", "min_speedup = 1.0")
 
 
 @pytest.fixture(scope="module")
