@@ -7,9 +7,15 @@ For an input ``X`` ``(..., K)`` flattened to ``(M, K)`` and weight ``W`` ``(N, K
 - wgrad: ``dW = gemm(dY^T, X^T)``     -> ``(N, K)``
 - bias:  ``db = sum(dY, 0)`` in float32 (never quantized)
 
-where ``gemm(A, B) = A @ B.T`` is ``torch.ops.loka.gemm`` (see :mod:`loka_tune.kernels.ops`)
-with the role's :class:`~loka_tune.config.GemmChoice`. Plain ``bf16`` choices skip the custom
-op (a direct matmul). When all three are plain ``bf16``, ``forward`` is ``F.linear``.
+where ``gemm(A, B) = A @ B.T`` runs the role's :class:`~loka_tune.config.GemmChoice`. How is
+decided once, when the precision is set (never per call): plain ``bf16`` is a direct matmul
+(all three plain: ``forward`` is ``F.linear``); a backend that offers a direct call path
+(:meth:`~loka_tune.kernels.registry.Backend.direct`: the GPU backends) is called through it:
+traceable torch code that ``torch.compile`` fuses into the graph (``torch_scaled_mm``,
+``torchao``) or one opaque custom op per GEMM (``fbgemm``, ``triton``); everything else (the
+``emulated`` oracle, backends that cannot be imported here) goes through the
+``torch.ops.loka.gemm`` custom op (see :mod:`loka_tune.kernels.ops`), which also runs the
+non-finite check. Under ``torch.compile`` nothing of this dispatch remains at run time.
 
 Compute dtype: the autocast dtype when autocast is on for the input's device, else the
 input's dtype; operands are cast to it, the output is in it, and gradients come back in the
@@ -17,30 +23,65 @@ dtypes of ``X``, ``W`` and the bias. The module has exactly ``nn.Linear``'s para
 (``weight``, ``bias``), so state dicts load both ways.
 
 Non-finite operands make a quantized GEMM fall back to the unquantized one for that call;
-``LokaLinear.nonfinite_fallbacks`` counts them (see :mod:`loka_tune.kernels.ops`).
+``LokaLinear.nonfinite_fallbacks`` counts them (see :mod:`loka_tune.kernels.ops`). The check
+runs where the custom op runs (by default for CPU tensors);
+``ops.set_nonfinite_check(True)`` routes every GEMM through it (debugging).
 """
 
 from __future__ import annotations
 
 import itertools
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loka_tune.config import BF16, GemmChoice, SitePrecision
+from loka_tune.config import BF16, ROLES, GemmChoice, SitePrecision
+from loka_tune.errors import BackendError
 from loka_tune.kernels import ops
+from loka_tune.kernels.registry import SHAPE_FALLBACKS, Backend, get_backend
 
 __all__ = ["LokaLinear", "find_linears", "is_eligible"]
 
 _TAGS = itertools.count()
 _PLAIN_BF16 = BF16.short_str()  # "bf16"
 
+GemmFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# canonical (m, k, n) of each GEMM of a Linear with m rows, k in_features, n out_features
+_ROLE_SHAPE: dict[str, Callable[[int, int, int], tuple[int, int, int]]] = {
+    "fwd": lambda m, k, n: (m, k, n),  # X (m, k) @ W (n, k).T
+    "dgrad": lambda m, k, n: (m, n, k),  # dY (m, n) @ W^T (k, n).T
+    "wgrad": lambda m, k, n: (n, m, k),  # dY^T (n, m) @ X^T (k, m).T: reduces over the rows
+}
+_NO_DIRECT: tuple[GemmFn | None, GemmFn | None, GemmFn | None] = (None, None, None)
 
-def _gemm(a: torch.Tensor, b: torch.Tensor, choice: str, role: str, tag: str) -> torch.Tensor:
+
+_ROLE_NAMES = tuple(r.value for r in ROLES)  # ("fwd", "dgrad", "wgrad")
+
+
+def _backend(choice: str) -> Backend | None:
+    """The backend of a non-bf16 choice, or None (plain bf16, or not importable here: the custom
+    op then raises the full message at the first call)."""
+    if choice == _PLAIN_BF16:
+        return None
+    try:
+        return get_backend(ops.parse_choice(choice).backend)
+    except BackendError:
+        return None
+
+
+def _direct(choice: str, role: str) -> GemmFn | None:
+    """The backend's direct call path for one GEMM (None: plain bf16, or the custom op)."""
+    backend = _backend(choice)
+    return None if backend is None else backend.direct(ops.parse_choice(choice), ROLES[_ROLE_NAMES.index(role)])
+
+
+def _gemm(a: torch.Tensor, b: torch.Tensor, choice: str, role: str, tag: str, fn: GemmFn | None) -> torch.Tensor:
     if choice == _PLAIN_BF16:
         return a @ b.t()
+    if fn is not None:
+        return fn(a, b)
     return torch.ops.loka.gemm(a, b, choice, role, tag)
 
 
@@ -56,30 +97,31 @@ class _LokaLinearFn(torch.autograd.Function):
         fwd: str,
         dgrad: str,
         wgrad: str,
+        fns: tuple[GemmFn | None, GemmFn | None, GemmFn | None],
         tag: str,
         dtype: torch.dtype,
     ) -> torch.Tensor:
         xc, wc = x.to(dtype), weight.to(dtype)
-        y = _gemm(xc, wc, fwd, "fwd", tag)  # (M, N)
+        y = _gemm(xc, wc, fwd, "fwd", tag, fns[0])  # (M, N)
         if bias is not None:
             y = y + bias.to(dtype)
         ctx.save_for_backward(xc, wc)
-        ctx.meta = (dgrad, wgrad, tag, dtype, x.dtype, weight.dtype, None if bias is None else bias.dtype)
+        ctx.meta = (dgrad, wgrad, fns, tag, dtype, x.dtype, weight.dtype, None if bias is None else bias.dtype)
         return y
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         xc, wc = ctx.saved_tensors
-        dgrad, wgrad, tag, dtype, x_dtype, w_dtype, b_dtype = ctx.meta
+        dgrad, wgrad, fns, tag, dtype, x_dtype, w_dtype, b_dtype = ctx.meta
         dy = dy.to(dtype)  # (M, N)
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
-            dx = _gemm(dy, wc.t(), dgrad, "dgrad", tag).to(x_dtype)  # (M, N) @ (K, N).T -> (M, K)
+            dx = _gemm(dy, wc.t(), dgrad, "dgrad", tag, fns[1]).to(x_dtype)  # (M, N) @ (K, N).T -> (M, K)
         if ctx.needs_input_grad[1]:
-            dw = _gemm(dy.t(), xc.t(), wgrad, "wgrad", tag).to(w_dtype)  # (N, M) @ (K, M).T -> (N, K)
+            dw = _gemm(dy.t(), xc.t(), wgrad, "wgrad", tag, fns[2]).to(w_dtype)  # (N, M) @ (K, M).T -> (N, K)
         if b_dtype is not None and ctx.needs_input_grad[2]:
             db = dy.to(torch.float32).sum(0).to(b_dtype)  # (N,)
-        return dx, dw, db, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None
 
 
 class LokaLinear(nn.Linear):
@@ -116,6 +158,32 @@ class LokaLinear(nn.Linear):
         self._precision = p
         self._ids = (p.fwd.short_str(), p.dgrad.short_str(), p.wgrad.short_str())
         self._plain = all(i == _PLAIN_BF16 for i in self._ids)
+        self._resolve()
+
+    def _resolve(self) -> None:
+        """Resolve each GEMM's call path once (see the module docstring)."""
+        fns = tuple(_direct(i, r) for i, r in zip(self._ids, _ROLE_NAMES))
+        self._fns = fns if any(f is not None for f in fns) else _NO_DIRECT
+        checks = []
+        for i, r in zip(self._ids, ROLES):
+            be = _backend(i)
+            if be is not None and be.runtime_shape_check:
+                checks.append((r, be, ops.parse_choice(i)))
+        self._shape_checks = tuple(checks)
+
+    def _fit_to_shape(self, m: int) -> tuple[tuple[str, str, str], tuple[GemmFn | None, ...]]:
+        """Choices and call paths for ``m`` rows: bf16 for each GEMM whose backend cannot launch
+        at its real shape (recorded in ``registry.SHAPE_FALLBACKS``)."""
+        ids, fns = list(self._ids), list(self._fns)
+        k, n = self.in_features, self.out_features
+        for role, backend, choice in self._shape_checks:
+            shape = _ROLE_SHAPE[role.value](m, k, n)
+            reason = backend.runtime_reason(choice, role, shape)
+            if reason is not None:
+                i = ROLES.index(role)
+                SHAPE_FALLBACKS[(backend.name, ids[i], role.value, *shape)] = reason
+                ids[i], fns[i] = _PLAIN_BF16, None
+        return (ids[0], ids[1], ids[2]), tuple(fns)
 
     @property
     def nonfinite_fallbacks(self) -> int:
@@ -125,10 +193,17 @@ class LokaLinear(nn.Linear):
     def reset_nonfinite_fallbacks(self) -> None:
         ops.reset_nonfinite(self._tag)
 
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()  # type: ignore[no-untyped-call]
+        state.pop("_fns", None)  # closures and backend objects: resolved again on load
+        state.pop("_shape_checks", None)
+        return state
+
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Unpickled / deep-copied layers get their own non-finite counter."""
         super().__setstate__(state)
         self._tag = f"{self.site_name or 'linear'}#{next(_TAGS)}"
+        self._resolve()
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -166,8 +241,10 @@ class LokaLinear(nn.Linear):
         dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])  # (M, K)
-        fwd, dgrad, wgrad = self._ids
-        y = _LokaLinearFn.apply(x2, self.weight, self.bias, fwd, dgrad, wgrad, self._tag, dtype)  # (M, N)
+        (fwd, dgrad, wgrad), fns = (self._ids, self._fns) if not self._shape_checks else self._fit_to_shape(x2.shape[0])
+        if ops.nonfinite_check_forced():
+            fns = _NO_DIRECT
+        y = _LokaLinearFn.apply(x2, self.weight, self.bias, fwd, dgrad, wgrad, fns, self._tag, dtype)  # (M, N)
         return y.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:

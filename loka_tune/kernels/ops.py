@@ -30,7 +30,8 @@ import torch
 from loka_tune.config import GemmChoice, GemmRole
 from loka_tune.kernels.registry import get_backend
 
-__all__ = ["gemm", "nonfinite_count", "reset_nonfinite", "set_nonfinite_check", "parse_choice"]
+__all__ = ["gemm", "nonfinite_count", "reset_nonfinite", "set_nonfinite_check", "nonfinite_check_forced",
+           "parse_choice"]
 
 _NONFINITE: Counter[str] = Counter()
 _CHECK: dict[str, bool | None] = {"enabled": None}  # None: on for CPU tensors only
@@ -49,6 +50,11 @@ def set_nonfinite_check(enabled: bool | None) -> bool | None:
     prev = _CHECK["enabled"]
     _CHECK["enabled"] = None if enabled is None else bool(enabled)
     return prev
+
+
+def nonfinite_check_forced() -> bool:
+    """True after ``set_nonfinite_check(True)``: LokaLinear then routes every GEMM through the op."""
+    return _CHECK["enabled"] is True
 
 
 def _check_enabled(a: torch.Tensor) -> bool:

@@ -51,6 +51,7 @@ __all__ = [
     "candidate_choices",
     "device_type",
     "Shape",
+    "SHAPE_FALLBACKS",
 ]
 
 #: Canonical ``(m, k, n)`` of one GEMM (rows of A, reduction, rows of B); ``None`` = not known yet
@@ -95,6 +96,10 @@ class Backend(ABC):
     devices: ClassVar[frozenset[str]] = frozenset({"cpu", "cuda"})
     alignment: ClassVar[int] = 1
     install_hint: ClassVar[str] = ""
+    #: the kernels fail to launch at some real shapes (a grid limit at large m, say), which
+    #: :meth:`runtime_reason` names: LokaLinear checks it per call (once per compiled graph)
+    #: and runs that GEMM in bf16, recorded in :data:`SHAPE_FALLBACKS`, instead of crashing
+    runtime_shape_check: ClassVar[bool] = False
 
     def supports(
         self,
@@ -141,6 +146,26 @@ class Backend(ABC):
             + (f", k and n multiples of {self.alignment}" if self.alignment > 1 else "")
         )
 
+    def runtime_reason(self, choice: GemmChoice, role: GemmRole, shape: tuple[int, int, int]) -> str | None:
+        """Why this GEMM cannot launch at the real canonical ``(m, k, n)``, or None.
+
+        Consulted per call only when ``runtime_shape_check`` is set; plain Python on ints (no
+        torch calls) so that ``torch.compile`` folds it at trace time. Override it, or
+        ``extra_reason`` on GPU backends (their default here).
+        """
+        extra = getattr(self, "extra_reason", None)
+        return extra(choice, role, shape) if extra is not None else None
+
+    def direct(self, choice: GemmChoice, role: GemmRole) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+        """A callable ``f(a, b) -> a @ b.T`` that :class:`~loka_tune.kernels.linear.LokaLinear`
+        calls directly, resolved once when a layer's precision is set, or ``None`` (the default)
+        to go through the ``loka::gemm`` custom op (which also runs the non-finite fallback).
+
+        GPU backends return one: traceable torch code that ``torch.compile`` sees whole, or one
+        opaque custom-op call per GEMM; either way no registry look-up per call.
+        """
+        return None
+
     @abstractmethod
     def gemm(self, a: torch.Tensor, b: torch.Tensor, choice: GemmChoice, role: GemmRole) -> torch.Tensor:
         """``a @ b.T`` for ``a`` ``(m, k)``, ``b`` ``(n, k)`` (same dtype, any strides), in ``a.dtype``.
@@ -152,6 +177,11 @@ class Backend(ABC):
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}: {self.describe()}>"
 
+
+#: ``(backend, choice, role, m, k, n) -> reason`` for every GEMM that a backend declared
+#: unsupported at its real shape at run time (:meth:`Backend.runtime_reason`) and that
+#: therefore ran in bf16. Cleared by nobody: a run's record of what it fell back on.
+SHAPE_FALLBACKS: dict[tuple[str, str, str, int, int, int], str] = {}
 
 _B = TypeVar("_B", bound=type[Backend])
 _NAME_RE = re.compile(r"^[a-z][a-z0-9_]*$")  # as GemmChoice.backend

@@ -5,10 +5,17 @@ registry imports them lazily (``registry.LAZY_BACKENDS``), so ``import loka_tune
 touches triton, fbgemm or torchao. This package holds what they share:
 
 - :class:`GPUBackend`: CUDA-only capability checks (device type, compute capability, the
-  backend's own shape rules) and the routing of :meth:`gemm` through one custom op,
-  ``torch.ops.loka_tune.fp8_gemm``, so that ``torch.compile`` treats a backend GEMM as one
-  opaque node (no graph break on Triton launches or library calls) and CUDA graphs capture
-  it like any other op;
+  backend's own shape rules) and the call path :meth:`GPUBackend.direct` hands to
+  ``LokaLinear`` once per GEMM: a *traceable* backend (``traceable = True``: plain torch ops
+  around ``torch._scaled_mm``) is called as Python that ``torch.compile`` sees whole, so
+  inductor fuses the quantization into neighbouring kernels and no Python runs per call;
+  the others go through one custom op, ``torch.ops.loka_tune.fp8_gemm``, which
+  ``torch.compile`` treats as one opaque node (no graph break on Triton launches or library
+  calls) and CUDA graphs capture like any other op. A backend whose kernels fail to launch
+  at some shapes (``runtime_shape_check = True``) has its ``extra_reason`` checked by
+  ``LokaLinear`` at the real shape of each call (:meth:`Backend.runtime_reason`, at trace
+  time under compile): an unsupported shape runs in bf16 and is recorded in
+  ``registry.SHAPE_FALLBACKS`` instead of crashing the run;
 - :func:`quantize_operand`: our fused Triton quantization (reference semantics, transposed
   views handled in the same pass), or the reference quantizer when Triton is missing.
 """
@@ -16,7 +23,7 @@ touches triton, fbgemm or torchao. This package holds what they share:
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import ClassVar
+from typing import Callable, ClassVar
 
 import torch
 
@@ -87,6 +94,9 @@ class GPUBackend(Backend):
     devices = frozenset({"cuda"})
     min_capability: ClassVar[tuple[int, int]] = (8, 9)  # FP8 tensor cores: Ada / Hopper and later
     max_capability: ClassVar[tuple[int, int] | None] = None
+    #: ``gemm_impl`` is plain torch code (no host syncs, no Python-side kernel launches):
+    #: :meth:`direct` then calls it without the custom op, so torch.compile traces it
+    traceable: ClassVar[bool] = False
 
     def extra_reason(self, choice: GemmChoice, role: GemmRole, shape: Shape | None) -> str | None:
         """Backend-specific rules beyond the declared capability sets (override)."""
@@ -110,6 +120,18 @@ class GPUBackend(Backend):
         _ensure_op()
         return torch.ops.loka_tune.fp8_gemm(a, b, self.name, choice.short_str(), GemmRole(role).value)
 
-    def gemm_impl(self, a: torch.Tensor, b: torch.Tensor, choice: GemmChoice, role: GemmRole) -> torch.Tensor:
-        """The eager implementation behind the custom op: ``a @ b.T`` in ``a.dtype``."""
-        raise NotImplementedError
+    def direct(self, choice: GemmChoice, role: GemmRole) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """The call path of one GEMM, resolved once (see the module docstring)."""
+        role = GemmRole(role)
+        name, cs, rs = self.name, choice.short_str(), role.value
+        fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+        if self.traceable:
+            def fn(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+                return self.gemm_impl(a, b, choice, role)
+        else:
+            _ensure_op()
+            op = torch.ops.loka_tune.fp8_gemm
+
+            def fn(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+                return op(a, b, name, cs, rs)
+        return fn

@@ -1,9 +1,12 @@
 """``torch_scaled_mm``: cuBLASLt / CUTLASS FP8 GEMMs through ``torch._scaled_mm``.
 
-Quantization: our fused Triton kernels (reference semantics; transposed operands of dgrad
-and wgrad are quantized and transposed in one pass). GEMM: ``torch._scaled_mm(A, B^T)`` with
-A row-major and B column-major (the only FP8 layout Hopper's tensor cores take: B is the
-canonical ``(n, k)`` K-contiguous operand, transposed as a view).
+Quantization: under ``torch.compile``, plain torch ops (:mod:`loka_tune.kernels.scaled`)
+that inductor fuses with the operand's producer, as torchao does; in eager mode our fused
+Triton kernels (one pass, transposed operands of dgrad and wgrad quantized and transposed
+together) behind one custom op. Both have the reference semantics, bit for bit. GEMM:
+``torch._scaled_mm(A, B^T)`` with A row-major and B column-major (the only FP8 layout
+Hopper's tensor cores take: B is the canonical ``(n, k)`` K-contiguous operand, transposed as
+a view).
 
 - ``tensor``: one dequantization factor per operand (cuBLASLt), any output dtype;
 - ``row``: ``scale_a (m, 1)``, ``scale_b (1, n)`` (torch's rowwise kernel, bf16 output only:
@@ -17,11 +20,14 @@ leading-dimension rule).
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from loka_tune.config import Format, GemmChoice, GemmRole, Granularity
 from loka_tune.kernels.backends import GPUBackend, quantize_operand
 from loka_tune.kernels.registry import Shape, register_backend
+from loka_tune.kernels.scaled import scaled_mm_gemm
 
 __all__ = ["ScaledMMBackend"]
 
@@ -41,6 +47,18 @@ class ScaledMMBackend(GPUBackend):
         if choice.granularity == Granularity.ROW and Format.E5M2 in (choice.a_format, choice.b_format):
             return "torch's rowwise-scaled FP8 GEMM takes e4m3 operands only"
         return None
+
+    def direct(self, choice: GemmChoice, role: GemmRole) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """Traceable torch quantization + ``torch._scaled_mm`` while compiling; the fused Triton
+        quantization (one custom op) in eager mode, where separate torch ops would cost ~6 passes."""
+        eager = super().direct(choice, role)
+
+        def fn(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            if torch.compiler.is_compiling():
+                return scaled_mm_gemm(a, b, choice)
+            return eager(a, b)
+
+        return fn
 
     def gemm_impl(self, a: torch.Tensor, b: torch.Tensor, choice: GemmChoice, role: GemmRole) -> torch.Tensor:
         g, r = choice.granularity, choice.rounding

@@ -67,6 +67,7 @@ class TorchAOBackend(GPUBackend):
     fast_accum_modes = (False, True)
     alignment = 16
     install_hint = "torchao (`pip install torchao`)"
+    traceable = True  # torchao's casts are torch ops made for torch.compile
 
     def extra_reason(self, choice: GemmChoice, role: GemmRole, shape: Shape | None) -> str | None:
         if choice.a_format == Format.E5M2 and choice.b_format == Format.E5M2:

@@ -1,0 +1,91 @@
+"""FP8 quantization and ``torch._scaled_mm`` GEMMs in plain, traceable torch ops.
+
+Under ``torch.compile`` every op here is visible to inductor: the amax reduction, the scale
+and the saturating cast become generated kernels that inductor fuses with the producer of the
+operand (the ReLU or norm before a Linear, the gradient of the op after it), exactly as
+torchao's float8 training does, and ``torch._scaled_mm`` stays the aten op it is (cuBLASLt
+picks the kernel). Nothing runs Python per call once a graph is compiled: no custom op, no
+registry look-up, no host sync.
+
+Semantics are the reference ones of :mod:`loka_tune.kernels.quant` (tensor- and rowwise):
+``scale = fmax / amax`` per tile (clamped finite, ``1`` for an all-zero tile), optionally
+rounded down to a power of two, ``data = clamp(x * scale, +-fmax)`` cast with round to nearest
+even; the GEMM takes the dequantization factors ``1 / scale``. The power-of-two rounding clears
+the mantissa bits of the float32 scale, which equals the reference's ``frexp`` rounding for
+every positive normal scale (all finite scales are: see :func:`quant.compute_scale`) and is a
+plain bit operation for inductor.
+
+Layouts: ``torch._scaled_mm(A, B)`` takes A row-major ``(m, k)`` and B column-major ``(k, n)``.
+The canonical operands arrive as ``a (m, k)`` and ``b (n, k)`` with any strides (dgrad's
+``W^T`` and wgrad's ``dY^T``, ``X^T`` are transposed views); the FP8 copies are written
+K-contiguous, so a transposed view is quantized and transposed in one generated kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from loka_tune.config import Format, GemmChoice, Granularity, ScaleRounding
+from loka_tune.kernels.quant import _F32_MAX, FMAX, FP8_DTYPE
+
+__all__ = ["cast_to_fp8", "scaled_mm_gemm", "SCALED_MM_GRANULARITIES"]
+
+SCALED_MM_GRANULARITIES = frozenset({Granularity.TENSOR, Granularity.ROW})
+_EXP_MASK = 0x7F800000  # float32 exponent bits: clearing the mantissa rounds down to 2**e
+
+
+def _scale(amax: torch.Tensor, fmt: Format, pow2: bool) -> torch.Tensor:
+    """Reference scales from float32 amaxes (see :func:`loka_tune.kernels.quant.compute_scale`)."""
+    fmax = FMAX[fmt]
+    # a tensor over a tensor: a true IEEE division (a Python scalar over a tensor may become
+    # reciprocal-times-scalar, one ulp off the reference)
+    scale = (torch.full_like(amax, fmax) / amax.clamp(min=fmax / _F32_MAX)).clamp(max=_F32_MAX)
+    if pow2:
+        rounded = (scale.view(torch.int32) & _EXP_MASK).view(torch.float32)
+        # inf amax gives scale 0 and NaN amax NaN: the reference keeps those as they are
+        scale = torch.where(torch.isfinite(scale) & (scale > 0), rounded, scale)
+    return torch.where(amax == 0, torch.ones_like(scale), scale)
+
+
+def cast_to_fp8(
+    x: torch.Tensor, fmt: Format, gran: Granularity, rounding: ScaleRounding
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a canonical operand ``x`` ``(rows, red)``: ``(data, inv_scale)``.
+
+    ``data`` is ``(rows, red)`` row-major (K-contiguous) in ``FP8_DTYPE[fmt]``; ``inv_scale``
+    is float32, ``()`` for ``tensor`` and ``(rows, 1)`` for ``row`` (one scale per row along
+    the reduction dimension).
+    """
+    x32 = x.to(torch.float32)  # (rows, red)
+    if gran == Granularity.TENSOR:
+        amax = x32.abs().amax()  # ()
+    elif gran == Granularity.ROW:
+        amax = x32.abs().amax(dim=1, keepdim=True)  # (rows, 1)
+    else:
+        raise ValueError(f"cast_to_fp8 runs 'tensor' and 'row' scaling, got {gran.value!r}")
+    scale = _scale(amax, fmt, rounding == ScaleRounding.POW2)
+    fmax = FMAX[fmt]
+    data = (x32 * scale).clamp(-fmax, fmax).to(FP8_DTYPE[fmt])  # (rows, red), layout of x
+    if data.stride(-1) != 1:
+        data = data.contiguous()  # K-contiguous for the tensor cores (one fused pass when compiled)
+    return data, scale.reciprocal()
+
+
+def scaled_mm_gemm(a: torch.Tensor, b: torch.Tensor, choice: GemmChoice) -> torch.Tensor:
+    """``a @ b.T`` (``a`` ``(m, k)``, ``b`` ``(n, k)``) through ``torch._scaled_mm``, in ``a.dtype``.
+
+    ``tensor``: one dequantization factor per operand, output in ``a.dtype`` (bf16 / fp16 /
+    fp32, else bf16 then cast); ``row``: ``(m, 1)`` and ``(1, n)`` factors, bf16 output (torch's
+    rowwise kernel) cast to ``a.dtype``. ``fast_accum`` is ``use_fast_accum``.
+    """
+    g, r = choice.granularity, choice.rounding
+    qa, sa = cast_to_fp8(a, choice.a_format, g, r)  # (m, k), () or (m, 1)
+    qb, sb = cast_to_fp8(b, choice.b_format, g, r)  # (n, k), () or (n, 1)
+    if g == Granularity.TENSOR:
+        out_dtype = a.dtype if a.dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.bfloat16
+    else:
+        sb = sb.t()  # (1, n)
+        out_dtype = torch.bfloat16
+    out = torch._scaled_mm(qa, qb.t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype,
+                           use_fast_accum=choice.fast_accum)  # (m, n)
+    return out if out.dtype == a.dtype else out.to(a.dtype)
