@@ -23,6 +23,7 @@ from loka_tune.models import (
     register_model,
 )
 from loka_tune.models.dcnv2 import CrossLayer
+from loka_tune.models.base import EmbeddingTables
 from loka_tune.models.wukong import FactorizationMachineBlock, LinearCompressBlock
 
 NUM_DENSE = 5  # a handful of dense features
@@ -60,7 +61,7 @@ def test_tiny_forward_backward_grads(name):
 
     logits.sum().backward()
     emb = _embedding_params(model)
-    assert len(emb) == len(CARDS)
+    assert len(emb) == 1  # all features' tables in one (table-batched)
     for pname, p in model.named_parameters():
         assert p.grad is not None, pname
         if id(p) in emb:
@@ -121,7 +122,8 @@ def test_paper_dlrm_is_the_criteo_kaggle_config():
     dims = [(i, o) for _, i, o in _linear_shapes(model)]
     # bottom 13-512-256-64-16, top (16 + 27*26/2 = 367)-512-256-1
     assert dims == [(13, 512), (512, 256), (256, 64), (64, 16), (367, 512), (512, 256), (256, 1)]
-    assert all(t.embedding_dim == 16 and t.mode == "sum" and t.sparse for t in model.embeddings)
+    assert model.embeddings.embedding_dim == 16 and model.embeddings.table.sparse
+    assert model.embeddings.cardinalities == (50,) * 26
 
 
 def test_paper_wukong_is_the_public_config():
@@ -156,7 +158,7 @@ def test_large_preset_builds_and_runs(name):
     model = build_model(name, "large", num_dense=13, cardinalities=cards)
     widths = [m.out_features for m in model.modules() if isinstance(m, nn.Linear)]
     assert max(widths) >= 2048  # production-like widths
-    assert all(t.embedding_dim == 256 for t in model.embeddings)
+    assert model.embeddings.embedding_dim == 256
     dense, sparse = _inputs(4, num_dense=13, cards=cards)
     with torch.no_grad():
         logits = model(dense, sparse)
@@ -224,7 +226,7 @@ def test_prediction_head_and_bias_option(name, bias):
 @pytest.mark.parametrize("name", MODEL_NAMES)
 def test_every_weight_lives_in_a_linear_embedding_or_norm(name):
     """No raw Parameter matmuls: every GEMM weight must be an nn.Linear that configs can swap."""
-    allowed = (nn.Linear, nn.EmbeddingBag, nn.LayerNorm, nn.RMSNorm)
+    allowed = (nn.Linear, nn.Embedding, nn.LayerNorm, nn.RMSNorm)
     for norm in NORMS:
         model = build_model(name, "tiny", num_dense=NUM_DENSE, cardinalities=CARDS, norm=norm, activation="swish_layernorm")
         owners = {id(p): m for m in model.modules() for p in m.parameters(recurse=False)}
@@ -261,7 +263,7 @@ def test_dlrm_forward_matches_reference():
     x = dense
     for blk in model.bottom_mlp:
         x = torch.relu(x @ blk.linear.weight.T + blk.linear.bias)  # (B, d)
-    emb = [model.embeddings[f].weight[sparse[:, f]] for f in range(len(CARDS))]
+    emb = [model.embeddings.table_weight(f)[sparse[:, f]] for f in range(len(CARDS))]
     vecs = [x, *emb]
     pairs = [(vecs[i] * vecs[j]).sum(-1) for i in range(len(vecs)) for j in range(i + 1, len(vecs))]
     h = torch.cat([x, torch.stack(pairs, 1)], 1)
@@ -398,10 +400,11 @@ def test_overrides_and_preset_copies():
     cfg["embedding_dim"] = 99  # a copy: the preset itself is unchanged
     assert preset_config("dlrm", "paper")["embedding_dim"] == 16
     model = build_model("dlrm", "tiny", num_dense=2, cardinalities=[3, 4], embedding_dim=4, top_mlp=(6, 5))
-    assert model.embeddings[0].embedding_dim == 4
+    assert model.embeddings.embedding_dim == 4
     assert [b.linear.out_features for b in model.top_mlp] == [6, 5]
     assert model.hparams["embedding_dim"] == 4
-    assert [t.num_embeddings for t in model.embeddings] == [3, 4]  # table sizes kept as given
+    assert model.embeddings.cardinalities == (3, 4)  # table sizes kept as given
+    assert [model.embeddings.table_weight(f).shape[0] for f in range(2)] == [3, 4]
 
 
 def test_register_custom_model():
@@ -437,3 +440,79 @@ def test_import_is_lazy():
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ---- table-batched embeddings -----------------------------------------------------------------
+
+
+def _per_feature_tables(cards, dim):
+    """The layout EmbeddingTables replaced: one nn.EmbeddingBag per feature, uniform +-sqrt(1/card)."""
+    tables = nn.ModuleList(nn.EmbeddingBag(c, dim, mode="sum", sparse=True) for c in cards)
+    with torch.no_grad():
+        for t, c in zip(tables, cards):
+            t.weight.uniform_(-(1.0 / c) ** 0.5, (1.0 / c) ** 0.5)
+    return tables
+
+
+def test_embedding_tables_draw_what_per_feature_tables_drew():
+    cards = [20, 1, 17, 300]
+    torch.manual_seed(5)
+    old = _per_feature_tables(cards, 8)
+    torch.manual_seed(5)
+    new = EmbeddingTables(cards, 8)
+    assert torch.equal(torch.cat([t.weight for t in old]), new.table.weight)  # seeded models unchanged
+    for f in range(len(cards)):
+        assert torch.equal(new.table_weight(f), old[f].weight)
+    _, sparse = _inputs(9, cards=cards)
+    ref = torch.stack([t(sparse[:, f : f + 1]) for f, t in enumerate(old)], dim=1)  # (B, n, d)
+    assert torch.equal(new(sparse), ref)
+
+
+def test_embedding_tables_one_sparse_gradient_equal_to_the_per_feature_ones():
+    cards = [5, 7, 3]
+    torch.manual_seed(0)
+    old = _per_feature_tables(cards, 4)
+    torch.manual_seed(0)
+    new = EmbeddingTables(cards, 4)
+    _, sparse = _inputs(32, cards=cards)
+    dy = torch.randn(32, 3, 4)
+    torch.stack([t(sparse[:, f : f + 1]) for f, t in enumerate(old)], dim=1).backward(dy)
+    new(sparse).backward(dy)
+    g = new.table.weight.grad
+    assert g.is_sparse
+    dense = g.to_dense()
+    for f, t in enumerate(old):
+        torch.testing.assert_close(dense[new.starts[f] : new.starts[f + 1]], t.weight.grad.to_dense())
+
+
+def test_embedding_tables_refuse_ids_outside_their_table():
+    new = EmbeddingTables([5, 7], 4)
+    with pytest.raises(DataError, match=r"sparse feature 0 has id 5 at row 1, outside its table of 5 rows"):
+        new(torch.tensor([[0, 0], [5, 0]]))
+    with pytest.raises(DataError, match=r"feature 1 has id -1"):
+        new(torch.tensor([[0, -1]]))
+
+
+def test_embedding_tables_load_per_feature_state_dicts():
+    cards = [4, 6]
+    torch.manual_seed(1)
+    old = _per_feature_tables(cards, 3)
+    new = EmbeddingTables(cards, 3)
+    new.load_state_dict(old.state_dict())
+    assert torch.equal(new.table.weight, torch.cat([t.weight for t in old]))
+
+
+def test_compiled_model_gives_sparse_embedding_gradients():
+    """torch.compile keeps the table's gradient sparse (one gather, one sparse gradient)."""
+    torch.manual_seed(0)
+    model = build_model("wukong", "tiny", num_dense=NUM_DENSE, cardinalities=CARDS)
+    dense, sparse = _inputs(8)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True)
+    compiled(dense, sparse).sum().backward()
+    g = model.embeddings.table.weight.grad
+    assert g is not None and g.is_sparse
+    ref = build_model("wukong", "tiny", num_dense=NUM_DENSE, cardinalities=CARDS)
+    ref.load_state_dict(model.state_dict())
+    ref(dense, sparse).sum().backward()
+    torch.testing.assert_close(g.to_dense(), ref.embeddings.table.weight.grad.to_dense(), rtol=1e-4, atol=1e-6)

@@ -363,3 +363,97 @@ def test_cuda_bf16_run():
     res = train(fresh(), TinySource(), TrainConfig(**{**CFG.__dict__, "device": "cuda"}), progress=False)
     assert res.ok and res.precision == "bf16" and res.device.startswith("cuda")
     assert res.step_time_s > 0 and res.eval_ne < 1.0
+
+
+# ---- the GPU-bound step: sync-free optimizers, CUDA graphs, profiling --------------------------
+
+
+def _sparse_grad(rows: torch.Tensor, vals: torch.Tensor, n: int) -> torch.Tensor:
+    return torch.sparse_coo_tensor(rows[None], vals, (n, vals.shape[1]))  # uncoalesced, repeats
+
+
+def test_fused_rowwise_adagrad_matches_the_reference():
+    g = torch.Generator().manual_seed(0)
+    w0 = torch.randn(40, 6, generator=g)
+    ref, fus = nn.Parameter(w0.clone()), nn.Parameter(w0.clone())
+    o_ref, o_fus = RowwiseAdagrad([ref], lr=0.1, fused=False), RowwiseAdagrad([fus], lr=0.1, fused=True)
+    for step in range(5):
+        rows = torch.randint(0, 40, (150,), generator=g)  # repeats and any order
+        rows[:3] = 0  # row 0 is also where empty segments add their zeros
+        vals = torch.randn(150, 6, generator=g)
+        ref.grad, fus.grad = _sparse_grad(rows, vals, 40), _sparse_grad(rows, vals, 40)
+        o_ref.step()
+        o_fus.step()
+        torch.testing.assert_close(fus, ref, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(o_fus.state[fus]["sum"], o_ref.state[ref]["sum"], rtol=1e-5, atol=1e-6)
+    untouched = torch.ones(40, dtype=torch.bool)
+    untouched[rows] = False
+    dense = torch.randn(40, 6, generator=g) * ~untouched.unsqueeze(1)  # a dense gradient with zero rows
+    before = fus.detach().clone()
+    ref.grad, fus.grad = dense.clone(), dense.clone()
+    o_ref.step()
+    o_fus.step()
+    torch.testing.assert_close(fus, ref, rtol=1e-5, atol=1e-6)
+    assert torch.equal(fus.detach()[untouched], before[untouched])  # rows with no gradient unchanged
+
+
+def test_fused_rowwise_adagrad_has_no_data_dependent_shapes():
+    """fullgraph compilation fails on any op whose output size depends on the data (nonzero,
+    unique, coalesce): those are the host syncs the fused update must not have."""
+    from loka_tune.objectives.optim import rowwise_adagrad_update_
+
+    w, acc = torch.randn(30, 4), torch.zeros(30)
+    rows, vals = torch.randint(0, 30, (64,)), torch.randn(64, 4)
+    w_ref, acc_ref = w.clone(), acc.clone()
+    rowwise_adagrad_update_(w_ref, acc_ref, rows, vals, 0.1, 1e-8)
+    torch._dynamo.reset()
+    torch.compile(rowwise_adagrad_update_, fullgraph=True, backend="aot_eager")(w, acc, rows, vals, 0.1, 1e-8)
+    torch.testing.assert_close(w, w_ref)
+    torch.testing.assert_close(acc, acc_ref)
+
+
+def test_profile_steps_are_reported_and_left_out_of_the_step_time():
+    cfg = TrainConfig(**{**CFG.__dict__, "steps": 12, "warmup_steps": 2, "profile_steps": 3})
+    res = train(fresh(), TinySource(), cfg, progress=False)
+    assert res.ok and res.profile is not None and res.profile["steps"] == 3
+    assert res.profile["gpu_ms"] is None and math.isnan(res.gpu_time_s)  # no GPU here
+    assert res.profile["host_ms"] > 0
+    assert res.to_dict()["profile"]["steps"] == 3
+
+
+def test_profile_steps_and_cuda_graphs_validation():
+    with pytest.raises(ConfigError, match="must be < steps") as e:
+        TrainConfig(steps=5, profile_steps=5)
+    assert e.value.key == "profile_steps"
+    with pytest.raises(ConfigError, match="CUDA graphs need device 'cuda'") as e:
+        TrainConfig(device="cpu", cuda_graphs=True)
+    assert e.value.key == "cuda_graphs"
+    with pytest.raises(ConfigError, match="must be true or false"):
+        TrainConfig(cuda_graphs="yes")  # type: ignore[arg-type]
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="cuda_graphs needs a CUDA device"):
+            train(fresh(), TinySource(), TrainConfig(**{**CFG.__dict__, "device": "auto", "cuda_graphs": True}),
+                  progress=False)
+
+
+def test_kernel_summary_per_step():
+    from loka_tune.objectives.profiling import kernel_summary
+
+    k = [("nvjet_hsh_128x256_gemm", 300.0), ("triton_poi_fused_relu_0", 50.0), ("nvjet_hsh_128x256_gemm", 300.0),
+         ("Memcpy HtoD", 10.0), ("void cutlass::device_kernel<f8f8bf16_rowwise>", 140.0)] * 2
+    s = kernel_summary(k, steps=2)
+    assert s["gpu_ms"] == pytest.approx(0.8) and s["gemm_ms"] == pytest.approx(0.74)
+    assert s["kernels_per_step"] == 5 and s["top"][0] == {"name": "nvjet_hsh_128x256_gemm", "ms": 0.6, "calls": 2.0}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compile_", [False, True])
+def test_cuda_graph_steps_train_like_eager_steps(compile_):
+    base = {**CFG.__dict__, "device": "cuda", "steps": 30, "compile": compile_, "profile_steps": 4}
+    eager = train(fresh(), TinySource(), TrainConfig(**base), progress=False)
+    graphs = train(fresh(), TinySource(), TrainConfig(**{**base, "cuda_graphs": True}), progress=False)
+    assert graphs.ok and eager.ok
+    # the same steps on the same data: losses agree up to GPU rounding (atomics, fused kernels)
+    np.testing.assert_allclose(graphs.step_losses, eager.step_losses, rtol=2e-2, atol=2e-3)
+    assert abs(graphs.eval_logloss - eager.eval_logloss) < 5e-3
+    assert graphs.gpu_time_s > 0 and graphs.profile["kernels_per_step"] > 0

@@ -12,10 +12,16 @@ layers are a *paired* comparison:
   CUDA runs are close but not promised bit-identical: atomics in embedding backward);
 - evaluation is one deterministic pass over the eval split (seed ``cfg.eval_seed``).
 
-Optimizers follow LRM practice: embedding tables (``nn.Embedding`` / ``nn.EmbeddingBag``)
-get a sparse-aware optimizer that only touches the rows a batch used (row-wise Adagrad, the
+Optimizers follow LRM practice (:mod:`loka_tune.objectives.optim`): embedding tables get a
+sparse-aware optimizer that only touches the rows a batch used (row-wise Adagrad, the
 torchrec/FBGEMM default, or ``torch.optim.SparseAdam``); every other parameter gets Adam.
 Training runs under bf16 autocast on CUDA and in fp32 on the CPU (``cfg.autocast``).
+
+On a GPU the step is built to be GPU-bound (:mod:`loka_tune.objectives.step`): no host sync
+inside it (losses are read back every ``log_every`` steps), fused optimizers, the model
+compiled with ``cfg.compile`` and the whole step captured in one CUDA graph with
+``cfg.cuda_graphs``. ``cfg.profile_steps`` profiles the last steps and reports the GPU's
+kernel time per step beside the step time (:mod:`loka_tune.objectives.profiling`).
 
 A non-finite loss never raises: the run stops with ``status="nonfinite"`` and the step it
 happened at. ``on_step(step, window_loss) -> bool`` is called at the end of every loss window
@@ -34,19 +40,30 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from loka_tune.errors import ConfigError, DataError
 from loka_tune.objectives.metrics import auc, log_loss, normalized_entropy
+from loka_tune.objectives.optim import (
+    SPARSE_OPTIMIZERS,
+    RowwiseAdagrad,
+    build_optimizers,
+    rowwise_adagrad_update_,
+    split_parameters,
+)
+from loka_tune.objectives.profiling import StepProfiler
+from loka_tune.objectives.step import TrainStep, autocast_context, autocast_for
 
 __all__ = [
     "TrainConfig",
     "TrainResult",
     "RowwiseAdagrad",
+    "rowwise_adagrad_update_",
     "SPARSE_OPTIMIZERS",
     "split_parameters",
     "build_optimizers",
+    "TrainStep",
+    "autocast_for",
     "resolve_device",
     "train",
     "evaluate",
@@ -89,6 +106,12 @@ class TrainConfig:
     log_every:        steps between progress updates (and, on CUDA, host-device syncs)
     cpu_threads:      torch intra-op threads during the run (None = leave torch's setting);
                       1 is fastest for tiny models on a shared or oversubscribed CPU
+    cuda_graphs:      capture the whole step (forward, backward, optimizers) in one CUDA graph
+                      after 3 eager warm-up steps and replay it: no host work per step (CUDA
+                      only; one batch shape; see :mod:`loka_tune.objectives.step`)
+    profile_steps:    profile the last N steps with torch.profiler: ``TrainResult.gpu_time_s``
+                      (GPU kernel time per step) and ``.profile`` (GEMM share, top kernels);
+                      those steps are left out of ``step_time_s`` when others remain
     """
 
     steps: int = 300
@@ -108,13 +131,15 @@ class TrainConfig:
     deterministic: bool | str = "auto"
     log_every: int = 10
     cpu_threads: int | None = None
+    cuda_graphs: bool = False
+    profile_steps: int = 0
 
     def __post_init__(self) -> None:
         for key in ("steps", "batch_size", "window", "log_every"):
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"must be an integer >= 1, got {v!r}", key=key)
-        for key in ("seed", "eval_seed", "warmup_steps"):
+        for key in ("seed", "eval_seed", "warmup_steps", "profile_steps"):
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ConfigError(f"must be an integer >= 0, got {v!r}", key=key)
@@ -130,6 +155,14 @@ class TrainConfig:
             raise ConfigError(
                 f"unknown autocast mode {self.autocast!r}: choose one of {', '.join(AUTOCAST_MODES)}",
                 key="autocast",
+            )
+        for key in ("compile", "cuda_graphs"):
+            if not isinstance(getattr(self, key), bool):
+                raise ConfigError(f"must be true or false, got {getattr(self, key)!r}", key=key)
+        if self.profile_steps >= self.steps:
+            raise ConfigError(
+                f"profiles the last steps of the run and must be < steps ({self.steps}), got {self.profile_steps}",
+                key="profile_steps",
             )
         if self.deterministic not in (True, False, "auto"):
             raise ConfigError(
@@ -147,6 +180,9 @@ class TrainConfig:
             raise ConfigError(
                 f"unknown device {self.device!r}: use 'auto', 'cpu', 'cuda' or 'cuda:N'", key="device"
             )
+        if self.cuda_graphs and self.device == "cpu":
+            raise ConfigError("CUDA graphs need device 'cuda' (or 'auto' on a GPU machine), got 'cpu'",
+                              key="cuda_graphs")
 
 
 # --------------------------------------------------------------------------------------------
@@ -179,6 +215,11 @@ class TrainResult:
     num_params, num_sparse_params: parameter counts (all; in embedding tables)
     device, precision: where and how it ran ("cpu"/"cuda:0", "fp32"/"bf16")
     config:            the TrainConfig
+    gpu_time_s:        GPU kernel time per step over the profiled steps (nan unless
+                       ``cfg.profile_steps`` on CUDA); ``step_time_s / gpu_time_s`` near 1
+                       means the step is GPU-bound
+    profile:           the profiled steps' summary (:class:`~loka_tune.objectives.profiling.
+                       StepProfiler`), or None
     """
 
     status: str
@@ -201,6 +242,8 @@ class TrainResult:
     device: str
     precision: str
     config: TrainConfig = field(repr=False)
+    gpu_time_s: float = math.nan
+    profile: dict[str, Any] | None = field(default=None, repr=False)
 
     @property
     def ok(self) -> bool:
@@ -228,121 +271,13 @@ class TrainResult:
             "loss_curve": [_json_float(x) for x in self.loss_curve],
             "curve_steps": list(self.curve_steps),
             "config": asdict(self.config),
+            "gpu_time_s": _json_float(self.gpu_time_s),
         }
+        if self.profile is not None:
+            d["profile"] = self.profile
         if step_losses:
             d["step_losses"] = [_json_float(x) for x in self.step_losses]
         return d
-
-
-# --------------------------------------------------------------------------------------------
-# optimizers
-
-
-class RowwiseAdagrad(torch.optim.Optimizer):
-    """Row-wise Adagrad for embedding tables (the torchrec / FBGEMM default for LRMs).
-
-    One accumulator per table row (the mean of the squared gradient over the row), so the
-    state is ``num_rows`` floats instead of a full copy of the table. Sparse gradients (from
-    ``sparse=True`` embeddings) update only the rows they touch; dense gradients are
-    accepted too (rows with a zero gradient are left unchanged, as with sparse ones).
-
-        acc[r] += mean_j g[r, j]^2 ;   w[r] -= lr * g[r] / (sqrt(acc[r]) + eps)
-    """
-
-    def __init__(self, params: Any, lr: float = 1e-2, eps: float = 1e-8) -> None:
-        if not lr > 0:
-            raise ConfigError(f"must be > 0, got {lr!r}", key="lr_sparse")
-        super().__init__(params, {"lr": lr, "eps": eps})
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # noqa: D102
-        loss = closure() if closure is not None else None
-        for group in self.param_groups:
-            lr, eps = group["lr"], group["eps"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                assert p.dim() == 2, "RowwiseAdagrad updates 2-d embedding tables"
-                state = self.state[p]
-                if "sum" not in state:
-                    state["sum"] = torch.zeros(p.shape[0], dtype=torch.float32, device=p.device)
-                acc = state["sum"]  # (rows,)
-                g = p.grad
-                if g.is_sparse:
-                    g = g.coalesce()  # unique sorted row ids, duplicate rows summed
-                    rows, vals = g.indices()[0], g.values().float()  # (nnz,), (nnz, dim)
-                else:
-                    touched = g.ne(0).any(dim=1)
-                    rows = touched.nonzero().squeeze(1)  # (nnz,)
-                    vals = g[rows].float()  # (nnz, dim)
-                if rows.numel() == 0:
-                    continue
-                acc_rows = acc.index_select(0, rows) + vals.pow(2).mean(dim=1)  # (nnz,)
-                acc.index_copy_(0, rows, acc_rows)
-                upd = vals / (acc_rows.sqrt() + eps).unsqueeze(1)  # (nnz, dim)
-                p.index_add_(0, rows, upd.to(p.dtype), alpha=-lr)  # rows unique: deterministic
-        return loss
-
-
-def _sparse_adam(params: list[nn.Parameter], lr: float) -> torch.optim.Optimizer:
-    return torch.optim.SparseAdam(params, lr=lr)
-
-
-def _rowwise_adagrad(params: list[nn.Parameter], lr: float) -> torch.optim.Optimizer:
-    return RowwiseAdagrad(params, lr=lr)
-
-
-# name -> factory(params, lr)
-SPARSE_OPTIMIZERS: dict[str, Callable[[list[nn.Parameter], float], torch.optim.Optimizer]] = {
-    "rowwise_adagrad": _rowwise_adagrad,
-    "sparse_adam": _sparse_adam,
-}
-
-
-def split_parameters(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
-    """``(embedding_params, dense_params)``: the weights of every ``nn.Embedding`` /
-    ``nn.EmbeddingBag`` versus every other trainable parameter (each listed once, in order)."""
-    emb_ids: set[int] = set()
-    emb: list[nn.Parameter] = []
-    for m in model.modules():
-        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.weight.requires_grad:
-            if id(m.weight) not in emb_ids:
-                emb_ids.add(id(m.weight))
-                emb.append(m.weight)
-    dense: list[nn.Parameter] = []
-    seen: set[int] = set(emb_ids)
-    for p in model.parameters():
-        if p.requires_grad and id(p) not in seen:
-            seen.add(id(p))
-            dense.append(p)
-    return emb, dense
-
-
-def build_optimizers(model: nn.Module, cfg: TrainConfig) -> list[torch.optim.Optimizer]:
-    """The run's optimizers: the sparse one over embedding tables, Adam over the rest.
-
-    SparseAdam needs sparse gradients: an embedding built with ``sparse=False`` raises a
-    :class:`ConfigError` naming the table (use ``rowwise_adagrad``, which takes both).
-    """
-    emb, dense = split_parameters(model)
-    opts: list[torch.optim.Optimizer] = []
-    if emb:
-        if cfg.sparse_optimizer == "sparse_adam":
-            dense_tables = [
-                name
-                for name, m in model.named_modules()
-                if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and not m.sparse
-            ]
-            if dense_tables:
-                raise ConfigError(
-                    f"sparse_adam needs embeddings built with sparse=True; {dense_tables[0]!r} is "
-                    "dense: build it with sparse=True or use sparse_optimizer='rowwise_adagrad'",
-                    key="sparse_optimizer",
-                )
-        opts.append(SPARSE_OPTIMIZERS[cfg.sparse_optimizer](emb, cfg.lr_sparse))
-    if dense:
-        opts.append(torch.optim.Adam(dense, lr=cfg.lr_dense, foreach=False))
-    return opts
 
 
 # --------------------------------------------------------------------------------------------
@@ -364,16 +299,9 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return dev
 
 
-def _autocast_dtype(mode: str, device: torch.device) -> torch.dtype | None:
-    if mode == "off" or (mode == "auto" and device.type != "cuda"):
-        return None
-    return torch.bfloat16
-
-
-def _autocast(device: torch.device, dtype: torch.dtype | None) -> Any:
-    if dtype is None:
-        return torch.autocast(device_type=device.type, enabled=False)
-    return torch.autocast(device_type=device.type, dtype=dtype)
+# kept for callers of the private names; the rule lives in objectives.step
+_autocast_dtype = autocast_for
+_autocast = autocast_context
 
 
 def _seed_everything(seed: int) -> None:
@@ -493,6 +421,19 @@ def _windows(losses: list[float], window: int) -> tuple[tuple[float, ...], tuple
     return tuple(curve), tuple(ends)
 
 
+@dataclass
+class _Run:
+    """What the step loop of one run gathered."""
+
+    losses: list[float] = field(default_factory=list)  # per step, pulled to the host
+    times: list[float] = field(default_factory=list)  # seconds per step
+    status: str = "ok"
+    nonfinite_step: int | None = None
+    steps_run: int = 0
+    profiled: int = 0  # the last steps, timed under the profiler
+    profile: dict[str, Any] | None = None
+
+
 def train(
     model: nn.Module,
     source: Any,
@@ -519,138 +460,117 @@ def train(
     cfg = cfg or TrainConfig()
     t_wall = time.perf_counter()
     dev = resolve_device(cfg.device)
-    dtype = _autocast_dtype(cfg.autocast, dev)
-    precision = "bf16" if dtype is not None else "fp32"
-    on_cuda = dev.type == "cuda"
-
-    deterministic = (not on_cuda) if cfg.deterministic == "auto" else bool(cfg.deterministic)
+    dtype = autocast_for(cfg.autocast, dev)
+    deterministic = (dev.type != "cuda") if cfg.deterministic == "auto" else bool(cfg.deterministic)
     with _RunSettings(deterministic, cfg.cpu_threads):
         _seed_everything(cfg.seed)
         model.to(dev)
         model.train()
         emb, dense = split_parameters(model)
-        optimizers = build_optimizers(model, cfg)
-        fwd: Callable[..., torch.Tensor] = model
-        if cfg.compile:
-            fwd = torch.compile(model)
-
-        bar, progress_fn = _make_progress(progress, cfg.steps, f"train {type(model).__name__}")
-        it: Iterator[Any] = iter(source.batches("train", cfg.batch_size, seed=cfg.seed, device=dev))
-        loss_buf = torch.empty(cfg.steps, dtype=torch.float32, device=dev)  # per-step losses
-        host_losses: list[float] = []  # losses already pulled to the host
-        cpu_times: list[float] = []
-        events: list[tuple[Any, Any]] = []
-        status, nonfinite_step = "ok", None
-        steps_run = 0
-
-        try:
-            for step in range(cfg.steps):
-                try:
-                    batch = next(it)
-                except StopIteration:
-                    raise DataError(
-                        f"data source {getattr(source, 'name', source)!r} ended its train split "
-                        f"after {step} batches: train iterators must cycle forever"
-                    ) from None
-                if on_cuda:
-                    ev0 = torch.cuda.Event(enable_timing=True)
-                    ev1 = torch.cuda.Event(enable_timing=True)
-                    ev0.record()
-                else:
-                    t0 = time.perf_counter()
-
-                with _autocast(dev, dtype):
-                    logits = fwd(batch.dense, batch.sparse)  # (B,)
-                loss = F.binary_cross_entropy_with_logits(
-                    logits.float().reshape(-1), batch.labels.float().reshape(-1)
-                )
-                for opt in optimizers:
-                    opt.zero_grad(set_to_none=True)
-                loss.backward()
-                for opt in optimizers:
-                    opt.step()
-                loss_buf[step] = loss.detach()
-
-                if on_cuda:
-                    ev1.record()
-                    events.append((ev0, ev1))
-                else:
-                    cpu_times.append(time.perf_counter() - t0)
-                steps_run = step + 1
-
-                # sync point (every step on CPU, where it is free; every log_every steps and
-                # at window ends on CUDA): pull new losses to the host, check, fire callbacks
-                at_window = steps_run % cfg.window == 0
-                at_log = steps_run % cfg.log_every == 0 or steps_run == cfg.steps
-                if on_cuda and not (at_window or at_log):
-                    continue
-                base = len(host_losses)
-                host_losses.extend(loss_buf[base:steps_run].tolist())
-                bad = [i for i in range(base, steps_run) if not math.isfinite(host_losses[i])]
-                if bad:
-                    status, nonfinite_step = "nonfinite", bad[0]
-                    del host_losses[bad[0] + 1 :]
-                    break
-                if at_log:
-                    tail = host_losses[-cfg.window :]
-                    running = math.fsum(tail) / len(tail)
-                    if bar is not None:
-                        bar.update(steps_run - bar.n)
-                        bar.set_postfix(loss=f"{running:.4f}", refresh=False)
-                    if progress_fn is not None:
-                        progress_fn(steps_run, running)
-                if at_window and on_step is not None:
-                    if on_step(steps_run, math.fsum(host_losses[-cfg.window :]) / cfg.window):
-                        status = "pruned"
-                        break
-        finally:
-            if bar is not None:
-                bar.close()
-
-        if on_cuda:
-            torch.cuda.synchronize(dev)
-            times = [a.elapsed_time(b) / 1e3 for a, b in events]
-        else:
-            times = cpu_times
-        timed = times[cfg.warmup_steps :] if len(times) > cfg.warmup_steps else times
-        step_time = statistics.median(timed) if timed else math.nan
-
-        losses = host_losses  # ends with the non-finite value when status is nonfinite
-        curve, ends = _windows(losses, cfg.window)
-
+        step = TrainStep(model, build_optimizers(model, cfg), device=dev, dtype=dtype, compile=cfg.compile,
+                         cuda_graphs=cfg.cuda_graphs)
+        run = _run_steps(step, source, cfg, dev, on_step, progress, f"train {type(model).__name__}")
         ev = {"logloss": math.nan, "ne": math.nan, "auc": math.nan, "count": 0, "ctr": math.nan}
-        if status == "ok":
-            ev = evaluate(
-                model,
-                source,
-                batch_size=cfg.eval_batch_size or cfg.batch_size,
-                device=dev,
-                seed=cfg.eval_seed,
-                max_batches=cfg.eval_batches,
-                autocast=cfg.autocast,
-            )
+        if run.status == "ok":
+            ev = evaluate(model, source, batch_size=cfg.eval_batch_size or cfg.batch_size, device=dev,
+                          seed=cfg.eval_seed, max_batches=cfg.eval_batches, autocast=cfg.autocast)
             if not math.isfinite(ev["logloss"]):
-                status, nonfinite_step = "nonfinite", steps_run
+                run.status, run.nonfinite_step = "nonfinite", run.steps_run
 
+    unprofiled = run.times[: len(run.times) - run.profiled]
+    timed = next((t for t in (unprofiled[cfg.warmup_steps :], run.times[cfg.warmup_steps :], run.times) if t), [])
+    step_time = statistics.median(timed) if timed else math.nan
+    curve, ends = _windows(run.losses, cfg.window)  # losses end with the non-finite value, if any
+    gpu_ms = (run.profile or {}).get("gpu_ms")
     return TrainResult(
-        status=status,
-        steps_run=steps_run,
-        nonfinite_step=nonfinite_step,
-        step_losses=tuple(losses),
-        loss_curve=curve,
-        curve_steps=ends,
+        status=run.status, steps_run=run.steps_run, nonfinite_step=run.nonfinite_step,
+        step_losses=tuple(run.losses), loss_curve=curve, curve_steps=ends,
         train_logloss=curve[-1] if curve else math.nan,
-        eval_logloss=ev["logloss"],
-        eval_ne=ev["ne"],
-        eval_auc=ev["auc"],
-        eval_count=ev["count"],
-        eval_ctr=ev["ctr"],
+        eval_logloss=ev["logloss"], eval_ne=ev["ne"], eval_auc=ev["auc"], eval_count=ev["count"], eval_ctr=ev["ctr"],
         step_time_s=step_time,
         examples_per_s=cfg.batch_size / step_time if step_time and math.isfinite(step_time) else math.nan,
         wall_s=time.perf_counter() - t_wall,
-        num_params=_count(emb) + _count(dense),
-        num_sparse_params=_count(emb),
-        device=str(dev),
-        precision=precision,
-        config=cfg,
+        num_params=_count(emb) + _count(dense), num_sparse_params=_count(emb),
+        device=str(dev), precision="bf16" if dtype is not None else "fp32", config=cfg,
+        gpu_time_s=gpu_ms / 1e3 if gpu_ms is not None else math.nan, profile=run.profile,
     )
+
+
+def _run_steps(step: TrainStep, source: Any, cfg: TrainConfig, dev: torch.device, on_step: OnStep | None,
+               progress: bool | ProgressFn, desc: str) -> _Run:
+    """The step loop: time each step, pull losses to the host at sync points, fire callbacks."""
+    on_cuda = dev.type == "cuda"
+    bar, progress_fn = _make_progress(progress, cfg.steps, desc)
+    it: Iterator[Any] = iter(source.batches("train", cfg.batch_size, seed=cfg.seed, device=dev))
+    loss_buf = torch.empty(cfg.steps, dtype=torch.float32, device=dev)  # per-step losses
+    events: list[tuple[Any, Any]] = []
+    run = _Run()
+    profiler = StepProfiler(cfg.profile_steps, dev) if cfg.profile_steps else None
+    first_profiled = cfg.steps - cfg.profile_steps
+    try:
+        for i in range(cfg.steps):
+            try:
+                batch = next(it)
+            except StopIteration:
+                raise DataError(
+                    f"data source {getattr(source, 'name', source)!r} ended its train split "
+                    f"after {i} batches: train iterators must cycle forever"
+                ) from None
+            if profiler is not None and i == first_profiled:
+                profiler.start()
+            if on_cuda:
+                ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                ev0.record()
+            else:
+                t0 = time.perf_counter()
+            loss_buf[i] = step(batch)
+            if on_cuda:
+                ev1.record()
+                events.append((ev0, ev1))
+            else:
+                run.times.append(time.perf_counter() - t0)
+            run.steps_run = i + 1
+            if profiler is not None and run.steps_run == cfg.steps:
+                run.profile, run.profiled, profiler = profiler.stop(), cfg.profile_steps, None
+            if _sync_point(run, loss_buf, cfg, on_cuda, bar, progress_fn, on_step):
+                break
+    finally:
+        if bar is not None:
+            bar.close()
+        if profiler is not None and profiler.running:
+            profiler.stop()  # a run that stopped early: its partial profile is not reported
+    if on_cuda:
+        torch.cuda.synchronize(dev)
+        run.times = [a.elapsed_time(b) / 1e3 for a, b in events]
+    return run
+
+
+def _sync_point(run: _Run, loss_buf: torch.Tensor, cfg: TrainConfig, on_cuda: bool, bar: Any,
+                progress_fn: ProgressFn | None, on_step: OnStep | None) -> bool:
+    """Every step on the CPU (free there), every ``log_every`` steps and at window ends on
+    CUDA: pull new losses to the host, check them, report progress, ask ``on_step``.
+    Returns True when the run must stop (non-finite loss, or pruned)."""
+    done = run.steps_run
+    at_window = done % cfg.window == 0
+    at_log = done % cfg.log_every == 0 or done == cfg.steps
+    if on_cuda and not (at_window or at_log):
+        return False
+    base = len(run.losses)
+    run.losses.extend(loss_buf[base:done].tolist())
+    bad = [i for i in range(base, done) if not math.isfinite(run.losses[i])]
+    if bad:
+        run.status, run.nonfinite_step = "nonfinite", bad[0]
+        del run.losses[bad[0] + 1 :]
+        return True
+    if at_log:
+        tail = run.losses[-cfg.window :]
+        running = math.fsum(tail) / len(tail)
+        if bar is not None:
+            bar.update(done - bar.n)
+            bar.set_postfix(loss=f"{running:.4f}", refresh=False)
+        if progress_fn is not None:
+            progress_fn(done, running)
+    if at_window and on_step is not None and on_step(done, math.fsum(run.losses[-cfg.window :]) / cfg.window):
+        run.status = "pruned"
+        return True
+    return False

@@ -1,0 +1,125 @@
+"""One training step of a CTR model, the way the product trains it.
+
+:class:`TrainStep` runs forward (under the run's autocast; the model wrapped in
+``torch.compile`` when asked), the binary cross-entropy loss, backward and every optimizer,
+and returns the loss as a device tensor: nothing in it reads a value back to the host, so the
+host queues step after step ahead of the GPU.
+
+With ``cuda_graphs=True`` the whole step (forward, backward, optimizers) is captured in one
+CUDA graph after ``graph_warmup`` eager steps (run on a side stream, as PyTorch's whole-network
+capture recipe does; compilation and lazy optimizer state happen there), and every later step
+is three copies into static input buffers and one graph replay: no Python, no kernel launches
+per op. Each step runs exactly once, so training is the same as without graphs. Batches must
+keep one shape (the trainer's fixed batch size does). The optimizers must be capturable:
+:func:`~loka_tune.objectives.optim.build_optimizers` builds them so when the config asks for
+CUDA graphs.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from loka_tune.errors import ConfigError, DataError
+
+__all__ = ["TrainStep", "autocast_for"]
+
+
+def autocast_for(mode: str, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype of a run: None (fp32) for ``"off"`` and for ``"auto"`` off CUDA, else bf16."""
+    if mode == "off" or (mode == "auto" and device.type != "cuda"):
+        return None
+    return torch.bfloat16
+
+
+def autocast_context(device: torch.device, dtype: torch.dtype | None) -> Any:
+    """``torch.autocast`` for ``dtype`` on ``device`` (disabled when ``dtype`` is None)."""
+    if dtype is None:
+        return torch.autocast(device_type=device.type, enabled=False)
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+class TrainStep:
+    """``step(batch) -> loss`` (a 0-d float32 device tensor); see the module docstring."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizers: list[torch.optim.Optimizer],
+        *,
+        device: torch.device,
+        dtype: torch.dtype | None,
+        compile: bool = False,
+        cuda_graphs: bool = False,
+        graph_warmup: int = 3,
+    ) -> None:
+        if cuda_graphs and device.type != "cuda":
+            raise ConfigError(
+                f"cuda_graphs needs a CUDA device, this run is on {str(device)!r}: turn cuda_graphs off",
+                key="cuda_graphs",
+            )
+        self.model, self.optimizers, self.device, self.dtype = model, optimizers, device, dtype
+        self.fwd: Callable[..., torch.Tensor] = torch.compile(model) if compile else model
+        self.cuda_graphs, self.graph_warmup = cuda_graphs, graph_warmup
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self._static: tuple[torch.Tensor, ...] = ()
+        self._static_loss: torch.Tensor | None = None
+        self._warm = 0
+        self._stream: torch.cuda.Stream | None = None
+
+    def _run(self, dense: torch.Tensor, sparse: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        with autocast_context(self.device, self.dtype):
+            logits = self.fwd(dense, sparse)  # (B,)
+        loss = F.binary_cross_entropy_with_logits(logits.float().reshape(-1), labels.float().reshape(-1))
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+        loss.backward()
+        for opt in self.optimizers:
+            opt.step()
+        return loss.detach()
+
+    def __call__(self, batch: Any) -> torch.Tensor:
+        if not self.cuda_graphs:
+            return self._run(batch.dense, batch.sparse, batch.labels)
+        if self.graph is None:
+            if self._warm < self.graph_warmup:
+                self._warm += 1
+                return self._side_stream(batch)
+            self._capture(batch)
+        self._copy_in(batch)
+        assert self.graph is not None and self._static_loss is not None
+        self.graph.replay()
+        return self._static_loss
+
+    # ------------------------------------------------------------------ CUDA graphs
+    def _side_stream(self, batch: Any) -> torch.Tensor:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        s = self._stream
+        s.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(s):
+            loss = self._run(batch.dense, batch.sparse, batch.labels)
+        torch.cuda.current_stream(self.device).wait_stream(s)
+        return loss
+
+    def _capture(self, batch: Any) -> None:
+        self._static = tuple(t.clone() for t in (batch.dense, batch.sparse, batch.labels))
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)  # the captured backward allocates the grads in the graph's pool
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._static_loss = self._run(*self._static)
+        self.graph = graph  # capture recorded the step without running it: the caller replays it
+
+    def _copy_in(self, batch: Any) -> None:
+        for dst, src in zip(self._static, (batch.dense, batch.sparse, batch.labels)):
+            if dst.shape != src.shape:
+                raise DataError(
+                    f"a batch of shape {tuple(src.shape)} reached a CUDA-graph step captured for "
+                    f"{tuple(dst.shape)}: CUDA graphs need one batch shape (turn cuda_graphs off)"
+                )
+            dst.copy_(src, non_blocking=True)
