@@ -26,6 +26,19 @@ Variants (``--variants``, comma list, in this order by default; each name is one
   backend declares the shape unsupported, counted as fallbacks), through ``loka_tune.apply``,
   after the same Mods: the best of these is "our best single backend everywhere".
 
+Compiled runs are held to account (:func:`loka_tune.objectives.compiled.strict_compile`):
+each variant starts from a reset dynamo (its own compiles, as in a fresh process), a
+recompile-limit hit raises instead of running eagerly, and a graph break or a run that
+compiled nothing fails the variant loudly (its row says why; the exit status is 1). Each
+record keeps dynamo's counters, the GPU kernel time per step of ``--profile-steps`` profiled
+steps beside the step's wall time (``wall/GPU`` near 1: the step is GPU-bound), the GEMM
+share and the largest kernels. ``--cuda-graphs`` captures each whole training step in a
+CUDA graph (the trainer's ``cuda_graphs``).
+
+Inference of the ``config`` variant runs the *serving plan* of the config at each serving
+batch: a site keeps its FP8 forward only where the H200 cost model prices it faster than bf16
+at that batch's rows (``--no-serving-plan``: the training config as it is).
+
 GPU-only variants are recorded as skipped on a CPU. Results are written to ``--out`` after
 every run (a run that dies keeps what finished); ``--budget`` seconds of wall time stop
 starting new variants. Example (the BENCHMARKS.md table):
@@ -37,6 +50,7 @@ starting new variants. Example (the BENCHMARKS.md table):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import platform
@@ -53,7 +67,8 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from loka_tune.applier import apply  # noqa: E402
-from loka_tune.config import ModsConfig, PrecisionConfig, SitePrecision  # noqa: E402
+from loka_tune.config import BF16, ModsConfig, PrecisionConfig, SitePrecision  # noqa: E402
+from loka_tune.objectives.compiled import CompileHealthError, strict_compile  # noqa: E402
 from loka_tune.objectives.trainer import TrainConfig, train  # noqa: E402
 
 VARIANTS = ("bf16", "bf16_mods", "config", "torchao_tensorwise", "torchao_rowwise", "torchao_tensorwise_filter",
@@ -137,6 +152,59 @@ def uniform_config(model: nn.Module, choice_id: str, source: Any, batch_size: in
     return PrecisionConfig(sites=rules), kept
 
 
+def serving_plan(model: nn.Module, batch: int, *, device: str = "h200", min_speedup: float = 1.0) -> dict[str, str]:
+    """Switch each LokaLinear's forward to bf16 where the cost model prices its FP8 forward at
+    ``batch`` serving rows no faster than bf16 (x ``min_speedup``); returns {site: old fwd}
+    so that :func:`restore_plan` can undo it. Sites' rows per example come from the layer's
+    last input (3-D inputs: rows = batch x middle dims), recorded by a forward hook."""
+    from loka_tune.kernels import costmodel
+    from loka_tune.kernels.linear import LokaLinear
+
+    changed: dict[str, str] = {}
+    for name, m in model.named_modules():
+        if not isinstance(m, LokaLinear) or m.precision.fwd.is_bf16 or not getattr(m, "_rows_per_example", None):
+            continue
+        rows = batch * m._rows_per_example
+        try:
+            sp = costmodel.modeled_speedup(m.precision.fwd, rows, m.in_features, m.out_features, "fwd", device)
+        except Exception:  # a choice the cost model does not price: keep it
+            continue
+        if sp < min_speedup:
+            changed[name] = m.precision.fwd.short_str()
+            m.precision = SitePrecision(BF16, m.precision.dgrad, m.precision.wgrad)
+    return changed
+
+
+def restore_plan(model: nn.Module, changed: dict[str, str]) -> None:
+    from loka_tune.kernels.linear import LokaLinear
+
+    for name, m in model.named_modules():
+        if name in changed and isinstance(m, LokaLinear):
+            m.precision = SitePrecision(changed[name], m.precision.dgrad, m.precision.wgrad)
+
+
+def record_rows_per_example(model: nn.Module, source: Any, dev: torch.device) -> None:
+    """One eval forward of 2 rows: each LokaLinear learns its rows per example."""
+    from loka_tune.kernels.linear import LokaLinear
+
+    hooks = []
+    for m in model.modules():
+        if isinstance(m, LokaLinear):
+            def hook(mod: nn.Module, args: tuple[Any, ...]) -> None:
+                mod._rows_per_example = args[0].numel() // (args[0].shape[-1] * 2)  # type: ignore[assignment]
+            hooks.append(m.register_forward_pre_hook(hook))
+    b = next(iter(source.batches("eval", 2, seed=0, device=dev)))
+    was = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            model(b.dense, b.sparse)
+    finally:
+        model.train(was)
+        for h in hooks:
+            h.remove()
+
+
 def _sync(dev: torch.device) -> None:
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
@@ -199,6 +267,15 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
             row[f"rel_ll_pct_vs_{ref}_sd"] = statistics.stdev(rel) if len(rel) > 1 else None
         lls = list(ll(v).values())
         row["eval_logloss"] = statistics.fmean(lls) if lls else None
+        gpu = [r["gpu_time_s"] for r in rs if r.get("gpu_time_s")]
+        row["gpu_ms"] = 1e3 * statistics.median(gpu) if gpu else None
+        row["wall_over_gpu"] = None if not gpu or st is None else st / statistics.median(gpu)
+        prof = next((r["profile"] for r in rs if r.get("profile")), None)
+        if prof:
+            row["gemm_share"] = prof.get("gemm_share")
+            row["kernels_per_step"] = prof.get("kernels_per_step")
+        if "serving_plan" in first:
+            row["serving_plan"] = first["serving_plan"]
         inf = [r["infer_s"] for r in rs if "infer_s" in r]
         if inf:
             row["infer_ms"] = {str(k): 1e3 * statistics.median([d[k] for d in inf if k in d]) for k in inf[0]}
@@ -214,16 +291,18 @@ def table(summary: dict[str, Any]) -> str:
     def f(v: Any, fmt: str) -> str:
         return "-" if v is None else format(v, fmt)
 
-    lines = ["| variant | Mods | FP8 sites | step ms | vs bf16 | vs bf16+Mods | rel. LL vs bf16+Mods (sd) | rel. LL vs bf16 |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| variant | Mods | FP8 sites | step ms | GPU ms | wall/GPU | GEMM share | vs bf16 | vs bf16+Mods |"
+             " rel. LL vs bf16+Mods (sd) | rel. LL vs bf16 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in summary["rows"]:
         note = r.get("skipped") or r.get("error")
         if note:
-            lines.append(f"| {r['variant']} | | | {note[:80]} | | | | |")
+            lines.append(f"| {r['variant']} | | | {note[:120]} | | | | | | | |")
             continue
         sd = r.get("rel_ll_pct_vs_bf16_mods_sd")
         lines.append(
             f"| {r['variant']} | {r.get('mods', 'none')} | {r.get('fp8_sites', 0)} | {f(r['step_ms'], '.2f')} |"
+            f" {f(r.get('gpu_ms'), '.2f')} | {f(r.get('wall_over_gpu'), '.3f')} | {f(r.get('gemm_share'), '.2f')} |"
             f" {f(r['speedup_vs_bf16'], '.3f')}x | {f(r['speedup_vs_bf16_mods'], '.3f')}x |"
             f" {f(r['rel_ll_pct_vs_bf16_mods'], '+.3f')}%" + ("" if sd is None else f" ({sd:.3f})") + " |"
             f" {f(r['rel_ll_pct_vs_bf16'], '+.3f')}% |")
@@ -249,7 +328,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", default="0", help="comma list: paired runs per variant")
     ap.add_argument("--config", type=Path, default=None, help="the exported loka-tune config (JSON)")
     ap.add_argument("--variants", default=",".join(VARIANTS))
-    ap.add_argument("--compile", action="store_true", help="torch.compile the model (training and inference)")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the model (training and inference); "
+                    "every variant is checked: no graph break, no eager fallback, no recompile-limit hit")
+    ap.add_argument("--cuda-graphs", action="store_true", help="capture each whole training step in a CUDA graph")
+    ap.add_argument("--profile-steps", type=int, default=10,
+                    help="profile the last N training steps: GPU kernel time per step, GEMM share (0: off)")
+    ap.add_argument("--no-serving-plan", action="store_true",
+                    help="time the config's inference with its training precision everywhere")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--infer-batches", default="", help="comma list of serving batch sizes (empty: skip)")
     ap.add_argument("--infer-variants", default="bf16,bf16_mods,config")
@@ -283,15 +368,42 @@ def main(argv: list[str] | None = None) -> int:
     tcfg = TrainConfig(steps=args.steps, batch_size=args.batch or t.batch_size, lr_dense=t.lr_dense,
                        lr_sparse=t.lr_sparse, warmup_steps=min(args.warmup, args.steps - 1), window=min(25, args.steps),
                        eval_batches=args.eval_batches, device=str(dev), compile=args.compile,
-                       log_every=max(args.steps, 10))
+                       log_every=max(args.steps, 10), cuda_graphs=args.cuda_graphs,
+                       profile_steps=min(args.profile_steps, max(args.steps - args.warmup - 1, 0)))
     meta = {"study": str(args.study), "model": cfg.model.name, "preset": cfg.model.preset, "batch": tcfg.batch_size,
             "steps": args.steps, "warmup": tcfg.warmup_steps, "seeds": seeds, "compile": args.compile,
+            "compile_mode": "default" if args.compile else None, "cuda_graphs": args.cuda_graphs,
+            "profile_steps": tcfg.profile_steps, "serving_plan": not args.no_serving_plan,
             "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu",
             "torch": torch.__version__, "python": platform.python_version(), "date": time.strftime("%Y-%m-%d"),
             "config": str(args.config) if args.config else None, "config_mods": config.mods.short_str(),
             "argv": sys.argv[1:] if argv is None else argv}
     args.out.mkdir(parents=True, exist_ok=True)
     runs: list[dict[str, Any]] = []
+    failed: list[str] = []
+
+    def run_variant(name: str, seed: int, rec: dict[str, Any]) -> None:
+        torch.manual_seed(seed)
+        model = make_model(cfg, source, seed=seed)
+        model.to(dev)
+        rec.update(prepare(name, model, config, source=source, batch_size=tcfg.batch_size, device=dev))
+        res = train(model, source, replace(tcfg, seed=seed), progress=False)
+        rec.update(status=res.status, step_time_s=res.step_time_s, eval_logloss=res.eval_logloss,
+                   eval_ne=res.eval_ne, eval_auc=res.eval_auc, wall_s=res.wall_s, gpu_time_s=res.gpu_time_s,
+                   profile=res.profile)
+        if infer_sizes and name in infer_variants and res.status == "ok":
+            rec["infer_s"], plans = {}, {}
+            if name == "config" and not args.no_serving_plan:
+                record_rows_per_example(model, source, dev)
+            for b in infer_sizes:
+                changed = serving_plan(model, b) if name == "config" and not args.no_serving_plan else {}
+                plans[str(b)] = sorted(changed)
+                rec["infer_s"][str(b)] = inference_latency(model, source, b, dev, compile_=args.compile,
+                                                           reps=args.infer_reps, autocast=dev.type == "cuda")
+                restore_plan(model, changed)
+            if name == "config" and not args.no_serving_plan:
+                rec["serving_plan"] = {"bf16_fwd_sites": plans}
+        del model
 
     def dump() -> None:
         summary = summarize(runs)
@@ -306,21 +418,17 @@ def main(argv: list[str] | None = None) -> int:
             elif name in _GPU_ONLY and dev.type != "cuda":
                 rec["skipped"] = "needs a CUDA GPU"
             else:
+                guard = strict_compile() if args.compile else contextlib.nullcontext({})
                 try:
-                    torch.manual_seed(seed)
-                    model = make_model(cfg, source, seed=seed)
-                    model.to(dev)
-                    rec.update(prepare(name, model, config, source=source, batch_size=tcfg.batch_size, device=dev))
-                    res = train(model, source, replace(tcfg, seed=seed), progress=False)
-                    rec.update(status=res.status, step_time_s=res.step_time_s, eval_logloss=res.eval_logloss,
-                               eval_ne=res.eval_ne, eval_auc=res.eval_auc, wall_s=res.wall_s)
-                    if infer_sizes and name in infer_variants and res.status == "ok":
-                        rec["infer_s"] = {str(b): inference_latency(
-                            model, source, b, dev, compile_=args.compile, reps=args.infer_reps,
-                            autocast=dev.type == "cuda") for b in infer_sizes}
-                    del model
+                    with guard as dynamo:
+                        run_variant(name, seed, rec)
+                    if args.compile:
+                        rec["dynamo"] = dynamo
                 except Exception as e:  # record it and go on: one broken variant must not hide the rest
                     rec["error"] = f"{type(e).__name__}: {e}"[:400]
+                    if isinstance(e, CompileHealthError):
+                        print(f"!! {name} seed {seed}: {e}", flush=True)
+                    failed.append(name)
                 if dev.type == "cuda":
                     torch.cuda.empty_cache()
             runs.append(rec)
@@ -331,7 +439,9 @@ def main(argv: list[str] | None = None) -> int:
     dump()
     print()
     print(table(summarize(runs)))
-    return 0
+    if failed:
+        print(f"\n{len(failed)} run(s) failed: {', '.join(sorted(set(failed)))} (their rows say why)")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -86,3 +86,33 @@ def test_uniform_policy_keeps_bf16_where_the_backend_refuses_the_real_shape(monk
     assert seen and all(k == 128 for _, k, _ in seen)  # wgrad's reduction dim is the real batch's rows
     assert kept2 == len(cfg2.sites)
     assert all(r.precision.wgrad == BF16 and r.precision.fwd.short_str() == "e4m3.row.emulated" for r in cfg2.sites)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU behaviour (GPU variants skipped)")
+def test_e2e_compiled_variants_are_checked_and_a_forced_recompile_fails_loudly(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    e2e = _load()
+    cfg = PrecisionConfig(default=SitePrecision.parse("e4m3.row.emulated"), mods=ModsConfig(no_bias=True))
+    cfg_path = tmp_path / "best.json"
+    cfg_path.write_text(cfg.to_json())
+    base = ["--study", str(REPO / "studies" / "quickstart.toml"), "--steps", "4", "--warmup", "1", "--seeds", "0",
+            "--config", str(cfg_path), "--compile", "--profile-steps", "1", "--infer-reps", "1"]
+    rc = e2e.main(base + ["--variants", "bf16_mods,config", "--infer-batches", "32", "--out", str(tmp_path / "ok")])
+    assert rc == 0
+    res = json.loads((tmp_path / "ok" / "results.json").read_text())
+    assert res["meta"]["compile"] and res["meta"]["compile_mode"] == "default"
+    for r in res["runs"]:
+        assert "error" not in r, r.get("error")
+        assert r["dynamo"]["unique_graphs"] >= 1 and r["dynamo"]["graph_breaks"] == 0
+        assert r["profile"]["steps"] == 1
+    # one graph per code object and grad mode: the inference at a second static batch size
+    # needs another one, past a limit of 1: that variant must fail, loudly, not run eagerly
+    import torch._dynamo.config as dcfg
+
+    monkeypatch.setattr(dcfg, "recompile_limit", 1)
+    rc = e2e.main(base + ["--variants", "bf16_mods", "--infer-batches", "32,64", "--infer-variants", "bf16_mods",
+                          "--out", str(tmp_path / "bad")])
+    assert rc == 1
+    bad = json.loads((tmp_path / "bad" / "results.json").read_text())["runs"][0]
+    assert "CompileHealthError" in bad["error"] and "recompile limit" in bad["error"]
+    assert "recompile limit" in (tmp_path / "bad" / "table.md").read_text()

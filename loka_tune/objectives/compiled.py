@@ -1,0 +1,82 @@
+"""Compiled runs that fail loudly: no silent eager fallback, graph break or recompile storm.
+
+``torch.compile`` degrades quietly: after ``recompile_limit`` recompilations of one code object
+(every reference model's ``forward`` is one code object, so a benchmark that compiles several
+models reaches it fast) dynamo runs the function *eagerly* and only logs a warning; a graph
+break splits the model into several graphs with Python between them. Either can turn a
+speed-up into a slow-down without an error (an e2e table once reported 0.57x that way).
+
+:func:`strict_compile` wraps one compiled run: it resets dynamo's caches and counters first
+(every run compiles afresh, as a new process would), makes a recompile-limit hit raise
+instead of falling back, and afterwards checks dynamo's counters: a graph break, or nothing
+compiled at all, raises :class:`CompileHealthError`. The counters it read are in the report
+it yields, for the run's JSON.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+
+__all__ = ["CompileHealthError", "strict_compile", "dynamo_report"]
+
+
+class CompileHealthError(RuntimeError):
+    """A compiled run broke its graph, ran eagerly, or hit the recompile limit."""
+
+
+def dynamo_report() -> dict[str, Any]:
+    """Dynamo's counters that say how a compiled run went (frames, graphs, breaks, caches)."""
+    from torch._dynamo.utils import counters
+
+    stats, frames = counters["stats"], counters["frames"]
+    return {
+        "frames_total": int(frames.get("total", 0)),
+        "frames_ok": int(frames.get("ok", 0)),
+        "unique_graphs": int(stats.get("unique_graphs", 0)),
+        "calls_captured": int(stats.get("calls_captured", 0)),
+        "graph_breaks": int(sum(counters["graph_break"].values())),
+        "graph_break_reasons": [r.split("\n")[0][:200] for r in counters["graph_break"]],
+        "fxgraph_cache_hits": int(counters["inductor"].get("fxgraph_cache_hit", 0)),
+    }
+
+
+@contextlib.contextmanager
+def strict_compile(*, max_graphs: int | None = None) -> Iterator[dict[str, Any]]:
+    """Context for one compiled run (see the module docstring). Yields a dict that is filled
+    with :func:`dynamo_report` at the end; raises :class:`CompileHealthError` when the run
+    broke a graph, compiled nothing, or compiled more than ``max_graphs`` graphs."""
+    import torch._dynamo
+    import torch._dynamo.config as dcfg
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    prev = {k: getattr(dcfg, k) for k in ("fail_on_recompile_limit_hit",) if hasattr(dcfg, k)}
+    for k in prev:
+        setattr(dcfg, k, True)
+    report: dict[str, Any] = {}
+    try:
+        yield report
+    except Exception as e:
+        if type(e).__name__ == "FailOnRecompileLimitHit":
+            raise CompileHealthError(
+                f"torch.compile hit its recompile limit ({dcfg.recompile_limit}) and would have run eagerly: "
+                "the compiled numbers would not be compiled ones"
+            ) from e
+        raise
+    finally:
+        for k, v in prev.items():
+            setattr(dcfg, k, v)
+        report.update(dynamo_report())
+    problems = []
+    if report["graph_breaks"]:
+        problems.append(f"{report['graph_breaks']} graph break(s): {'; '.join(report['graph_break_reasons'])}")
+    if report["unique_graphs"] == 0 or report["frames_ok"] == 0:
+        problems.append("nothing was compiled: the run was eager")
+    if max_graphs is not None and report["unique_graphs"] > max_graphs:
+        problems.append(f"{report['unique_graphs']} graphs compiled, more than the {max_graphs} expected (recompiles)")
+    if problems:
+        raise CompileHealthError("compiled run failed its checks: " + "; ".join(problems))
