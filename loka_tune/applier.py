@@ -39,7 +39,7 @@ from typing import Any, Mapping
 
 from torch import nn
 
-from loka_tune.config import BF16, ROLES, GemmRole, PrecisionConfig, SitePrecision
+from loka_tune.config import BF16, ROLES, PrecisionConfig, SitePrecision
 from loka_tune.errors import BackendError, ConfigError, ModError, UnsupportedChoiceError
 
 __all__ = ["ApplySummary", "apply", "export", "load_config", "as_config"]
@@ -186,15 +186,6 @@ def _run_mods(model: nn.Module, cfg: PrecisionConfig) -> tuple[Any, str]:
     return report, note
 
 
-def _role_shape(role: GemmRole, k: int, n: int) -> tuple[int | None, int | None, int | None]:
-    """Canonical (m, k, n) of a role for a layer K -> N; the batch dim M is unknown here."""
-    if role == GemmRole.FWD:
-        return (None, k, n)
-    if role == GemmRole.DGRAD:
-        return (None, n, k)
-    return (n, None, k)
-
-
 def _check_site(
     site: str, lin: nn.Linear, prec: SitePrecision, strict: bool
 ) -> tuple[SitePrecision, dict[str, str]]:
@@ -220,7 +211,7 @@ def _check_site(
             last: UnsupportedChoiceError | None = None
             for d in devices:
                 try:
-                    check_supported(choice, role, d, _role_shape(role, k, n), site=site)
+                    check_supported(choice, role, d, role.shape(None, k, n), site=site)  # batch unknown here
                     last = None
                     break
                 except UnsupportedChoiceError as e:

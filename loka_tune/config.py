@@ -15,13 +15,17 @@ GEMM semantics (the canonical form every backend implements). Each of a linear l
 GEMMs is computed as ``A @ B.T`` with both operands laid out so that the reduction dimension
 is their last one:
 
-=======  ==================  ===================  =========  ==========================
-role     A (rows x red)      B (cols x red)       reduction  output
-=======  ==================  ===================  =========  ==========================
-fwd      X   (M, K)          W    (N, K)          K          Y  = X W^T      (M, N)
-dgrad    dY  (M, N)          W^T  (K, N)          N          dX = dY W       (M, K)
-wgrad    dY^T (N, M)         X^T  (K, M)          M (batch)  dW = dY^T X     (N, K)
-=======  ==================  ===================  =========  ==========================
+=======  ==================  ===================  =========  ==========================  =========
+role     A (rows x red)      B (cols x red)       reduction  output                      (m, k, n)
+=======  ==================  ===================  =========  ==========================  =========
+fwd      X   (M, K)          W    (N, K)          K          Y  = X W^T      (M, N)      (M, K, N)
+dgrad    dY  (M, N)          W^T  (K, N)          N          dX = dY W       (M, K)      (M, N, K)
+wgrad    dY^T (N, M)         X^T  (K, M)          M (batch)  dW = dY^T X     (N, K)      (N, M, K)
+=======  ==================  ===================  =========  ==========================  =========
+
+This table has one home in code: :meth:`GemmRole.shape` gives a role's canonical ``(m, k, n)``
+(rows of A, reduction, rows of B) and :func:`role_operands` its ``(A, B)``; everything else
+(cost model, sites, probe, applier) asks them.
 
 "Rowwise" scaling gives one scale per row of A and per row of B, i.e. along the reduction
 dimension of each operand: for ``wgrad`` that is one scale per *column* of dY and of X (the
@@ -39,10 +43,13 @@ import re
 from dataclasses import asdict, dataclass, field, replace
 from enum import Enum
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, overload
 
 from loka_tune._io import atomic_write_text
 from loka_tune.errors import ConfigError
+
+if TYPE_CHECKING:  # config stays importable without torch
+    from torch import Tensor
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -51,6 +58,7 @@ __all__ = [
     "ScaleRounding",
     "GemmRole",
     "ROLES",
+    "role_operands",
     "GemmChoice",
     "SitePrecision",
     "ModsConfig",
@@ -103,7 +111,7 @@ class ScaleRounding(str, Enum):
 
 
 class GemmRole(str, Enum):
-    """The three GEMMs of a linear layer."""
+    """The three GEMMs of a linear layer (their operands and shapes: the module docstring)."""
 
     FWD = "fwd"  # Y = X W^T
     DGRAD = "dgrad"  # dX = dY W
@@ -112,8 +120,36 @@ class GemmRole(str, Enum):
     def __str__(self) -> str:  # pragma: no cover - trivial
         return self.value
 
+    @overload
+    def shape(self, m: int, k: int, n: int) -> tuple[int, int, int]: ...
+
+    @overload
+    def shape(self, m: None, k: int, n: int) -> tuple[int | None, int | None, int]: ...
+
+    def shape(self, m: int | None, k: int, n: int) -> tuple[int | None, int | None, int]:
+        """The canonical ``(m, k, n)`` of this role's ``A @ B.T`` (rows of A, reduction, rows
+        of B) for a linear layer with ``m`` input rows (the batch; ``None`` when unknown), ``k``
+        in_features and ``n`` out_features: ``fwd (m, k, n)``, ``dgrad (m, n, k)``,
+        ``wgrad (n, m, k)`` (wgrad reduces over the batch)."""
+        if self is GemmRole.FWD:
+            return m, k, n  # X (m, k) @ W^T -> Y (m, n)
+        if self is GemmRole.DGRAD:
+            return m, n, k  # dY (m, n) @ W -> dX (m, k)
+        return n, m, k  # dY^T (n, m) @ X -> dW (n, k)
+
 
 ROLES: tuple[GemmRole, ...] = (GemmRole.FWD, GemmRole.DGRAD, GemmRole.WGRAD)
+
+
+def role_operands(role: GemmRole | str, x: Tensor, dy: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
+    """The canonical ``(A, B)`` of ``role``'s GEMM ``A @ B.T`` from a linear layer's input
+    ``x (M, K)``, output gradient ``dy (M, N)`` and weight ``w (N, K)`` (views, no copies)."""
+    role = GemmRole(role)
+    if role is GemmRole.FWD:
+        return x, w  # (M, K), (N, K) -> Y (M, N)
+    if role is GemmRole.DGRAD:
+        return dy, w.T  # (M, N), (K, N) -> dX (M, K)
+    return dy.T, x.T  # (N, M), (K, M) -> dW (N, K)
 
 _BACKEND_RE = re.compile(r"^[a-z][a-z0-9_]*$")
 

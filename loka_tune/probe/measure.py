@@ -2,19 +2,13 @@
 
 For each site, each distribution (``learned`` / ``normal`` / ``real``, see
 :mod:`loka_tune.probe.synth`) and each of ``samples`` draws ``(X, dY, W)`` (float64), the three
-GEMMs are built in the canonical form of :mod:`loka_tune.config` (``A @ B.T``):
-
-=======  ============  =============
-role     A             B
-=======  ============  =============
-fwd      X   (M, K)    W   (N, K)
-dgrad    dY  (M, N)    W^T (K, N)
-wgrad    dY^T (N, M)   X^T (K, M)
-=======  ============  =============
+GEMMs are built in the canonical form of :mod:`loka_tune.config` (``A @ B.T``, operands from
+:func:`loka_tune.config.role_operands`: fwd ``X, W``; dgrad ``dY, W^T``; wgrad ``dY^T, X^T``).
 
 The reference is the float64 product of the draws. Each candidate gets the operands cast to
 ``operand_dtype`` (default bf16, the dtype a GPU run feeds its GEMMs) and runs through its
-backend (``emulated`` on the CPU); its output is compared with the reference:
+backend (``emulated`` on the CPU); its output is compared with the reference by
+:func:`loka_tune.kernels.quant.mere` and :func:`~loka_tune.kernels.quant.sqnr_db` (reference first):
 
 - **MERE** = ``mean |out - ref| / max(|ref|, guard)``, ``guard = guard_frac * rms(ref)`` with
   :data:`GUARD_FRAC` = 1e-2: without a guard, outputs that happen to be ~0 make the mean
@@ -44,11 +38,12 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 import torch
 
-from loka_tune.config import GemmChoice, GemmRole, Format, ROLES
+from loka_tune.config import ROLES, Format, GemmChoice, GemmRole, role_operands
 from loka_tune.errors import LokaError, ProbeError
+from loka_tune.kernels.quant import GUARD_FRAC, mere, sqnr_db
 from loka_tune.probe.report import CandidateResult, ProbeReport, SkippedCandidate, _check_thresholds, _fast, _safe
 from loka_tune.probe.speed import SpeedModel, default_speed_model
-from loka_tune.probe.stats import ProbeStats, SiteStats, _role_shape
+from loka_tune.probe.stats import ProbeStats, SiteStats
 from loka_tune.probe.synth import DISTS, MAX_ROWS, SiteSampler
 
 __all__ = [
@@ -56,14 +51,10 @@ __all__ = [
     "DEFAULT_MAX_ERROR",
     "DEFAULT_MIN_SPEEDUP",
     "DEFAULT_CANDIDATES",
-    "mere",
-    "sqnr_db",
-    "role_operands",
     "resolve_candidates",
     "measure",
 ]
 
-GUARD_FRAC = 1e-2  # MERE guard: |ref| below 1% of rms(ref) counts as 1% of rms(ref)
 # Safe if MERE <= 0.2 (the paper's number, on our guard). Calibration (bf16 operands, guard
 # 1e-2, 8 draws of standard-normal X, dY, W at (M, K, N) = (1024, 512, 512) and (4096, 64, 256),
 # every role): bf16 0.009 (51 dB); e4m3 with tensor / row / block / mx scaling 0.125-0.136
@@ -83,39 +74,6 @@ DEFAULT_CANDIDATES = (
     "e5m2+e4m3.tensor.emulated",
     "e5m2+e4m3.row.emulated",
 )
-
-
-# ---------------------------------------------------------------------------- metrics
-def mere(out: torch.Tensor, ref: torch.Tensor, guard_frac: float = GUARD_FRAC) -> float:
-    """Mean element-wise relative error of ``out`` against ``ref`` with the rms guard (float64)."""
-    out, ref = out.to(torch.float64), ref.to(torch.float64)
-    rms = float(ref.pow(2).mean().sqrt())
-    if rms == 0.0:
-        return 0.0 if bool(torch.equal(out, ref)) else math.inf
-    denom = ref.abs().clamp_min(guard_frac * rms)
-    return float(((out - ref).abs() / denom).mean())
-
-
-def sqnr_db(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """``10 log10(sum ref^2 / sum (out - ref)^2)`` (``inf`` when exact)."""
-    out, ref = out.to(torch.float64), ref.to(torch.float64)
-    noise = float((out - ref).pow(2).sum())
-    signal = float(ref.pow(2).sum())
-    if noise == 0.0:
-        return math.inf
-    if signal == 0.0:
-        return -math.inf
-    return 10.0 * math.log10(signal / noise)
-
-
-def role_operands(role: GemmRole | str, x: torch.Tensor, dy: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Canonical ``(A, B)`` of ``role`` for ``X (M, K)``, ``dY (M, N)``, ``W (N, K)``: output ``A @ B.T``."""
-    role = GemmRole(role)
-    if role == GemmRole.FWD:
-        return x, w  # (M, K), (N, K) -> Y (M, N)
-    if role == GemmRole.DGRAD:
-        return dy, w.T  # (M, N), (K, N) -> dX (M, K)
-    return dy.T, x.T  # (N, M), (K, M) -> dW (N, K)
 
 
 # ---------------------------------------------------------------------------- candidates
@@ -309,7 +267,7 @@ def measure(
                 meta_site["jitter"] = sampler.jitter
             priced_rows = max(1, round(site.rows * speed_row_scale))
             for role in roles:
-                m, k, n = _role_shape(role.value, priced_rows, site.in_features, site.out_features)
+                m, k, n = role.shape(priced_rows, site.in_features, site.out_features)
                 t_bf16 = _time(speed, time_cache, GemmChoice(), m, k, n, role)
                 for c in valid[role]:
                     e = np.asarray(errs[(role, c.short_str())], dtype=np.float64)  # (draws, 2)
@@ -368,7 +326,7 @@ def _measure_site(
                 a, b = a64.to(operand_dtype), b64.to(operand_dtype)
                 for c in cs:
                     out = _backend_gemm(c, a, b, role)
-                    errs[(role, c.short_str())].append((mere(out, ref, guard_frac), sqnr_db(out, ref)))
+                    errs[(role, c.short_str())].append((mere(ref, out, guard_frac), sqnr_db(ref, out)))
     return errs
 
 
