@@ -264,8 +264,9 @@ def apply(
 
     See the module docstring for the steps and errors. Returns an :class:`ApplySummary`.
     """
-    from loka_tune.kernels.fused import FusedLinearBlockNormHardswish, fuse_epilogues, unfuse_epilogues
+    from loka_tune.kernels.fused import FusedLinearBlockNormHardswish
     from loka_tune.kernels.linear import LokaLinear, find_linears
+    from loka_tune.mods.fuse import fuse_epilogues, unfuse_epilogues
 
     cfg = as_config(config)
     if not isinstance(model, nn.Module):
