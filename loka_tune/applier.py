@@ -40,7 +40,7 @@ from typing import Any, Mapping
 from torch import nn
 
 from loka_tune.config import BF16, ROLES, PrecisionConfig, SitePrecision
-from loka_tune.errors import BackendError, ConfigError, ModError, UnsupportedChoiceError
+from loka_tune.errors import BackendError, ConfigError, UnsupportedChoiceError
 
 __all__ = ["ApplySummary", "apply", "export", "load_config", "as_config"]
 
@@ -164,19 +164,8 @@ def _run_mods(model: nn.Module, cfg: PrecisionConfig) -> tuple[Any, str]:
     prev = model.__dict__.get(_MODS_ATTR)
     if prev == mods:
         return None, f"{mods.short_str()} already applied to this model (skipped)"
-    try:
-        from loka_tune import mods as mods_pkg
-    except ImportError as e:  # pragma: no cover - the package exists in the tree
-        raise ModError(f"the config enables Mods ({cfg.mods.short_str()}) but loka_tune.mods cannot be imported: {e}") from e
-    apply_mods = getattr(mods_pkg, "apply_mods", None)
-    if apply_mods is None:
-        try:
-            from loka_tune.mods.pipeline import apply_mods
-        except ImportError:
-            raise ModError(
-                f"the config enables Mods ({cfg.mods.short_str()}) but this loka-tune has no"
-                " loka_tune.mods.apply_mods; set \"mods\" to all-off in the config or update loka-tune"
-            ) from None
+    from loka_tune.mods import apply_mods
+
     report = apply_mods(model, mods)
     if prev is not None:
         note = f"Mods {prev.short_str()} had been applied before; now also ran {mods.short_str()}"

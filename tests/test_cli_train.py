@@ -120,7 +120,6 @@ def test_help_is_accurate(capsys):
 
 
 def test_precision_config_is_applied(tmp_path, capsys):
-    pytest.importorskip("loka_tune.applier")
     from loka_tune.applier import export
     from loka_tune.config import PrecisionConfig, SitePrecision
 
