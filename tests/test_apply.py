@@ -20,15 +20,6 @@ from loka_tune.kernels.registry import Backend, register_backend, unregister_bac
 from loka_tune.models import build_model
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():  # type: ignore[no-untyped-def]
-    """Tiny GEMMs: one intra-op thread avoids OpenMP stalls on a busy machine (restored after)."""
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
-
-
 class Toy(nn.Module):
     """Nested Sequential + ModuleDict, a Linear applied to a 3-D (B, n, d) tensor, and a head."""
 

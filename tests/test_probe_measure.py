@@ -27,14 +27,6 @@ from loka_tune.probe import (
 from loka_tune.probe.synth import SiteSampler, psd_factor
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
 def _probe_linear(x_fn, k: int = 16, n: int = 8, steps: int = 6, every: int = 1, seed: int = 0, **kw) -> ProbeStats:
     """Stats of one nn.Linear(k, n) fed ``x_fn(step)`` rows, trained by SGD on a random linear loss."""
     torch.manual_seed(seed)
