@@ -19,6 +19,7 @@ _LAZY = {
     "dequantize": "loka_tune.kernels.quant",
     "fake_quantize": "loka_tune.kernels.quant",
     "sqnr_db": "loka_tune.kernels.quant",
+    "mere": "loka_tune.kernels.quant",
     "Backend": "loka_tune.kernels.registry",
     "register_backend": "loka_tune.kernels.registry",
     "get_backend": "loka_tune.kernels.registry",
