@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from loka_tune.kernels.fused import FusedLinearBlockNormHardswish  # noqa: E402
 from loka_tune.kernels.linear import LokaLinear  # noqa: E402
-from loka_tune.mods import BlockNorm  # noqa: E402
+from loka_tune.layers import BlockNorm  # noqa: E402
 
 CHOICE = "e4m3.row.fa.triton"
 SHAPES = [(8192, 2048, 2048), (32768, 2048, 2048), (16384, 4096, 4096), (65536, 4096, 4096)]

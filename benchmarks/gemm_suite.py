@@ -7,7 +7,7 @@ On any machine, from a results file (re-analysis, e.g. after refitting the cost 
 
 Shapes (``SHAPES``) are linear layers of our DLRM / DCNv2 / Wukong ``paper`` and ``large``
 presets (site shapes ``M x K -> N``, M = batch x rows per sample), each run as its three
-GEMMs (fwd, dgrad, wgrad: canonical ``(m, k, n)`` from :func:`costmodel.role_shape`).
+GEMMs (fwd, dgrad, wgrad: canonical ``(m, k, n)`` from :meth:`GemmRole.shape`).
 
 Phase A times bf16 and every candidate (quantization included, CUDA-graph replay, rotating
 fresh inputs, see :mod:`loka_tune.kernels.timing`) and measures its error against a float64
@@ -93,17 +93,9 @@ def run(out_dir: Path, quick: bool, log, cache_path: Path | None = None) -> dict
     import torch
 
     from loka_tune.config import GemmChoice, GemmRole
-    from loka_tune.kernels.costmodel import role_shape
+    from loka_tune.kernels.quant import mere
     from loka_tune.kernels.registry import get_backend
     from loka_tune.kernels.timing import TimingCache, environment, make_operands, time_gemm_result
-
-    try:
-        from loka_tune.probe.measure import mere
-    except Exception:  # noqa: BLE001 - same definition, if the probe package is broken
-        def mere(out, ref, guard_frac=1e-3):
-            out, ref = out.double(), ref.double()
-            rms = float(ref.pow(2).mean().sqrt())
-            return float(((out - ref).abs() / ref.abs().clamp_min(guard_frac * rms)).mean())
 
     env = environment()
     cache = TimingCache(cache_path or (out_dir / "timing_cache.json"))
@@ -118,7 +110,7 @@ def run(out_dir: Path, quick: bool, log, cache_path: Path | None = None) -> dict
     t0 = time.time()
     for si, (label, M, K, N) in enumerate(shapes):
         for role in ROLES:
-            m, k, n = role_shape(role, M, K, N)
+            m, k, n = GemmRole(role).shape(M, K, N)
             g = torch.Generator(device="cuda")
             g.manual_seed(123)
             a, b = make_operands(m, k, n, role, generator=g)
@@ -135,7 +127,7 @@ def run(out_dir: Path, quick: bool, log, cache_path: Path | None = None) -> dict
                     continue
                 try:
                     out = be.gemm(a, b, c, GemmRole(role))
-                    rec["mere"] = mere(out, exact)
+                    rec["mere"] = mere(exact, out)
                     rec["rel_err"] = float((out.double() - exact).norm() / exact.norm())
                     del out
                     res = time_gemm_result(c, m, k, n, role, cache=cache, seed=0)

@@ -17,9 +17,10 @@ import time
 
 import torch
 
-from loka_tune.config import GemmChoice
-from loka_tune.probe import DEFAULT_MAX_ERROR, GUARD_FRAC, mere, sqnr_db
-from loka_tune.probe.measure import DEFAULT_CANDIDATES, _backend_gemm, role_operands
+from loka_tune.config import GemmChoice, role_operands
+from loka_tune.kernels.quant import mere, sqnr_db
+from loka_tune.probe import DEFAULT_MAX_ERROR, GUARD_FRAC
+from loka_tune.probe.measure import DEFAULT_CANDIDATES, _backend_gemm
 
 SHAPES = ((256, 16, 8), (1024, 512, 512), (4096, 64, 256))
 
@@ -53,8 +54,8 @@ def main() -> int:
                     a, b = role_operands(role, x, dy, w)
                     ref = a @ b.T
                     out = _backend_gemm(ch, a.bfloat16(), b.bfloat16(), role)
-                    ms.append(mere(out, ref, args.guard))
-                    sq.append(sqnr_db(out, ref))
+                    ms.append(mere(ref, out, args.guard))
+                    sq.append(sqnr_db(ref, out))
                 cells.append(f"{statistics.mean(ms):.3f} +- {statistics.pstdev(ms):.3f}")
             print(f"| {m}x{k}x{n} | {c} | " + " | ".join(cells) + f" | {statistics.mean(sq):.1f} |")
     return 0

@@ -9,8 +9,7 @@ CUDA, triton, fbgemm, torchao or mlflow:
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from loka_tune._lazy import lazy_module
 
 __version__ = "0.1.0"
 
@@ -34,14 +33,4 @@ _LAZY = {
 __all__ = ["__version__", *_LAZY]
 
 
-def __getattr__(name: str) -> Any:
-    mod = _LAZY.get(name)
-    if mod is None:
-        raise AttributeError(f"module 'loka_tune' has no attribute {name!r}")
-    value = getattr(importlib.import_module(mod), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_module(__name__, _LAZY)

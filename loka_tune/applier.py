@@ -39,8 +39,8 @@ from typing import Any, Mapping
 
 from torch import nn
 
-from loka_tune.config import BF16, ROLES, GemmRole, PrecisionConfig, SitePrecision
-from loka_tune.errors import BackendError, ConfigError, ModError, UnsupportedChoiceError
+from loka_tune.config import BF16, ROLES, PrecisionConfig, SitePrecision
+from loka_tune.errors import BackendError, ConfigError, UnsupportedChoiceError
 
 __all__ = ["ApplySummary", "apply", "export", "load_config", "as_config"]
 
@@ -164,19 +164,8 @@ def _run_mods(model: nn.Module, cfg: PrecisionConfig) -> tuple[Any, str]:
     prev = model.__dict__.get(_MODS_ATTR)
     if prev == mods:
         return None, f"{mods.short_str()} already applied to this model (skipped)"
-    try:
-        from loka_tune import mods as mods_pkg
-    except ImportError as e:  # pragma: no cover - the package exists in the tree
-        raise ModError(f"the config enables Mods ({cfg.mods.short_str()}) but loka_tune.mods cannot be imported: {e}") from e
-    apply_mods = getattr(mods_pkg, "apply_mods", None)
-    if apply_mods is None:
-        try:
-            from loka_tune.mods.pipeline import apply_mods
-        except ImportError:
-            raise ModError(
-                f"the config enables Mods ({cfg.mods.short_str()}) but this loka-tune has no"
-                " loka_tune.mods.apply_mods; set \"mods\" to all-off in the config or update loka-tune"
-            ) from None
+    from loka_tune.mods import apply_mods
+
     report = apply_mods(model, mods)
     if prev is not None:
         note = f"Mods {prev.short_str()} had been applied before; now also ran {mods.short_str()}"
@@ -184,15 +173,6 @@ def _run_mods(model: nn.Module, cfg: PrecisionConfig) -> tuple[Any, str]:
         note = ""
     model.__dict__[_MODS_ATTR] = mods
     return report, note
-
-
-def _role_shape(role: GemmRole, k: int, n: int) -> tuple[int | None, int | None, int | None]:
-    """Canonical (m, k, n) of a role for a layer K -> N; the batch dim M is unknown here."""
-    if role == GemmRole.FWD:
-        return (None, k, n)
-    if role == GemmRole.DGRAD:
-        return (None, n, k)
-    return (n, None, k)
 
 
 def _check_site(
@@ -220,7 +200,7 @@ def _check_site(
             last: UnsupportedChoiceError | None = None
             for d in devices:
                 try:
-                    check_supported(choice, role, d, _role_shape(role, k, n), site=site)
+                    check_supported(choice, role, d, role.shape(None, k, n), site=site)  # batch unknown here
                     last = None
                     break
                 except UnsupportedChoiceError as e:
@@ -273,8 +253,9 @@ def apply(
 
     See the module docstring for the steps and errors. Returns an :class:`ApplySummary`.
     """
-    from loka_tune.kernels.fused import FusedLinearBlockNormHardswish, fuse_epilogues, unfuse_epilogues
+    from loka_tune.kernels.fused import FusedLinearBlockNormHardswish
     from loka_tune.kernels.linear import LokaLinear, find_linears
+    from loka_tune.mods.fuse import fuse_epilogues, unfuse_epilogues
 
     cfg = as_config(config)
     if not isinstance(model, nn.Module):

@@ -8,20 +8,26 @@ Everything here is plain frozen data with string ids, shared by every layer of t
   accumulation + backend. ``short_str()`` ("e4m3.row.emulated") is its id everywhere: the
   Optuna choice, the timing-cache key and the MLflow parameter value.
 - :class:`SitePrecision`: the three choices of one linear layer (``fwd``, ``dgrad``, ``wgrad``).
-- :class:`ModsConfig`: which model adaptations run before the precision swap.
-- :class:`PrecisionConfig`: mods + default + per-site rules + provenance, versioned JSON.
+- :class:`ModsConfig`: which model adaptations run before the precision swap (its own module,
+  :mod:`loka_tune.mods_config`, re-exported here).
+- :class:`PrecisionConfig`: mods + default + per-site rules + provenance, versioned JSON (the
+  file's envelope, schema version and safe reading: :mod:`loka_tune.config_file`).
 
 GEMM semantics (the canonical form every backend implements). Each of a linear layer's three
 GEMMs is computed as ``A @ B.T`` with both operands laid out so that the reduction dimension
 is their last one:
 
-=======  ==================  ===================  =========  ==========================
-role     A (rows x red)      B (cols x red)       reduction  output
-=======  ==================  ===================  =========  ==========================
-fwd      X   (M, K)          W    (N, K)          K          Y  = X W^T      (M, N)
-dgrad    dY  (M, N)          W^T  (K, N)          N          dX = dY W       (M, K)
-wgrad    dY^T (N, M)         X^T  (K, M)          M (batch)  dW = dY^T X     (N, K)
-=======  ==================  ===================  =========  ==========================
+=======  ==================  ===================  =========  ==========================  =========
+role     A (rows x red)      B (cols x red)       reduction  output                      (m, k, n)
+=======  ==================  ===================  =========  ==========================  =========
+fwd      X   (M, K)          W    (N, K)          K          Y  = X W^T      (M, N)      (M, K, N)
+dgrad    dY  (M, N)          W^T  (K, N)          N          dX = dY W       (M, K)      (M, N, K)
+wgrad    dY^T (N, M)         X^T  (K, M)          M (batch)  dW = dY^T X     (N, K)      (N, M, K)
+=======  ==================  ===================  =========  ==========================  =========
+
+This table has one home in code: :meth:`GemmRole.shape` gives a role's canonical ``(m, k, n)``
+(rows of A, reduction, rows of B) and :func:`role_operands` its ``(A, B)``; everything else
+(cost model, sites, probe, applier) asks them.
 
 "Rowwise" scaling gives one scale per row of A and per row of B, i.e. along the reduction
 dimension of each operand: for ``wgrad`` that is one scale per *column* of dY and of X (the
@@ -36,13 +42,17 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, overload
 
-from loka_tune._io import atomic_write_text
+from loka_tune.config_file import SCHEMA_VERSION, check_envelope, header, parse_json, read_text, write_text
 from loka_tune.errors import ConfigError
+from loka_tune.mods_config import ModsConfig
+
+if TYPE_CHECKING:  # config stays importable without torch
+    from torch import Tensor
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -51,6 +61,7 @@ __all__ = [
     "ScaleRounding",
     "GemmRole",
     "ROLES",
+    "role_operands",
     "GemmChoice",
     "SitePrecision",
     "ModsConfig",
@@ -59,9 +70,6 @@ __all__ = [
     "BF16",
     "FP8_FORMATS",
 ]
-
-SCHEMA_VERSION = 1  # bump on any incompatible change of the JSON layout
-_KIND = "loka-tune.precision-config"  # the "kind" field of a precision config file
 
 
 class Format(str, Enum):
@@ -103,7 +111,7 @@ class ScaleRounding(str, Enum):
 
 
 class GemmRole(str, Enum):
-    """The three GEMMs of a linear layer."""
+    """The three GEMMs of a linear layer (their operands and shapes: the module docstring)."""
 
     FWD = "fwd"  # Y = X W^T
     DGRAD = "dgrad"  # dX = dY W
@@ -112,8 +120,36 @@ class GemmRole(str, Enum):
     def __str__(self) -> str:  # pragma: no cover - trivial
         return self.value
 
+    @overload
+    def shape(self, m: int, k: int, n: int) -> tuple[int, int, int]: ...
+
+    @overload
+    def shape(self, m: None, k: int, n: int) -> tuple[int | None, int | None, int]: ...
+
+    def shape(self, m: int | None, k: int, n: int) -> tuple[int | None, int | None, int]:
+        """The canonical ``(m, k, n)`` of this role's ``A @ B.T`` (rows of A, reduction, rows
+        of B) for a linear layer with ``m`` input rows (the batch; ``None`` when unknown), ``k``
+        in_features and ``n`` out_features: ``fwd (m, k, n)``, ``dgrad (m, n, k)``,
+        ``wgrad (n, m, k)`` (wgrad reduces over the batch)."""
+        if self is GemmRole.FWD:
+            return m, k, n  # X (m, k) @ W^T -> Y (m, n)
+        if self is GemmRole.DGRAD:
+            return m, n, k  # dY (m, n) @ W -> dX (m, k)
+        return n, m, k  # dY^T (n, m) @ X -> dW (n, k)
+
 
 ROLES: tuple[GemmRole, ...] = (GemmRole.FWD, GemmRole.DGRAD, GemmRole.WGRAD)
+
+
+def role_operands(role: GemmRole | str, x: Tensor, dy: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
+    """The canonical ``(A, B)`` of ``role``'s GEMM ``A @ B.T`` from a linear layer's input
+    ``x (M, K)``, output gradient ``dy (M, N)`` and weight ``w (N, K)`` (views, no copies)."""
+    role = GemmRole(role)
+    if role is GemmRole.FWD:
+        return x, w  # (M, K), (N, K) -> Y (M, N)
+    if role is GemmRole.DGRAD:
+        return dy, w.T  # (M, N), (K, N) -> dX (M, K)
+    return dy.T, x.T  # (N, M), (K, M) -> dW (N, K)
 
 _BACKEND_RE = re.compile(r"^[a-z][a-z0-9_]*$")
 
@@ -383,96 +419,6 @@ class SitePrecision:
 
 
 @dataclass(frozen=True)
-class ModsConfig:
-    """Which model adaptations (Mods) run, and with which parameters, before the precision swap.
-
-    ``no_bias``: drop linear biases except in ``keep_bias`` (module names; the model's
-    prediction head is always kept). ``blocknorm``: block size of BlockNorm replacing
-    LayerNorm/RMSNorm (``None``: off). ``hardswish``: Hard Swish in place of SiLU/Swish(-LN).
-    ``pad``: pad linear K and N up to this multiple (``None``: off). ``fuse_epilogue``: after
-    the precision swap, run each (Linear, BlockNorm, Hard Swish) chain as one fused FP8 GEMM
-    epilogue (:class:`loka_tune.kernels.fused.FusedLinearBlockNormHardswish`) with its linear
-    site's own fwd / dgrad / wgrad choices, where the fused kernel runs that fwd choice
-    (rowwise e4m3/e5m2 ``.triton`` on CUDA, any ``.emulated`` choice); other chains stay
-    unfused and :func:`loka_tune.apply` reports why. It changes no numerics of an ``.emulated``
-    site and only makes sense with ``blocknorm`` and Hard Swish on. In JSON the key is written
-    only when on, so configs without it stay readable by earlier versions (and old files, which
-    lack it, load with it off).
-    """
-
-    no_bias: bool = False
-    keep_bias: tuple[str, ...] = ()
-    blocknorm: int | None = None
-    hardswish: bool = False
-    pad: int | None = None
-    fuse_epilogue: bool = False
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "keep_bias", tuple(self.keep_bias))
-        for name in ("blocknorm", "pad"):
-            v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
-                raise ConfigError(f"got {v!r}; expected a positive integer or null (off)", key=f"mods.{name}")
-        for name in ("no_bias", "hardswish", "fuse_epilogue"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"got {getattr(self, name)!r}; expected true or false", key=f"mods.{name}")
-
-    @property
-    def any(self) -> bool:
-        """Whether any Mod is on (``fuse_epilogue`` included)."""
-        return self.any_pass or self.fuse_epilogue
-
-    @property
-    def any_pass(self) -> bool:
-        """Whether any model pass of :func:`loka_tune.mods.apply_mods` is on (all but ``fuse_epilogue``)."""
-        return self.no_bias or self.blocknorm is not None or self.hardswish or self.pad is not None
-
-    @property
-    def passes(self) -> "ModsConfig":
-        """These Mods without ``fuse_epilogue``: what :func:`loka_tune.mods.apply_mods` changes
-        (fusion runs in :func:`loka_tune.apply`, after the precision swap)."""
-        return replace(self, fuse_epilogue=False) if self.fuse_epilogue else self
-
-    def short_str(self) -> str:
-        parts = []
-        if self.no_bias:
-            parts.append("nobias")
-        if self.blocknorm is not None:
-            parts.append(f"bn{self.blocknorm}")
-        if self.hardswish:
-            parts.append("hswish")
-        if self.pad is not None:
-            parts.append(f"pad{self.pad}")
-        if self.fuse_epilogue:
-            parts.append("fused")
-        return "+".join(parts) or "none"
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-able form; ``fuse_epilogue`` appears only when on (older readers reject the key,
-        and the trial cache keys of unfused configs stay what they were)."""
-        d = asdict(self)
-        d["keep_bias"] = list(self.keep_bias)
-        if not self.fuse_epilogue:
-            del d["fuse_epilogue"]
-        return d
-
-    @classmethod
-    def from_dict(cls, obj: Any, *, key: str = "mods") -> "ModsConfig":
-        if obj is None:
-            return cls()
-        if not isinstance(obj, Mapping):
-            raise ConfigError(f"got {obj!r}; expected a mapping of mod names to settings", key=key)
-        fields_ = {f for f in cls.__dataclass_fields__}
-        unknown = set(obj) - fields_
-        if unknown:
-            raise ConfigError(f"unknown key(s) {sorted(unknown)}; valid keys: {sorted(fields_)}", key=key)
-        kb = obj.get("keep_bias", ())
-        if isinstance(kb, str) or not isinstance(kb, (list, tuple)) or not all(isinstance(x, str) for x in kb):
-            raise ConfigError(f"got {kb!r}; expected a list of module names", key=f"{key}.keep_bias")
-        return cls(**{**obj, "keep_bias": tuple(kb)})
-
-
-@dataclass(frozen=True)
 class SiteRule:
     """A per-site entry: ``pattern`` is an exact module name, or ``re:<regex>`` (fullmatch)."""
 
@@ -498,16 +444,6 @@ class SiteRule:
         if self.is_regex:
             return re.fullmatch(self.pattern[3:], name) is not None
         return self.pattern == name
-
-
-def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """``json.loads`` hook: a key given twice in one object is an error (json keeps the last)."""
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise ConfigError(f"the key {k!r} appears twice in one JSON object; keep one", key=k)
-        out[k] = v
-    return out
 
 
 @dataclass(frozen=True)
@@ -587,11 +523,10 @@ class PrecisionConfig:
                 "sites": [[r.pattern, r.precision.to_dict()] for r in self.sites]}
         return json.dumps(body, sort_keys=True, separators=(",", ":"))
 
-    # ---------------------------------------------------------------- JSON
+    # ---------------------------------------------------------------- JSON (the envelope: config_file.py)
     def to_dict(self) -> dict[str, Any]:
         return {
-            "schema_version": SCHEMA_VERSION,
-            "kind": _KIND,
+            **header(),
             "mods": self.mods.to_dict(),
             "default": self.default.to_dict(),
             "sites": {r.pattern: r.precision.to_dict() for r in self.sites},
@@ -603,63 +538,24 @@ class PrecisionConfig:
 
     @classmethod
     def from_dict(cls, obj: Any) -> "PrecisionConfig":
-        if not isinstance(obj, Mapping):
-            raise ConfigError(f"got {type(obj).__name__}; a precision config is a JSON object", key="(top level)")
-        allowed = {"schema_version", "kind", "mods", "default", "sites", "provenance"}
-        unknown = set(obj) - allowed
-        if unknown:
-            raise ConfigError(f"unknown key(s) {sorted(unknown)}; valid keys: {sorted(allowed)}", key="(top level)")
-        version = obj.get("schema_version")
-        if version is None:
-            raise ConfigError("missing; add \"schema_version\": 1", key="schema_version")
-        if isinstance(version, bool) or version != SCHEMA_VERSION:
-            raise ConfigError(
-                f"got {version!r}; this loka-tune reads schema version {SCHEMA_VERSION}"
-                " (re-export the config with this version)",
-                key="schema_version",
-            )
-        kind = obj.get("kind", _KIND)
-        if kind != _KIND:
-            raise ConfigError(f"got {kind!r}; a precision config has kind {_KIND!r} (is this another file?)", key="kind")
-        sites = obj.get("sites", {})
-        if not isinstance(sites, Mapping):
-            raise ConfigError(f"got {type(sites).__name__}; expected an object of name -> site", key="sites")
-        prov = obj.get("provenance", {})
-        if not isinstance(prov, Mapping):
-            raise ConfigError(f"got {prov!r}; expected an object", key="provenance")
+        obj = check_envelope(obj)
         return cls(
             default=SitePrecision.from_obj(obj.get("default", "bf16"), key="default"),
             sites=tuple(
-                SiteRule(str(k), SitePrecision.from_obj(v, key=f"sites.{k}")) for k, v in sites.items()
+                SiteRule(str(k), SitePrecision.from_obj(v, key=f"sites.{k}")) for k, v in obj.get("sites", {}).items()
             ),
             mods=ModsConfig.from_dict(obj.get("mods"), key="mods"),
-            provenance=dict(prov),
+            provenance=dict(obj.get("provenance", {})),
         )
 
     @classmethod
     def from_json(cls, text: str, *, source: str = "<string>") -> "PrecisionConfig":
-        try:
-            obj = json.loads(text, object_pairs_hook=_no_duplicate_keys)
-        except json.JSONDecodeError as e:
-            raise ConfigError(
-                f"{source} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})", key="(file)"
-            ) from None
-        return cls.from_dict(obj)
+        return cls.from_dict(parse_json(text, source=source))
 
     def save(self, path: str | Path) -> Path:
         """Write the config as JSON (atomically: a crash never leaves half a file)."""
-        return atomic_write_text(path, self.to_json() + "\n")
+        return write_text(path, self.to_json() + "\n")
 
     @classmethod
     def load(cls, path: str | Path) -> "PrecisionConfig":
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(
-                f"no such file {str(path)!r}; export one with `loka-tune export STUDY --out {path}`",
-                key="(file)",
-            )
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise ConfigError(f"cannot read {str(path)!r} as a UTF-8 JSON file: {e}", key="(file)") from None
-        return cls.from_json(text, source=str(path))
+        return cls.from_json(read_text(path), source=str(Path(path)))

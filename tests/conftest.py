@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -34,10 +35,11 @@ def shared_data() -> Path:
     return SHARED_DATA
 
 
-@pytest.fixture(autouse=True, scope="session")
-def _one_torch_thread():
-    """Tiny CPU matmuls are slower and flakier in wall time with several threads on a
-    loaded 2-core machine; one intra-op thread keeps the suite fast and repeatable."""
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    """One torch intra-op thread per test, restored after. Tiny CPU matmuls and models gain
+    nothing from threads, and on a loaded 2-core machine OpenMP barriers stall badly and make
+    wall times flaky; per test, so a test that changes the thread count cannot leak it."""
     import torch
 
     before = torch.get_num_threads()

@@ -13,19 +13,11 @@ from torch import nn
 
 from loka_tune.applier import ApplySummary, apply, as_config, export, load_config
 from loka_tune.config import BF16, GemmChoice, ModsConfig, PrecisionConfig, SitePrecision
-from loka_tune.errors import BackendError, ConfigError, ModError, UnsupportedChoiceError
+from loka_tune.errors import BackendError, ConfigError, UnsupportedChoiceError
 from loka_tune.kernels.linear import LokaLinear, find_linears
 from loka_tune.kernels.quant import sqnr_db
 from loka_tune.kernels.registry import Backend, register_backend, unregister_backend
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():  # type: ignore[no-untyped-def]
-    """Tiny GEMMs: one intra-op thread avoids OpenMP stalls on a busy machine (restored after)."""
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
+from loka_tune.models import build_model
 
 
 class Toy(nn.Module):
@@ -292,24 +284,11 @@ def test_mods_run_first_and_once() -> None:
     assert s2.mods is None and "already applied" in s2.mods_note and "already applied" in str(s2)
 
 
-def test_mods_without_apply_mods_is_a_mod_error(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    import loka_tune.mods as mods_pkg
-
-    monkeypatch.delattr(mods_pkg, "apply_mods")
-    monkeypatch.setitem(sys.modules, "loka_tune.mods.pipeline", None)
-    cfg = PrecisionConfig(mods=ModsConfig(hardswish=True))
-    with pytest.raises(ModError, match="apply_mods"):
-        apply(_toy(), cfg)
-
-
 # ------------------------------------------------------------------ reference models
 @pytest.mark.parametrize("name", ["dlrm", "dcnv2", "wukong"])
 def test_reference_models(name: str) -> None:
-    models = pytest.importorskip("loka_tune.models")
-    if not hasattr(models, "build_model"):
-        pytest.skip("loka_tune.models.build_model not available")
     torch.manual_seed(0)
-    ref = models.build_model(name, "tiny", num_dense=13, cardinalities=[50] * 8)
+    ref = build_model(name, "tiny", num_dense=13, cardinalities=[50] * 8)
     model = copy.deepcopy(ref)
     sites = list(find_linears(model))
     cfg = PrecisionConfig.from_sites(
@@ -342,7 +321,7 @@ def test_reference_models(name: str) -> None:
         opt.zero_grad()
         loss.backward()
         opt.step()
-    plain = models.build_model(name, "tiny", num_dense=13, cardinalities=[50] * 8)
+    plain = build_model(name, "tiny", num_dense=13, cardinalities=[50] * 8)
     plain.load_state_dict(model.state_dict())
     plain.eval(), model.eval()
     with torch.no_grad():

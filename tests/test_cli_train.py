@@ -6,7 +6,6 @@ import json
 import math
 
 import pytest
-import torch
 
 from loka_tune.cli import main
 
@@ -18,16 +17,6 @@ REAL_RUNS = {
     "criteo": ("criteo_kaggle_head2k.tsv", []),
     "avazu": ("avazu_head8k.csv", []),
 }
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models gain nothing from intra-op threads; one thread keeps these tests fast when
-    the suite shares its cores (OpenMP barriers stall badly on an oversubscribed machine)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def run_cli(argv, capsys):
@@ -120,7 +109,6 @@ def test_help_is_accurate(capsys):
 
 
 def test_precision_config_is_applied(tmp_path, capsys):
-    pytest.importorskip("loka_tune.applier")
     from loka_tune.applier import export
     from loka_tune.config import PrecisionConfig, SitePrecision
 

@@ -21,6 +21,7 @@ from loka_tune.config import (
     ScaleRounding,
     SitePrecision,
     SiteRule,
+    role_operands,
 )
 from loka_tune.errors import ConfigError
 
@@ -279,6 +280,37 @@ def test_mods_fuse_epilogue_json() -> None:
 
 def test_roles_order() -> None:
     assert [r.value for r in ROLES] == ["fwd", "dgrad", "wgrad"]
+
+
+# The GEMM table of config.py's docstring, for a linear with M batch rows, K in, N out (all
+# different): canonical (m, k, n) = (rows of A, reduction, rows of B), and what A @ B.T is.
+_M, _K, _N = 7, 5, 3
+ROLE_TABLE = [
+    (GemmRole.FWD, ("M", "K", "N"), "y"),  # Y = X W^T
+    (GemmRole.DGRAD, ("M", "N", "K"), "dx"),  # dX = dY W
+    (GemmRole.WGRAD, ("N", "M", "K"), "dw"),  # dW = dY^T X: reduces over the batch M
+]
+
+
+@pytest.mark.parametrize("role,dims,output", ROLE_TABLE, ids=lambda v: getattr(v, "value", None))
+def test_role_table(role: GemmRole, dims: tuple[str, str, str], output: str) -> None:
+    import torch
+
+    size = {"M": _M, "K": _K, "N": _N}
+    assert role.shape(_M, _K, _N) == tuple(size[d] for d in dims)
+    assert role.shape(None, _K, _N) == tuple(None if d == "M" else size[d] for d in dims)  # batch unknown
+    assert (dims[1] == "M") == (role is GemmRole.WGRAD)  # only wgrad reduces over the batch
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(_M, _K, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(_N, _K, generator=g, dtype=torch.float64, requires_grad=True)
+    dy = torch.randn(_M, _N, generator=g, dtype=torch.float64)
+    y = x @ w.T
+    y.backward(dy)
+    a, b = role_operands(role.value, x.detach(), dy, w.detach())
+    m, k, n = role.shape(_M, _K, _N)
+    assert tuple(a.shape) == (m, k) and tuple(b.shape) == (n, k)  # both (rows, reduction)
+    want = {"y": y, "dx": x.grad, "dw": w.grad}[output]
+    torch.testing.assert_close(a @ b.T, want.detach())  # the GEMM autograd runs
 
 
 def test_sites_given_as_a_mapping_become_ordered_rules() -> None:

@@ -6,10 +6,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from loka_tune.config import PrecisionConfig
+from loka_tune.config import GemmRole, PrecisionConfig
 from loka_tune.dispatch import build_plan, decide_gemm, plan_decisions
 from loka_tune.errors import ConfigError
-from loka_tune.kernels.costmodel import role_shape
 
 
 @dataclass
@@ -33,7 +32,7 @@ class Report:
 def _recs(site: str, M: int, K: int, N: int, table: dict[str, dict[str, tuple[float, float]]]) -> list[Rec]:
     out = []
     for role, cands in table.items():
-        m, k, n = role_shape(role, M, K, N)
+        m, k, n = GemmRole(role).shape(M, K, N)
         for choice, (mere, speedup) in cands.items():
             out.append(Rec(site, role, choice, m, k, n, mere, speedup))
     return out
@@ -86,7 +85,7 @@ def test_thresholds_move_the_plan() -> None:
 
 def test_measured_timings_override_modeled_speedups() -> None:
     rep = _report()
-    m, k, n = role_shape("fwd", 32768, 4096, 4096)
+    m, k, n = GemmRole.FWD.shape(32768, 4096, 4096)
     timings = {("bf16", m, k, n, "fwd"): 1.0e-3, ("e4m3.block.triton", m, k, n, "fwd"): 0.5e-3}
     plan = build_plan(rep, timings=timings)
     assert plan.resolve("mlp.0").fwd.short_str() == "e4m3.block.triton"  # measured 2.0x beats modeled 1.5x
@@ -131,7 +130,6 @@ def test_bad_arguments() -> None:
 
 def test_build_plan_uses_only_the_primary_distribution_of_a_probe_report():
     """A report with learned and normal results plans on the learned ones only."""
-    from loka_tune.config import GemmRole
     from loka_tune.dispatch import build_plan
     from loka_tune.probe.report import CandidateResult, ProbeReport
 

@@ -15,11 +15,12 @@ from torch import nn
 from loka_tune import apply
 from loka_tune.config import ModsConfig, PrecisionConfig, SitePrecision
 from loka_tune.errors import ConfigError, UnsupportedChoiceError
-from loka_tune.kernels.fused import FusedLinearBlockNormHardswish, fuse_epilogues, unfuse_epilogues
+from loka_tune.kernels.fused import FusedLinearBlockNormHardswish
 from loka_tune.kernels.linear import LokaLinear
+from loka_tune.layers import BlockNorm
 from loka_tune.models import build_model
 from loka_tune.models.base import MLPBlock
-from loka_tune.mods import BlockNorm
+from loka_tune.mods.fuse import fuse_epilogues, unfuse_epilogues
 from loka_tune.space import discover_sites
 
 ROWS = "e4m3.row.emulated|e5m2+e4m3.row.emulated|e4m3.row.emulated"

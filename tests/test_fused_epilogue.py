@@ -19,14 +19,15 @@ from loka_tune.errors import UnsupportedChoiceError
 from loka_tune.kernels.fused import (
     FusedLinearBlockNormHardswish,
     epilogue_supports,
-    fuse_epilogues,
     fused_linear_blocknorm_hardswish,
     reference_epilogue,
     reference_epilogue_backward,
 )
 from loka_tune.kernels.linear import LokaLinear
 from loka_tune.kernels.quant import quantize
-from loka_tune.mods import BlockNorm, blocknorm
+from loka_tune.layers import BlockNorm
+from loka_tune.mods import blocknorm
+from loka_tune.mods.fuse import fuse_epilogues
 
 EMU = "e4m3.row.emulated"
 

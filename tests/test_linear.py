@@ -42,15 +42,6 @@ SHAPES = [(33, 70, 45), (256, 129, 130), (16, 64, 32)]  # (M, K, N): K, N not mu
 FP8_CHOICES = [c.short_str() for c in candidate_choices(roles=("wgrad",))]  # incl. e5m2 gradients
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():  # type: ignore[no-untyped-def]
-    """Tiny GEMMs: one intra-op thread avoids OpenMP stalls on a busy machine (restored after)."""
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
-
-
 def _data(m: int, k: int, n: int, seed: int) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k, generator=g, dtype=torch.float64)

@@ -17,6 +17,7 @@ from torch import nn
 from loka_tune.config import ModsConfig
 from loka_tune.errors import ConfigError, ModError
 from loka_tune.layers import SwishLayerNorm
+from loka_tune.models import build_model
 from loka_tune.mods import (
     PASS_ORDER,
     BlockNorm,
@@ -604,9 +605,8 @@ def test_mod_choices_and_params_round_trip() -> None:
 
 
 def _reference(name: str) -> nn.Module:
-    models = pytest.importorskip("loka_tune.models")
     torch.manual_seed(0)
-    return models.build_model(
+    return build_model(
         name, "tiny", num_dense=13, cardinalities=[50] * 8, activation="swish_layernorm", norm="layernorm"
     )
 

@@ -16,15 +16,6 @@ from loka_tune.probe.moments import NystromSketch, RunningMoments
 from loka_tune.probe.weights import MatrixNormalEMA
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # tiny GEMMs on a shared 2-core box: one thread is much faster (no spin contention)
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
 def _data(n: int, d: int, seed: int = 0) -> np.ndarray:
     """Correlated, offset, mixed-scale, partly skewed rows: not an easy case for streaming."""
     rng = np.random.default_rng(seed)

@@ -48,15 +48,6 @@ FMT_GRAN = [
 SHAPES = [(33, 70), (129, 130), (256, 129), (1, 300), (200, 45)]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():  # type: ignore[no-untyped-def]
-    """Tiny GEMMs: one intra-op thread avoids OpenMP stalls on a busy machine (restored after)."""
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
-
-
 def _ids(v: object) -> str:
     return getattr(v, "value", str(v))
 

@@ -16,7 +16,6 @@ from loka_tune.space import (
     discover_sites,
     distributions,
     enumerate_candidates,
-    gemm_shape,
     mods_dims,
     param_name,
     params_from_config,
@@ -48,10 +47,6 @@ class Toy(nn.Module):
         return self.head(x.flatten(1)).squeeze(-1)
 
 
-def test_gemm_shape_roles() -> None:
-    assert gemm_shape("fwd", 10, 20, 30) == (10, 20, 30)
-    assert gemm_shape("dgrad", 10, 20, 30) == (10, 30, 20)
-    assert gemm_shape("wgrad", 10, 20, 30) == (30, 10, 20)
 
 
 def test_discover_sites_shapes_from_one_forward() -> None:

@@ -28,15 +28,6 @@ from loka_tune.objectives import (
 )
 from loka_tune.objectives.metrics import auc, log_loss
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models gain nothing from intra-op threads; one thread keeps these tests fast when
-    the suite shares its cores (OpenMP barriers stall badly on an oversubscribed machine)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 NUM_DENSE = 4
 CARDS = (50, 20, 7)

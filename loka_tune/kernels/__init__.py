@@ -10,8 +10,7 @@ backend), :mod:`~loka_tune.kernels.ops` (the custom op), :mod:`~loka_tune.kernel
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from loka_tune._lazy import lazy_module
 
 # public name -> module that defines it
 _LAZY = {
@@ -20,6 +19,7 @@ _LAZY = {
     "dequantize": "loka_tune.kernels.quant",
     "fake_quantize": "loka_tune.kernels.quant",
     "sqnr_db": "loka_tune.kernels.quant",
+    "mere": "loka_tune.kernels.quant",
     "Backend": "loka_tune.kernels.registry",
     "register_backend": "loka_tune.kernels.registry",
     "get_backend": "loka_tune.kernels.registry",
@@ -33,14 +33,4 @@ _LAZY = {
 __all__ = list(_LAZY)
 
 
-def __getattr__(name: str) -> Any:
-    mod = _LAZY.get(name)
-    if mod is None:
-        raise AttributeError(f"module 'loka_tune.kernels' has no attribute {name!r}")
-    value = getattr(importlib.import_module(mod), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_module(__name__, _LAZY)

@@ -58,7 +58,6 @@ __all__ = [
     "DEVICES",
     "Step",
     "device_key",
-    "role_shape",
     "load_calibration",
     "set_calibration",
     "modeled_backends",
@@ -130,16 +129,6 @@ def device_key(device: str) -> str:
             key="device",
         )
     return key
-
-
-def role_shape(role: GemmRole | str, M: int, K: int, N: int) -> tuple[int, int, int]:
-    """Canonical ``(m, k, n)`` of a linear layer's GEMM of ``role`` (site shape M x K -> N)."""
-    r = GemmRole(role)
-    if r == GemmRole.FWD:
-        return M, K, N
-    if r == GemmRole.DGRAD:
-        return M, N, K
-    return N, M, K
 
 
 # --------------------------------------------------------------------------- calibration
@@ -504,7 +493,7 @@ def estimate_site_seconds(precision: SitePrecision | str, M: int, K: int, N: int
         precision = SitePrecision.parse(precision)
     out: dict[str, float] = {}
     for r in ROLES:
-        m, k, n = role_shape(r, M, K, N)
+        m, k, n = r.shape(M, K, N)
         out[r.value] = estimate_gemm_seconds(precision[r], m, k, n, r, device)
     return out
 

@@ -71,7 +71,9 @@ __all__ = [
     "quantize",
     "dequantize",
     "fake_quantize",
+    "GUARD_FRAC",
     "sqnr_db",
+    "mere",
 ]
 
 #: Largest finite magnitude of each format's elements.
@@ -267,6 +269,14 @@ def fake_quantize(
     return dequantize(quantize(t, fmt, gran, rounding, is_weight=is_weight), t.dtype if dtype is None else dtype)
 
 
+# ----------------------------------------------------------------------------- error metrics
+# Both take the reference first: ``metric(ref, approx)``.
+
+#: MERE guard: ``|ref|`` below 1% of ``rms(ref)`` counts as 1% of ``rms(ref)`` (why 1e-2 and
+#: not 1e-3: :mod:`loka_tune.probe.measure`).
+GUARD_FRAC = 1e-2
+
+
 def sqnr_db(ref: torch.Tensor, approx: torch.Tensor) -> float:
     """Signal-to-quantization-noise ratio ``10 log10(|ref|^2 / |ref - approx|^2)`` in dB (float64).
 
@@ -280,3 +290,15 @@ def sqnr_db(ref: torch.Tensor, approx: torch.Tensor) -> float:
     if s == 0:
         return -math.inf
     return 10.0 * math.log10(s / e)
+
+
+def mere(ref: torch.Tensor, approx: torch.Tensor, guard_frac: float = GUARD_FRAC) -> float:
+    """Mean element-wise relative error ``mean |approx - ref| / max(|ref|, guard_frac * rms(ref))``
+    (float64): the probe's error metric (MERE). ``0`` when identical; ``inf`` when ``ref`` is all
+    zero but ``approx`` is not."""
+    approx, ref = approx.detach().to(torch.float64), ref.detach().to(torch.float64)
+    rms = float(ref.pow(2).mean().sqrt())
+    if rms == 0.0:
+        return 0.0 if bool(torch.equal(approx, ref)) else math.inf
+    denom = ref.abs().clamp_min(guard_frac * rms)
+    return float(((approx - ref).abs() / denom).mean())

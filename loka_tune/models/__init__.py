@@ -14,9 +14,7 @@ Importing this package is cheap: the model modules load on first use.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
+from loka_tune._lazy import lazy_module
 from loka_tune.models.registry import (
     MODEL_NAMES,
     PRESETS,
@@ -49,14 +47,4 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    mod = _LAZY.get(name)
-    if mod is None:
-        raise AttributeError(f"module 'loka_tune.models' has no attribute {name!r}")
-    value = getattr(importlib.import_module(mod), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_module(__name__, _LAZY)

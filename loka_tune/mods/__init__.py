@@ -9,7 +9,10 @@ skipped and why), each idempotent:
 - :func:`pad` — pad linear K and N to a multiple with :class:`PaddedLinear` (exact);
 
 and :func:`apply_mods` running the passes a :class:`~loka_tune.config.ModsConfig` enables in
-the order of :data:`PASS_ORDER`. Mods change the model (except ``pad``, which is exact): they
+the order of :data:`PASS_ORDER`. :func:`fuse_epilogues` / :func:`unfuse_epilogues` (the
+``fuse_epilogue`` Mod) run after the precision swap instead, in :func:`loka_tune.apply`:
+each Linear -> BlockNorm -> Hard Swish chain as one fused FP8 GEMM epilogue
+(:mod:`loka_tune.kernels.fused`). Mods change the model (except ``pad``, which is exact): they
 are meant for training from scratch, and the tuner evaluates them by training.
 :func:`mod_choices` / :func:`mods_from_params` put them into a search space.
 """
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 from loka_tune.mods.activation import hardswish
 from loka_tune.mods.bias import no_bias
+from loka_tune.mods.fuse import FuseReport, fuse_epilogues, unfuse_epilogues
 from loka_tune.mods.norm import BlockNorm, block_layout, blocknorm
 from loka_tune.mods.padding import PaddedLinear, pad, padding_violations, rezero_padding_, round_up, unpad
 from loka_tune.mods.pipeline import PASS_ORDER, apply_mods
@@ -31,6 +35,9 @@ __all__ = [
     "blocknorm",
     "hardswish",
     "pad",
+    "fuse_epilogues",
+    "unfuse_epilogues",
+    "FuseReport",
     "unpad",
     "rezero_padding_",
     "padding_violations",

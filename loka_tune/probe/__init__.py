@@ -23,8 +23,6 @@ from loka_tune.probe.measure import (
     DEFAULT_MIN_SPEEDUP,
     GUARD_FRAC,
     measure,
-    mere,
-    sqnr_db,
 )
 from loka_tune.probe.report import CandidateResult, ProbeReport, SkippedCandidate
 from loka_tune.probe.run import collect, run_probe
@@ -40,8 +38,6 @@ __all__ = [
     "WeightStats",
     "SiteSampler",
     "measure",
-    "mere",
-    "sqnr_db",
     "run_probe",
     "collect",
     "ProbeReport",

@@ -2,19 +2,13 @@
 
 For each site, each distribution (``learned`` / ``normal`` / ``real``, see
 :mod:`loka_tune.probe.synth`) and each of ``samples`` draws ``(X, dY, W)`` (float64), the three
-GEMMs are built in the canonical form of :mod:`loka_tune.config` (``A @ B.T``):
-
-=======  ============  =============
-role     A             B
-=======  ============  =============
-fwd      X   (M, K)    W   (N, K)
-dgrad    dY  (M, N)    W^T (K, N)
-wgrad    dY^T (N, M)   X^T (K, M)
-=======  ============  =============
+GEMMs are built in the canonical form of :mod:`loka_tune.config` (``A @ B.T``, operands from
+:func:`loka_tune.config.role_operands`: fwd ``X, W``; dgrad ``dY, W^T``; wgrad ``dY^T, X^T``).
 
 The reference is the float64 product of the draws. Each candidate gets the operands cast to
 ``operand_dtype`` (default bf16, the dtype a GPU run feeds its GEMMs) and runs through its
-backend (``emulated`` on the CPU); its output is compared with the reference:
+backend (``emulated`` on the CPU); its output is compared with the reference by
+:func:`loka_tune.kernels.quant.mere` and :func:`~loka_tune.kernels.quant.sqnr_db` (reference first):
 
 - **MERE** = ``mean |out - ref| / max(|ref|, guard)``, ``guard = guard_frac * rms(ref)`` with
   :data:`GUARD_FRAC` = 1e-2: without a guard, outputs that happen to be ~0 make the mean
@@ -39,16 +33,18 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, Iterable, Sequence
+from contextlib import contextmanager
+from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
 
-from loka_tune.config import GemmChoice, GemmRole, Format, ROLES
+from loka_tune.config import ROLES, Format, GemmChoice, GemmRole, role_operands
 from loka_tune.errors import LokaError, ProbeError
+from loka_tune.kernels.quant import GUARD_FRAC, mere, sqnr_db
 from loka_tune.probe.report import CandidateResult, ProbeReport, SkippedCandidate, _check_thresholds, _fast, _safe
 from loka_tune.probe.speed import SpeedModel, default_speed_model
-from loka_tune.probe.stats import ProbeStats, SiteStats, _role_shape
+from loka_tune.probe.stats import ProbeStats, SiteStats
 from loka_tune.probe.synth import DISTS, MAX_ROWS, SiteSampler
 
 __all__ = [
@@ -56,14 +52,10 @@ __all__ = [
     "DEFAULT_MAX_ERROR",
     "DEFAULT_MIN_SPEEDUP",
     "DEFAULT_CANDIDATES",
-    "mere",
-    "sqnr_db",
-    "role_operands",
     "resolve_candidates",
     "measure",
 ]
 
-GUARD_FRAC = 1e-2  # MERE guard: |ref| below 1% of rms(ref) counts as 1% of rms(ref)
 # Safe if MERE <= 0.2 (the paper's number, on our guard). Calibration (bf16 operands, guard
 # 1e-2, 8 draws of standard-normal X, dY, W at (M, K, N) = (1024, 512, 512) and (4096, 64, 256),
 # every role): bf16 0.009 (51 dB); e4m3 with tensor / row / block / mx scaling 0.125-0.136
@@ -83,39 +75,6 @@ DEFAULT_CANDIDATES = (
     "e5m2+e4m3.tensor.emulated",
     "e5m2+e4m3.row.emulated",
 )
-
-
-# ---------------------------------------------------------------------------- metrics
-def mere(out: torch.Tensor, ref: torch.Tensor, guard_frac: float = GUARD_FRAC) -> float:
-    """Mean element-wise relative error of ``out`` against ``ref`` with the rms guard (float64)."""
-    out, ref = out.to(torch.float64), ref.to(torch.float64)
-    rms = float(ref.pow(2).mean().sqrt())
-    if rms == 0.0:
-        return 0.0 if bool(torch.equal(out, ref)) else math.inf
-    denom = ref.abs().clamp_min(guard_frac * rms)
-    return float(((out - ref).abs() / denom).mean())
-
-
-def sqnr_db(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """``10 log10(sum ref^2 / sum (out - ref)^2)`` (``inf`` when exact)."""
-    out, ref = out.to(torch.float64), ref.to(torch.float64)
-    noise = float((out - ref).pow(2).sum())
-    signal = float(ref.pow(2).sum())
-    if noise == 0.0:
-        return math.inf
-    if signal == 0.0:
-        return -math.inf
-    return 10.0 * math.log10(signal / noise)
-
-
-def role_operands(role: GemmRole | str, x: torch.Tensor, dy: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Canonical ``(A, B)`` of ``role`` for ``X (M, K)``, ``dY (M, N)``, ``W (N, K)``: output ``A @ B.T``."""
-    role = GemmRole(role)
-    if role == GemmRole.FWD:
-        return x, w  # (M, K), (N, K) -> Y (M, N)
-    if role == GemmRole.DGRAD:
-        return dy, w.T  # (M, N), (K, N) -> dX (M, K)
-    return dy.T, x.T  # (N, M), (K, M) -> dW (N, K)
 
 
 # ---------------------------------------------------------------------------- candidates
@@ -217,20 +176,81 @@ def measure(
             leave as is). 1 by default: the probe's GEMMs are small, and multi-threaded
             small matmuls on a busy CPU are orders of magnitude slower (thread contention).
     """
-    if num_threads is not None and str(device).startswith("cpu"):
-        old = torch.get_num_threads()
-        torch.set_num_threads(int(num_threads))
-        try:
-            return measure(
-                stats, candidates, samples=samples, dists=dists, device=device, cost_device=cost_device,
-                speed_model=speed_model, timing_cache=timing_cache, max_rows=max_rows,
-                operand_dtype=operand_dtype, guard_frac=guard_frac, max_error=max_error,
-                min_speedup=min_speedup, roles=roles, sites=sites, weights=weights,
-                skip_bad_sites=skip_bad_sites, seed=seed, progress=progress, num_threads=None,
-                e5m2_anywhere=e5m2_anywhere, speed_row_scale=speed_row_scale,
-            )
-        finally:
-            torch.set_num_threads(old)
+    with _torch_threads(num_threads if str(device).startswith("cpu") else None):
+        dists, roles, cands = _check_args(stats, candidates, samples, dists, guard_frac, max_error,
+                                          min_speedup, roles, speed_row_scale)
+        speed = speed_model if speed_model is not None else default_speed_model(cost_device, timing_cache)
+        device = str(device)
+        skipped: list[SkippedCandidate] = []
+        names = _usable_sites(stats, sites, dists, skip_bad_sites, skipped)
+
+        t0 = time.perf_counter()
+        results: list[CandidateResult] = []
+        site_meta: dict[str, Any] = {}
+        it: Iterable[str] = names
+        if progress:
+            from tqdm import tqdm
+
+            it = tqdm(names, desc="probe: measure", unit="site")
+        time_cache: dict[tuple[str, str, int, int, int], tuple[float, str]] = {}
+        for name in it:
+            site = stats.sites[name]
+            valid = _valid_candidates(name, site, roles, cands, device, e5m2_anywhere, skipped)
+            meta_site = _site_meta(site)
+            for di, dist in enumerate(dists):
+                if dist == "real" and (site.x.real is None or site.dy.real is None):
+                    continue
+                sampler = SiteSampler(site, dist, max_rows=max_rows, weights=weights,
+                                      seed=int(np.random.SeedSequence([seed, _stable_hash(name), di]).generate_state(1)[0]))
+                n_draws = 1 if dist == "real" else samples
+                errs = _measure_site(sampler, valid, n_draws, device, operand_dtype, guard_frac)
+                meta_site.setdefault("rows_sampled", {})[dist] = sampler.rows
+                if dist == "learned":
+                    meta_site["jitter"] = sampler.jitter
+                priced_rows = max(1, round(site.rows * speed_row_scale))
+                results += _results(name, site, dist, n_draws, sampler.rows, priced_rows, valid, errs, speed,
+                                    time_cache, max_error, min_speedup)
+            site_meta[name] = meta_site
+        meta = {
+            "samples": samples, "dists": dists, "device": device, "cost_device": cost_device,
+            "speed_model": type(speed).__name__, "max_rows": max_rows,
+            "operand_dtype": str(operand_dtype).replace("torch.", ""), "guard_frac": guard_frac,
+            "weights": weights, "seed": seed, "candidates": [c.short_str() for c in cands],
+            "roles": [r.value for r in roles],
+            "stats": {"model": stats.model, "steps": stats.steps, "collections": stats.collections,
+                      "every": stats.every, **stats.meta},
+            "sites": site_meta, "measure_s": round(time.perf_counter() - t0, 3),
+        }
+        return ProbeReport(results, skipped, float(max_error), float(min_speedup), meta, stats)
+
+
+@contextmanager
+def _torch_threads(n: int | None) -> Iterator[None]:
+    """Run the block with ``n`` torch CPU threads, restored afterwards (``None``: as is)."""
+    if n is None:
+        yield
+        return
+    old = torch.get_num_threads()
+    torch.set_num_threads(int(n))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+def _check_args(
+    stats: ProbeStats,
+    candidates: Iterable[GemmChoice | str] | None,
+    samples: int,
+    dists: Sequence[str],
+    guard_frac: float,
+    max_error: float,
+    min_speedup: float,
+    roles: Iterable[GemmRole | str],
+    speed_row_scale: float,
+) -> tuple[list[str], list[GemmRole], list[GemmChoice]]:
+    """:func:`measure`'s argument checks (:class:`ProbeError` quoting the value); returns the
+    deduplicated distributions, the roles and the parsed candidates."""
     if not isinstance(stats, ProbeStats):
         raise ProbeError(f"measure() needs ProbeStats (Probe(...).stats or ProbeStats.load), got {type(stats).__name__}")
     if isinstance(speed_row_scale, bool) or not isinstance(speed_row_scale, (int, float)) \
@@ -246,14 +266,17 @@ def measure(
         raise ProbeError(f"guard_frac must be a small positive fraction, got {guard_frac=!r}")
     _check_thresholds(max_error, min_speedup)
     try:
-        roles = [GemmRole(r) for r in roles]
+        role_list = [GemmRole(r) for r in roles]
     except ValueError:
         raise ProbeError(f"roles must be among 'fwd', 'dgrad', 'wgrad', got {list(roles)!r}") from None
-    cands = resolve_candidates(candidates)
-    speed = speed_model if speed_model is not None else default_speed_model(cost_device, timing_cache)
-    device = str(device)
+    return dists, role_list, resolve_candidates(candidates)
 
-    skipped: list[SkippedCandidate] = []
+
+def _usable_sites(stats: ProbeStats, sites: Iterable[str] | None, dists: list[str], skip_bad_sites: bool,
+                  skipped: list[SkippedCandidate]) -> list[str]:
+    """The site names to measure (all, or ``sites``), in the stats' order; sites with unusable
+    statistics raise :class:`ProbeError` or, with ``skip_bad_sites``, are appended to
+    ``skipped``, as are sites without a captured batch when ``real`` is measured."""
     names = list(stats.sites)
     if sites is not None:
         want = list(sites)
@@ -274,76 +297,59 @@ def measure(
         no_real = [n for n in names if stats.sites[n].x.real is None or stats.sites[n].dy.real is None]
         for n in no_real:
             skipped.append(SkippedCandidate(n, "*", "*", "dist 'real': no captured batch (keep_real=False)"))
+    return names
 
-    t0 = time.perf_counter()
-    results: list[CandidateResult] = []
-    site_meta: dict[str, Any] = {}
-    it = names
-    if progress:
-        from tqdm import tqdm
 
-        it = tqdm(names, desc="probe: measure", unit="site")
-    time_cache: dict[tuple[str, str, int, int, int], tuple[float, str]] = {}
-    for si, name in enumerate(it):
-        site = stats.sites[name]
-        valid: dict[GemmRole, list[GemmChoice]] = {}
-        for role in roles:
-            shape = site.shape(role.value)
-            valid[role] = []
-            for c in cands:
-                why = _why_not(c, role, device, shape, e5m2_anywhere)
-                if why is None:
-                    valid[role].append(c)
-                else:
-                    skipped.append(SkippedCandidate(name, role.value, c.short_str(), why))
-        meta_site = _site_meta(site)
-        for di, dist in enumerate(dists):
-            if dist == "real" and (site.x.real is None or site.dy.real is None):
-                continue
-            sampler = SiteSampler(site, dist, max_rows=max_rows, weights=weights,
-                                  seed=int(np.random.SeedSequence([seed, _stable_hash(name), di]).generate_state(1)[0]))
-            n_draws = 1 if dist == "real" else samples
-            errs = _measure_site(sampler, valid, n_draws, device, operand_dtype, guard_frac)
-            meta_site.setdefault("rows_sampled", {})[dist] = sampler.rows
-            if dist == "learned":
-                meta_site["jitter"] = sampler.jitter
-            priced_rows = max(1, round(site.rows * speed_row_scale))
-            for role in roles:
-                m, k, n = _role_shape(role.value, priced_rows, site.in_features, site.out_features)
-                t_bf16 = _time(speed, time_cache, GemmChoice(), m, k, n, role)
-                for c in valid[role]:
-                    e = np.asarray(errs[(role, c.short_str())], dtype=np.float64)  # (draws, 2)
-                    t, src = _time(speed, time_cache, c, m, k, n, role)
-                    spd = t_bf16[0] / t if t > 0 and math.isfinite(t) else math.nan
-                    mm, sq = e[:, 0], e[:, 1]
-                    results.append(CandidateResult(
-                        site=name, role=role.value, choice=c.short_str(), m=m, k=k, n=n,
-                        mere=float(mm.mean()), mere_std=float(mm.std()),
-                        sqnr_db=_mean_db(sq), sqnr_std=float(np.std(sq[np.isfinite(sq)])) if np.isfinite(sq).any() else 0.0,
-                        time_s=t, bf16_time_s=t_bf16[0], speedup=spd, time_source=src,
-                        safe=_safe(float(mm.mean()), max_error), fast=_fast(spd, min_speedup),
-                        dist=dist, samples=n_draws, rows=sampler.rows,
-                    ))
-        site_meta[name] = meta_site
-    meta = {
-        "samples": samples,
-        "dists": dists,
-        "device": device,
-        "cost_device": cost_device,
-        "speed_model": type(speed).__name__,
-        "max_rows": max_rows,
-        "operand_dtype": str(operand_dtype).replace("torch.", ""),
-        "guard_frac": guard_frac,
-        "weights": weights,
-        "seed": seed,
-        "candidates": [c.short_str() for c in cands],
-        "roles": [r.value for r in roles],
-        "stats": {"model": stats.model, "steps": stats.steps, "collections": stats.collections,
-                  "every": stats.every, **stats.meta},
-        "sites": site_meta,
-        "measure_s": round(time.perf_counter() - t0, 3),
-    }
-    return ProbeReport(results, skipped, float(max_error), float(min_speedup), meta, stats)
+def _valid_candidates(name: str, site: SiteStats, roles: list[GemmRole], cands: list[GemmChoice], device: str,
+                      e5m2_anywhere: bool, skipped: list[SkippedCandidate]) -> dict[GemmRole, list[GemmChoice]]:
+    """Per role, the candidates measured at ``site``; the others go to ``skipped`` with the reason."""
+    valid: dict[GemmRole, list[GemmChoice]] = {}
+    for role in roles:
+        shape = site.shape(role.value)
+        valid[role] = []
+        for c in cands:
+            why = _why_not(c, role, device, shape, e5m2_anywhere)
+            if why is None:
+                valid[role].append(c)
+            else:
+                skipped.append(SkippedCandidate(name, role.value, c.short_str(), why))
+    return valid
+
+
+def _results(
+    name: str,
+    site: SiteStats,
+    dist: str,
+    n_draws: int,
+    rows: int,
+    priced_rows: int,
+    valid: dict[GemmRole, list[GemmChoice]],
+    errs: dict[tuple[GemmRole, str], list[tuple[float, float]]],
+    speed: SpeedModel,
+    time_cache: dict[tuple[str, str, int, int, int], tuple[float, str]],
+    max_error: float,
+    min_speedup: float,
+) -> list[CandidateResult]:
+    """One :class:`CandidateResult` per (role, candidate) of ``site`` for ``dist``: the error
+    statistics over the draws and the speed at ``priced_rows`` rows."""
+    out: list[CandidateResult] = []
+    for role in valid:
+        m, k, n = role.shape(priced_rows, site.in_features, site.out_features)
+        t_bf16 = _time(speed, time_cache, GemmChoice(), m, k, n, role)
+        for c in valid[role]:
+            e = np.asarray(errs[(role, c.short_str())], dtype=np.float64)  # (draws, 2)
+            t, src = _time(speed, time_cache, c, m, k, n, role)
+            spd = t_bf16[0] / t if t > 0 and math.isfinite(t) else math.nan
+            mm, sq = e[:, 0], e[:, 1]
+            out.append(CandidateResult(
+                site=name, role=role.value, choice=c.short_str(), m=m, k=k, n=n,
+                mere=float(mm.mean()), mere_std=float(mm.std()),
+                sqnr_db=_mean_db(sq), sqnr_std=float(np.std(sq[np.isfinite(sq)])) if np.isfinite(sq).any() else 0.0,
+                time_s=t, bf16_time_s=t_bf16[0], speedup=spd, time_source=src,
+                safe=_safe(float(mm.mean()), max_error), fast=_fast(spd, min_speedup),
+                dist=dist, samples=n_draws, rows=rows,
+            ))
+    return out
 
 
 def _measure_site(
@@ -368,7 +374,7 @@ def _measure_site(
                 a, b = a64.to(operand_dtype), b64.to(operand_dtype)
                 for c in cs:
                     out = _backend_gemm(c, a, b, role)
-                    errs[(role, c.short_str())].append((mere(out, ref, guard_frac), sqnr_db(out, ref)))
+                    errs[(role, c.short_str())].append((mere(ref, out, guard_frac), sqnr_db(ref, out)))
     return errs
 
 

@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from torch import nn
 
+from loka_tune.config import GemmRole
 from loka_tune.errors import ProbeError
 
 __all__ = [
@@ -174,9 +175,13 @@ class SiteStats:
         """M: rows per forward call of the site (its real batch rows)."""
         return self.x.rows
 
-    def shape(self, role: str) -> tuple[int, int, int]:
-        """Canonical ``(m, k, n)`` of the role's ``A @ B.T`` (see :mod:`loka_tune.config`)."""
-        return _role_shape(role, self.rows, self.in_features, self.out_features)
+    def shape(self, role: GemmRole | str) -> tuple[int, int, int]:
+        """Canonical ``(m, k, n)`` of the role's ``A @ B.T`` (:meth:`loka_tune.config.GemmRole.shape`)."""
+        try:
+            r = GemmRole(role)
+        except ValueError:
+            raise ProbeError(f"unknown GEMM role {role!r}: expected 'fwd', 'dgrad' or 'wgrad'") from None
+        return r.shape(self.rows, self.in_features, self.out_features)
 
     def problem(self) -> str | None:
         for part, s in (("x", self.x), ("dy", self.dy)):
@@ -188,17 +193,6 @@ class SiteStats:
                     return "no inputs collected (the layer was never called in a collection step)"
                 return f"{part}: {p}"
         return self.w.problem()
-
-
-def _role_shape(role: str, m: int, k: int, n: int) -> tuple[int, int, int]:
-    role = str(getattr(role, "value", role))
-    if role == "fwd":
-        return (m, k, n)
-    if role == "dgrad":
-        return (m, n, k)
-    if role == "wgrad":
-        return (n, m, k)
-    raise ProbeError(f"unknown GEMM role {role!r}: expected 'fwd', 'dgrad' or 'wgrad'")
 
 
 @dataclass

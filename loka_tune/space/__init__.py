@@ -23,10 +23,10 @@ from loka_tune.space.encode import (
     params_picking,
     suggest,
 )
-from loka_tune.space.sites import Site, discover_sites, gemm_shape
+from loka_tune.space.sites import Site, discover_sites
 
 __all__ = [
-    "Site", "discover_sites", "gemm_shape",
+    "Site", "discover_sites",
     "SearchSpace", "SiteChoices", "build_space", "eligibility", "enumerate_candidates",
     "prune_by_probe",
     "config_from_params", "distributions", "fusable", "mods_dims", "mods_from_params", "param_name", "params_from_config",

@@ -4,7 +4,8 @@ A *site* is an ``nn.Linear`` by its fully qualified module name (as
 :func:`loka_tune.kernels.linear.find_linears` lists them). Its GEMM shape comes from one
 forward pass with hooks on one real batch: ``M`` = rows of its input (the product of all
 input dims but the last), ``K`` = in_features, ``N`` = out_features. Per role, the canonical
-``(m, k, n)`` of ``A @ B.T`` (rows of A, reduction, rows of B) is::
+``(m, k, n)`` of ``A @ B.T`` (rows of A, reduction, rows of B) is
+:meth:`loka_tune.config.GemmRole.shape`::
 
     fwd   (M, K, N)      Y  = X W^T
     dgrad (M, N, K)      dX = dY W
@@ -22,17 +23,7 @@ from torch import nn
 from loka_tune.config import ROLES, GemmRole
 from loka_tune.errors import StudyError
 
-__all__ = ["Site", "discover_sites", "gemm_shape", "sites_to_json", "sites_from_json"]
-
-
-def gemm_shape(role: GemmRole | str, M: int, K: int, N: int) -> tuple[int, int, int]:
-    """The canonical ``(m, k, n)`` of ``role``'s ``A @ B.T`` for a linear with input rows ``M``."""
-    role = GemmRole(role)
-    if role == GemmRole.FWD:
-        return (M, K, N)
-    if role == GemmRole.DGRAD:
-        return (M, N, K)
-    return (N, M, K)
+__all__ = ["Site", "discover_sites", "sites_to_json", "sites_from_json"]
 
 
 @dataclass(frozen=True)
@@ -56,7 +47,7 @@ class Site:
 
     def shape(self, role: GemmRole | str, batch_size: int) -> tuple[int, int, int]:
         """The canonical ``(m, k, n)`` of ``role`` at ``batch_size``."""
-        return gemm_shape(role, self.rows(batch_size), self.in_features, self.out_features)
+        return GemmRole(role).shape(self.rows(batch_size), self.in_features, self.out_features)
 
     def shapes(self, batch_size: int) -> dict[str, tuple[int, int, int]]:
         return {r.value: self.shape(r, batch_size) for r in ROLES}

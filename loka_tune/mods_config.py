@@ -1,0 +1,105 @@
+"""Which model adaptations (Mods) run before the precision swap: :class:`ModsConfig`.
+
+Plain frozen data, part of the precision-config vocabulary; import it from
+:mod:`loka_tune.config` (``from loka_tune.config import ModsConfig``). The passes themselves
+live in :mod:`loka_tune.mods`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Mapping
+
+from loka_tune.errors import ConfigError
+
+__all__ = ["ModsConfig"]
+
+
+@dataclass(frozen=True)
+class ModsConfig:
+    """Which model adaptations (Mods) run, and with which parameters, before the precision swap.
+
+    ``no_bias``: drop linear biases except in ``keep_bias`` (module names; the model's
+    prediction head is always kept). ``blocknorm``: block size of BlockNorm replacing
+    LayerNorm/RMSNorm (``None``: off). ``hardswish``: Hard Swish in place of SiLU/Swish(-LN).
+    ``pad``: pad linear K and N up to this multiple (``None``: off). ``fuse_epilogue``: after
+    the precision swap, run each (Linear, BlockNorm, Hard Swish) chain as one fused FP8 GEMM
+    epilogue (:class:`loka_tune.kernels.fused.FusedLinearBlockNormHardswish`) with its linear
+    site's own fwd / dgrad / wgrad choices, where the fused kernel runs that fwd choice
+    (rowwise e4m3/e5m2 ``.triton`` on CUDA, any ``.emulated`` choice); other chains stay
+    unfused and :func:`loka_tune.apply` reports why. It changes no numerics of an ``.emulated``
+    site and only makes sense with ``blocknorm`` and Hard Swish on. In JSON the key is written
+    only when on, so configs without it stay readable by earlier versions (and old files, which
+    lack it, load with it off).
+    """
+
+    no_bias: bool = False
+    keep_bias: tuple[str, ...] = ()
+    blocknorm: int | None = None
+    hardswish: bool = False
+    pad: int | None = None
+    fuse_epilogue: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "keep_bias", tuple(self.keep_bias))
+        for name in ("blocknorm", "pad"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
+                raise ConfigError(f"got {v!r}; expected a positive integer or null (off)", key=f"mods.{name}")
+        for name in ("no_bias", "hardswish", "fuse_epilogue"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"got {getattr(self, name)!r}; expected true or false", key=f"mods.{name}")
+
+    @property
+    def any(self) -> bool:
+        """Whether any Mod is on (``fuse_epilogue`` included)."""
+        return self.any_pass or self.fuse_epilogue
+
+    @property
+    def any_pass(self) -> bool:
+        """Whether any model pass of :func:`loka_tune.mods.apply_mods` is on (all but ``fuse_epilogue``)."""
+        return self.no_bias or self.blocknorm is not None or self.hardswish or self.pad is not None
+
+    @property
+    def passes(self) -> "ModsConfig":
+        """These Mods without ``fuse_epilogue``: what :func:`loka_tune.mods.apply_mods` changes
+        (fusion runs in :func:`loka_tune.apply`, after the precision swap)."""
+        return replace(self, fuse_epilogue=False) if self.fuse_epilogue else self
+
+    def short_str(self) -> str:
+        parts = []
+        if self.no_bias:
+            parts.append("nobias")
+        if self.blocknorm is not None:
+            parts.append(f"bn{self.blocknorm}")
+        if self.hardswish:
+            parts.append("hswish")
+        if self.pad is not None:
+            parts.append(f"pad{self.pad}")
+        if self.fuse_epilogue:
+            parts.append("fused")
+        return "+".join(parts) or "none"
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able form; ``fuse_epilogue`` appears only when on (older readers reject the key,
+        and the trial cache keys of unfused configs stay what they were)."""
+        d = asdict(self)
+        d["keep_bias"] = list(self.keep_bias)
+        if not self.fuse_epilogue:
+            del d["fuse_epilogue"]
+        return d
+
+    @classmethod
+    def from_dict(cls, obj: Any, *, key: str = "mods") -> "ModsConfig":
+        if obj is None:
+            return cls()
+        if not isinstance(obj, Mapping):
+            raise ConfigError(f"got {obj!r}; expected a mapping of mod names to settings", key=key)
+        fields_ = {f for f in cls.__dataclass_fields__}
+        unknown = set(obj) - fields_
+        if unknown:
+            raise ConfigError(f"unknown key(s) {sorted(unknown)}; valid keys: {sorted(fields_)}", key=key)
+        kb = obj.get("keep_bias", ())
+        if isinstance(kb, str) or not isinstance(kb, (list, tuple)) or not all(isinstance(x, str) for x in kb):
+            raise ConfigError(f"got {kb!r}; expected a list of module names", key=f"{key}.keep_bias")
+        return cls(**{**obj, "keep_bias": tuple(kb)})
