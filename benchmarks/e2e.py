@@ -24,7 +24,11 @@ Variants (``--variants``, comma list, in this order by default; each name is one
 - ``fbgemm_rowwise``, ``scaled_mm_rowwise``, ``triton_rowwise``: one loka-tune backend
   (``e4m3.row.fa.<backend>``) on every GEMM it runs at the GEMM's real shape (bf16 where the
   backend declares the shape unsupported, counted as fallbacks), through ``loka_tune.apply``,
-  after the same Mods: the best of these is "our best single backend everywhere".
+  after the same Mods: the best of these is "our best single backend everywhere";
+  ``scaled_mm_rowwise_filter``: the same on the Linears that torchao's rowwise size filter
+  accepts (like for like with ``torchao_rowwise_filter``: the unfiltered policy also runs the
+  Wukong feature-axis Linears, whose wgrad is a 16-32 wide output over B x 256 rows, where a
+  rowwise FP8 GEMM has no split-K and loses badly).
 
 Compiled runs are held to account (:func:`loka_tune.objectives.compiled.strict_compile`):
 each variant starts from a reset dynamo (its own compiles, as in a fresh process), a
@@ -72,9 +76,10 @@ from loka_tune.objectives.compiled import CompileHealthError, strict_compile  # 
 from loka_tune.objectives.trainer import TrainConfig, train  # noqa: E402
 
 VARIANTS = ("bf16", "bf16_mods", "config", "torchao_tensorwise", "torchao_rowwise", "torchao_tensorwise_filter",
-            "torchao_rowwise_filter", "fbgemm_rowwise", "scaled_mm_rowwise", "triton_rowwise")
+            "torchao_rowwise_filter", "fbgemm_rowwise", "scaled_mm_rowwise", "triton_rowwise",
+            "scaled_mm_rowwise_filter")
 _UNIFORM = {"fbgemm_rowwise": "e4m3.row.fa.fbgemm", "scaled_mm_rowwise": "e4m3.row.fa.torch_scaled_mm",
-            "triton_rowwise": "e4m3.row.fa.triton"}
+            "triton_rowwise": "e4m3.row.fa.triton", "scaled_mm_rowwise_filter": "e4m3.row.fa.torch_scaled_mm"}
 _GPU_ONLY = {"torchao_tensorwise", "torchao_rowwise", "torchao_tensorwise_filter", "torchao_rowwise_filter",
              *_UNIFORM}
 
@@ -121,14 +126,23 @@ def prepare(name: str, model: nn.Module, config: PrecisionConfig, *, source: Any
     if name in _UNIFORM:
         if mods.any:
             apply(model, PrecisionConfig(mods=mods))
-        cfg, kept_bf16 = uniform_config(model, _UNIFORM[name], source, batch_size, device)
+        only = _torchao_filtered(model, "rowwise") if name.endswith("_filter") else None
+        cfg, kept_bf16 = uniform_config(model, _UNIFORM[name], source, batch_size, device, only=only)
         s = apply(model, replace(cfg, mods=mods), strict=False)
         return {"fp8_sites": len(s.replaced), "fallbacks": len(s.fallbacks) + kept_bf16, "mods": mods.short_str()}
     raise SystemExit(f"unknown variant {name!r}; choose from {', '.join(VARIANTS)}")
 
 
+def _torchao_filtered(model: nn.Module, recipe: str) -> set[str]:
+    """Names of the Linears that torchao's size filter for ``recipe`` converts."""
+    from torchao.float8.float8_linear_utils import _auto_filter_for_recipe
+
+    keep = _auto_filter_for_recipe(recipe, filter_fqns=[])
+    return {fqn for fqn, m in model.named_modules() if isinstance(m, nn.Linear) and keep(m, fqn)}
+
+
 def uniform_config(model: nn.Module, choice_id: str, source: Any, batch_size: int,
-                   device: torch.device) -> tuple[PrecisionConfig, int]:
+                   device: torch.device, *, only: set[str] | None = None) -> tuple[PrecisionConfig, int]:
     """``choice_id`` on every GEMM of every linear that its backend runs at the GEMM's real shape
     (the batch's rows, 3-D inputs included: e.g. FBGEMM's rowwise GEMM is declared unsupported
     above 32768 reduction rows, which a wgrad over batch x 256 rows exceeds); bf16 for the rest.
@@ -143,6 +157,8 @@ def uniform_config(model: nn.Module, choice_id: str, source: Any, batch_size: in
     sites = discover_sites(model, b.dense, b.sparse)
     rules, kept = {}, 0
     for site in sites:
+        if only is not None and site.name not in only:
+            continue
         per_role = []
         for role in ROLES:
             ok = backend.supports(choice, role, device=str(device), shape=site.shape(role, batch_size)) is None

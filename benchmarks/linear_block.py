@@ -65,7 +65,7 @@ def block(k: int, n: int, variant: str, device: torch.device) -> nn.Module:
     return m
 
 
-def time_cell(step: Callable[[], None], device: torch.device, *, reps: int, target_ms: float) -> dict[str, Any]:
+def time_cell(step: Callable[[], Any], device: torch.device, *, reps: int, target_ms: float) -> dict[str, Any]:
     for _ in range(3):  # compile, autotune, allocator, CUDA graph recording
         step()
     torch.cuda.synchronize(device)
@@ -99,13 +99,17 @@ def run_cell(variant: str, mode: str, m_rows: int, k: int, device: torch.device,
     with strict_compile(max_graphs=2) as dyn:  # the forward graph; backward rides along with it
         compiled = torch.compile(model, mode=None if mode == "default" else mode)
 
-        def step() -> None:
+        graphs = mode != "default"
+
+        def step() -> torch.Tensor:
+            if graphs:  # a new iteration: the CUDA-graph trees may reuse the last one's outputs
+                torch.compiler.cudagraph_mark_step_begin()
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 y = compiled(x)
             y.backward(dy)
+            return y
 
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            y0 = compiled(x).detach().float().clone()
+        y0 = step().detach().float().clone()  # (M, N), for the accuracy check
         rec = time_cell(step, device, reps=reps, target_ms=30.0)
     rec.update(variant=variant, mode=mode, M=m_rows, K=k, N=k, dynamo=dyn)
     if ref is not None:

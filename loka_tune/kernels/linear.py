@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loka_tune.config import BF16, ROLES, GemmChoice, SitePrecision
+from loka_tune.config import BF16, ROLES, SitePrecision
 from loka_tune.errors import BackendError
 from loka_tune.kernels import ops
 from loka_tune.kernels.registry import SHAPE_FALLBACKS, Backend, get_backend
@@ -48,12 +48,6 @@ _TAGS = itertools.count()
 _PLAIN_BF16 = BF16.short_str()  # "bf16"
 
 GemmFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-# canonical (m, k, n) of each GEMM of a Linear with m rows, k in_features, n out_features
-_ROLE_SHAPE: dict[str, Callable[[int, int, int], tuple[int, int, int]]] = {
-    "fwd": lambda m, k, n: (m, k, n),  # X (m, k) @ W (n, k).T
-    "dgrad": lambda m, k, n: (m, n, k),  # dY (m, n) @ W^T (k, n).T
-    "wgrad": lambda m, k, n: (n, m, k),  # dY^T (n, m) @ X^T (k, m).T: reduces over the rows
-}
 _NO_DIRECT: tuple[GemmFn | None, GemmFn | None, GemmFn | None] = (None, None, None)
 
 
@@ -177,7 +171,7 @@ class LokaLinear(nn.Linear):
         ids, fns = list(self._ids), list(self._fns)
         k, n = self.in_features, self.out_features
         for role, backend, choice in self._shape_checks:
-            shape = _ROLE_SHAPE[role.value](m, k, n)
+            shape = role.shape(m, k, n)
             reason = backend.runtime_reason(choice, role, shape)
             if reason is not None:
                 i = ROLES.index(role)

@@ -34,10 +34,14 @@ def rowwise_adagrad_update_(
     host synchronization (so it can run ahead of the GPU and inside a CUDA graph).
 
     ``rows`` ``(n,)``: the row of each gradient slice, repeats and any order allowed;
-    ``grads`` ``(n, dim)``. Repeated rows are summed first (as ``coalesce()`` would), but into
-    a buffer of fixed size ``n`` (the unique rows are segments of the sorted ids), so no
-    tensor's size depends on the data: slots past the last segment hold zero gradients for
-    row 0, which change neither ``acc`` nor ``weight``.
+    ``grads`` ``(n, dim)``. Repeated rows are summed first (as ``coalesce()`` would) into a
+    buffer of fixed size ``n``: the sorted ids form segments, one per distinct row, so no
+    tensor's size depends on the data. The sums use ``index_put_(accumulate=True)``, which on
+    a GPU sorts and reduces runs of equal indices (the embedding-backward kernel) instead of
+    contending atomics: the small tables of an LRM put thousands of lookups on one row. Every
+    sorted position then computes its row's new accumulator and weights and writes them with a
+    plain ``index_put_``: the positions of one row write identical values, so the result does
+    not depend on which write lands last, and no atomic add touches the table.
     """
     n = rows.numel()
     if n == 0:
@@ -45,14 +49,16 @@ def rowwise_adagrad_update_(
     sorted_rows, perm = torch.sort(rows)  # (n,)
     head = torch.ones(n, dtype=torch.bool, device=rows.device)
     head[1:] = sorted_rows[1:] != sorted_rows[:-1]
-    seg = torch.cumsum(head, 0) - 1  # (n,) segment of each sorted slice
+    seg = torch.cumsum(head, 0) - 1  # (n,) segment of each sorted position
     seg_of = torch.empty_like(seg).scatter_(0, perm, seg)  # (n,) segment of each original slice
     g = torch.zeros(n, grads.shape[1], dtype=torch.float32, device=grads.device)
-    g.index_add_(0, seg_of, grads.float())  # (n, dim): summed gradient of segment s in row s
-    seg_rows = torch.zeros_like(rows).scatter_(0, seg, sorted_rows)  # (n,) table row of segment s
-    acc.index_add_(0, seg_rows, g.pow(2).mean(dim=1))  # unique rows (+ zeros into row 0)
-    upd = g / (acc.index_select(0, seg_rows).sqrt() + eps).unsqueeze(1)  # (n, dim)
-    weight.index_add_(0, seg_rows, upd.to(weight.dtype), alpha=-lr)
+    g.index_put_((seg_of,), grads.float(), accumulate=True)  # (n, dim): segment s's summed gradient
+    g_pos = g.index_select(0, seg)  # (n, dim): the summed gradient of each position's row
+    a = acc.index_select(0, sorted_rows) + g_pos.pow(2).mean(dim=1)  # (n,) new accumulators
+    acc.index_put_((sorted_rows,), a)
+    upd = g_pos / (a.sqrt() + eps).unsqueeze(1)  # (n, dim)
+    w = weight.index_select(0, sorted_rows) + upd.to(weight.dtype) * -lr
+    weight.index_put_((sorted_rows,), w)
 
 
 class RowwiseAdagrad(torch.optim.Optimizer):

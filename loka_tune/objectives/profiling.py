@@ -15,11 +15,26 @@ from typing import Any, Iterable
 
 import torch
 
-__all__ = ["StepProfiler", "kernel_summary", "GEMM_KERNEL_RE"]
+__all__ = ["StepProfiler", "kernel_summary", "is_gpu_activity", "GEMM_KERNEL_RE"]
 
 #: kernel names of matrix products: cuBLAS / cuBLASLt (gemm, nvjet, sm90_xmma), CUTLASS
 #: (FBGEMM's f8f8bf16*), torch._scaled_mm, our Triton GEMMs and inductor's mm templates
 GEMM_KERNEL_RE = re.compile(r"gemm|nvjet|xmma|cutlass|f8f8bf16|scaled_mm|_mm_|mm_kernel|matmul|wgmma", re.I)
+
+
+def is_gpu_activity(event: Any) -> bool:
+    """A kernel, copy or set on the GPU's timeline; not a user annotation (``record_function``
+    ranges such as ``Optimizer.step#Adam.step`` are drawn on the GPU timeline too, spanning the
+    kernels they launched: counting them would count those kernels twice)."""
+    if event.device_type != torch.autograd.DeviceType.CUDA:
+        return False
+    if getattr(event, "is_user_annotation", False):
+        return False
+    return not _ANNOTATION_RE.match(event.name)
+
+
+#: names of annotation ranges (older torch builds do not flag them as user annotations)
+_ANNOTATION_RE = re.compile(r"^(Optimizer\.|ProfilerStep#|## |CompiledFunction|autograd::|aten::)")
 
 
 def kernel_summary(kernels: Iterable[tuple[str, float]], steps: int, *, top: int = 15) -> dict[str, Any]:
@@ -73,8 +88,7 @@ class StepProfiler:
         prof, self._prof = self._prof, None
         prof.__exit__(None, None, None)
         events = prof.events()
-        gpu = [(e.name, e.time_range.elapsed_us()) for e in events
-               if e.device_type == torch.autograd.DeviceType.CUDA]
+        gpu = [(e.name, e.time_range.elapsed_us()) for e in events if is_gpu_activity(e)]
         out = kernel_summary(gpu, self.steps) if gpu else {"gpu_ms": None, "gemm_ms": None, "gemm_share": None,
                                                            "kernels_per_step": 0, "top": []}
         roots = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU and e.cpu_parent is None]

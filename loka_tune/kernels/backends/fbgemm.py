@@ -34,9 +34,6 @@ except Exception as e:  # a broken build (ABI mismatch with torch): say so, as a
     raise ImportError(f"fbgemm_gpu.experimental.gen_ai failed to load: {e}") from e
 
 
-_MAX_ROWS = 65535 * 64  # CUDA's grid y/z limit x the smallest row tile
-
-
 @register_backend("fbgemm")
 class FBGEMMBackend(GPUBackend):
     formats = frozenset({Format.E4M3})
@@ -46,7 +43,7 @@ class FBGEMMBackend(GPUBackend):
     min_capability = (9, 0)
     max_capability = (9, 0)  # sm90 CUTLASS kernels
     install_hint = "fbgemm-gpu-genai (`pip install fbgemm-gpu-genai`)"
-    runtime_shape_check = True  # launch limits at large m (below): checked at the real shape
+    runtime_shape_check = True  # a launch limit at large k (below): checked at the real shape
 
     def extra_reason(self, choice: GemmChoice, role: GemmRole, shape: Shape | None) -> str | None:
         g = choice.granularity
@@ -66,19 +63,11 @@ class FBGEMMBackend(GPUBackend):
             return None
         if choice.rounding != ScaleRounding.EXACT:
             return "FBGEMM's quantize ops compute exact scales (no power-of-two rounding)"
-        if shape is not None and shape[0] is not None:
-            m, k, n = shape
-            # seen on the H200 (fbgemm-gpu-genai 1.6.0): a whole Wukong step at B=32768, whose
-            # feature-axis Linears run m = B x 256 = 8.4M rows (2**31 elements of A), failed with
-            # "CUDA kernel launch failed: invalid argument"; at m = 2.1M it ran. Declared
-            # unsupported from the smallest plausible limit on: 65535 grid rows of 64, or 2**31
-            # elements of an operand (int32 offsets)
-            if m > _MAX_ROWS or m * max(k or 1, n or 1) >= 2**31:
-                return (f"FBGEMM's {g.value}wise kernels fail to launch at m={m} rows (limit {_MAX_ROWS} rows"
-                        " and 2**31 elements per operand); this GEMM runs in bf16")
-        if g == Granularity.ROW and shape is not None and shape[1] is not None and shape[1] > 32768:
+        if g == Granularity.ROW and shape is not None and shape[1] is not None and shape[1] >= 32768:
             # seen on the H200 (fbgemm-gpu-genai 1.6.0): "CUDA kernel launch failed: invalid argument"
-            return f"f8f8bf16_rowwise fails to launch for k={shape[1]} > 32768 (wgrad over a large batch)"
+            # for the wgrad of a Linear over 32768 rows (k = 32768; k = 16384 runs), and over a
+            # whole Wukong step at B=32768; checked at the real shape of every call
+            return f"f8f8bf16_rowwise fails to launch for k={shape[1]} >= 32768 (wgrad over a large batch)"
         return None
 
     def gemm_impl(self, a: torch.Tensor, b: torch.Tensor, choice: GemmChoice, role: GemmRole) -> torch.Tensor:
