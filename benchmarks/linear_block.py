@@ -49,7 +49,7 @@ LOKA = {
     "loka_fbgemm_row_fa": "e4m3.row.fa.fbgemm",
 }
 VARIANTS = ("bf16", "torchao_tensorwise", "torchao_rowwise", *LOKA)
-RO_VARIANTS = ("bf16", "torchao_rowwise", "loka_sm_row", "loka_sm_row_fa", "loka_triton_row_fa")
+RO_VARIANTS = ("bf16", "torchao_tensorwise", "loka_sm_tensor", "loka_sm_row_fa")
 
 
 def block(k: int, n: int, variant: str, device: torch.device) -> nn.Module:

@@ -31,10 +31,10 @@ BACKENDS = ("torch_scaled_mm", "fbgemm", "triton")
 GRANULARITIES = ("tensor", "row", "block")
 
 
-def candidates() -> list[GemmChoice]:
+def candidates(granularities: tuple[str, ...] = GRANULARITIES) -> list[GemmChoice]:
     out = []
     for backend in BACKENDS:
-        for gran in GRANULARITIES:
+        for gran in granularities:
             for fa in (True, False):
                 try:
                     out.append(GemmChoice.fp8(gran, fast_accum=fa, backend=backend))
@@ -53,6 +53,7 @@ def main() -> int:
     ap.add_argument("--device", default="h200")
     ap.add_argument("--min-speedup", type=float, default=1.05)
     ap.add_argument("--mods", default="none", help="mods recorded in the plan (see train_step.py)")
+    ap.add_argument("--granularities", default=",".join(GRANULARITIES), help="scalings the plan may use")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
 
@@ -69,7 +70,7 @@ def main() -> int:
     dense = torch.randn(b0, args.num_dense)
     sparse = torch.zeros(b0, args.num_sparse, dtype=torch.long)
     sites = discover_sites(model, dense, sparse)
-    cands = candidates()
+    cands = candidates(tuple(g for g in args.granularities.split(",") if g))
     plan: dict[str, SitePrecision] = {}
     total_bf16 = total_plan = 0.0
     print(f"{'site':40s} {'M':>7s} {'K':>6s} {'N':>6s}  fwd / dgrad / wgrad (modeled speed-up)")
@@ -89,7 +90,7 @@ def main() -> int:
               + " / ".join(f"{c.short_str()} {s:.2f}x" for c, s in chosen))
     cfg = PrecisionConfig.from_sites(plan, mods=mods, provenance={
         "source": "benchmarks/modeled_plan.py", "speed": "modeled", "cost_device": args.device,
-        "model": args.model, "preset": args.preset, "batch_size": args.batch,
+        "model": args.model, "preset": args.preset, "batch_size": args.batch, "granularities": args.granularities,
         "modeled_gemm_speedup": total_bf16 / total_plan})
     cfg.save(args.out)
     print(f"\n{len(plan)} of {len(sites)} sites get FP8 GEMMs; modeled GEMM-time speed-up"

@@ -6,6 +6,8 @@
 #                                                   # lane 1: benchmarks/e2e.py, large Wukong, B=8192
 #   bash benchmarks/run_issue11_h200.sh "$OUT" e2e    # lane 0: e2e.py at B=32768; lane 1: e2e.py at B=8192
 #   bash benchmarks/run_issue11_h200.sh "$OUT" block  # linear_block.py alone, then the GPU tests
+#   bash benchmarks/run_issue11_h200.sh "$OUT" final  # linear_block.py alone; then the GPU tests (GPU 0) beside
+#                                                      # e2e.py --cuda-graphs at B=8192 (GPU 1)
 # The "config" variant runs $CONFIG (default: the H200 cost model's Dispatch plan for the batch,
 # benchmarks/results/wukong_large_modeled_plan*.json). Results: $OUT/*.json, $OUT/e2e_*/, logs.
 set -uo pipefail
@@ -55,6 +57,23 @@ if [ "$part" = e2e ]; then  # the two receipts, one GPU each (steps GPU-bound: t
     --infer-variants bf16_mods,config --budget "${E2E_BUDGET:-470}" --out "$out/e2e_b8192" &
   p1=$!
   wait $p0 $p1
+fi
+if [ "$part" = final ]; then  # linear_block alone, then (GPU 1) whole-step CUDA graphs in-model while GPU 0 runs the tests
+  lane 0 "$out/lane0.log" bash -c "
+    timeout ${BLOCK_CAP:-340} python3 benchmarks/linear_block.py --out $out/linear_block.json --budget ${BLOCK_BUDGET:-290} \
+      2>&1 | grep -v 'UserWarning\|warn_once'
+    touch $out/.block_done
+    echo '== GPU tests'
+    timeout ${TEST_TIMEOUT:-150} python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_backends.py \
+      tests/test_backend_conformance.py tests/test_linear_direct.py 2>&1 | tail -15" &
+  p0=$!
+  ( while [ ! -f "$out/.block_done" ] && kill -0 $p0 2>/dev/null; do sleep 2; done
+    lane "$lane1_gpu" "$out/lane1.log" timeout "${E2E_CAP:-230}" python3 benchmarks/e2e.py "${E2E_COMMON[@]}" \
+      --batch 8192 --steps "${E2E_STEPS:-80}" --config "$plan8192" --cuda-graphs \
+      --variants bf16_mods,config,torchao_tensorwise_filter --budget "${E2E_BUDGET:-170}" --out "$out/e2e_b8192_graphs" ) &
+  p1=$!
+  wait $p0 $p1
+  rm -f "$out/.block_done"
 fi
 if [ "$part" = block ]; then  # alone on the machine: small shapes are host-bound, other work would skew them
   lane 0 "$out/lane0.log" bash -c "

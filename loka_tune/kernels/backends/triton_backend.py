@@ -21,6 +21,9 @@ from loka_tune.kernels.registry import Shape, register_backend
 __all__ = ["TritonBackend"]
 
 
+_GRID_Y = 65535  # CUDA's limit on a grid's y dimension
+
+
 @register_backend("triton")
 class TritonBackend(GPUBackend):
     formats = frozenset({Format.E4M3, Format.E5M2})
@@ -28,10 +31,19 @@ class TritonBackend(GPUBackend):
     fast_accum_modes = (False, True)
     min_capability = (9, 0)  # tuned for Hopper's wgmma; Ada would run but untested
     install_hint = "triton (`pip install triton`)"
+    runtime_shape_check = True  # grid limits at very long reductions (below): checked at the real shape
 
     def extra_reason(self, choice: GemmChoice, role: GemmRole, shape: Shape | None) -> str | None:
         if choice.granularity == Granularity.BLOCK and choice.fast_accum:
             return "blockwise GEMMs promote every 128 elements: 'fa' does not apply"
+        k = None if shape is None else shape[1]
+        # the quantization kernels put tiles of the reduction dimension on the grid's y axis,
+        # which CUDA caps at 65535 programs: rowwise on a transposed operand tiles it by 64,
+        # blockwise by 128 (seen on the H200: "Triton Error [CUDA]: invalid argument" for the
+        # wgrad of Wukong's feature-axis Linears at B=32768, k = 8.4M)
+        limit = {Granularity.ROW: _GRID_Y * 64, Granularity.BLOCK: _GRID_Y * 128}.get(choice.granularity)
+        if k is not None and limit is not None and k > limit:
+            return f"our Triton {choice.granularity.value}wise quantization launches at most {limit} reduction elements, got k={k}"
         return None
 
     def gemm_impl(self, a: torch.Tensor, b: torch.Tensor, choice: GemmChoice, role: GemmRole) -> torch.Tensor:
