@@ -141,13 +141,7 @@ def make_model(cfg: StudyConfig, source: Any, *, seed: int | None = None) -> nn.
 
 def train_config(cfg: StudyConfig, seed: int | None = None, *, device: str | None = None) -> Any:
     """The trainer's :class:`TrainConfig` for one short run of the study."""
-    from loka_tune.objectives.trainer import TrainConfig
-
-    t = cfg.training
-    return TrainConfig(steps=t.steps, batch_size=t.batch_size, lr_dense=t.lr_dense, lr_sparse=t.lr_sparse,
-                       seed=t.seed if seed is None else seed, eval_batches=t.eval_batches,
-                       eval_batch_size=t.eval_batch_size, window=t.window, warmup_steps=t.warmup_steps,
-                       device=device or t.device, autocast=t.autocast, compile=t.compile)
+    return cfg.training.to_train_config(seed, device=device)
 
 
 def resolve_device(device: str) -> str:

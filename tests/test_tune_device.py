@@ -83,7 +83,7 @@ def test_inference_objective_passes_the_study_autocast(tmp_path: Path, monkeypat
     from dataclasses import replace
 
     cfg = replace(cfg, objective=replace(cfg.objective, kind="inference", speed="measured"),
-                  training=replace(cfg.training, autocast="bf16"))
+                  training=replace(cfg.training, trainer=replace(cfg.training.trainer, autocast="bf16")))
     seen: list[str] = []
 
     def fake(model, batch, **kw):  # noqa: ANN001, ANN003, ANN202

@@ -49,23 +49,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _load(args: argparse.Namespace):  # noqa: ANN202
-    from dataclasses import replace
-    from pathlib import Path
-
-    from loka_tune.study import load_study
+    from loka_tune.tuner.study import load_study
 
     cfg = load_study(args.study)
-    if args.out_dir:
-        out = Path(args.out_dir).resolve()
-        old = cfg.output_dir
-        storage = cfg.storage
-        tracking = cfg.tracking
-        if storage.url == f"sqlite:///{old / 'optuna.db'}":
-            storage = replace(storage, url=f"sqlite:///{out / 'optuna.db'}")
-        if tracking.uri == f"sqlite:///{old / 'mlflow.db'}":
-            tracking = replace(tracking, uri=f"sqlite:///{out / 'mlflow.db'}")
-        cfg = replace(cfg, study=replace(cfg.study, output_dir=out), storage=storage, tracking=tracking)
-    return cfg
+    return cfg.with_output_dir(args.out_dir) if args.out_dir else cfg
 
 
 def run(args: argparse.Namespace) -> int:
