@@ -2,13 +2,14 @@
 split into ``loka_tune/tuner/`` (issue 12), compared on every run.
 
 The study is ``studies/quickstart.toml`` with 4 trials instead of 12 and 2 probe samples
-instead of 4 (CI time: about a minute on 2 cores), run through the CLI (``loka-tune tune`` without tracking, then ``loka-tune export``). The first three trials
-are the enqueued starts and the fourth is TPE's first startup draw (random under the study's
-seed), so the configs evaluated do not depend on the measured numbers. What is compared: the
-exported config (mods, default, per-site choices) and its provenance, every trial's record
-(state, value, parameters, user attributes), the stored baseline and the probe-pruned search
-space, minus what is not deterministic (timestamps, wall-clock times, worker names, paths,
-library versions).
+instead of 4 (CI time: about a minute on 2 idle cores), run through the CLI (``loka-tune
+tune`` without tracking, then ``loka-tune export``). The first three trials are the enqueued
+starts and the fourth is TPE's first startup draw (random under the study's seed), so the
+configs evaluated do not depend on the measured numbers. What is compared: the exported
+config (mods, default, per-site choices) and its provenance, every trial's record (state,
+value, parameters, user attributes), the stored baseline and the probe-pruned search space,
+minus what is not deterministic (timestamps, wall-clock times, worker names, paths, library
+versions).
 
 Re-record (only when a change of behaviour is intended, and say so in the commit):
 ``LOKA_UPDATE_GOLDEN=1 python3 -m pytest tests/test_quickstart_golden.py``.
@@ -70,7 +71,7 @@ def _run_quickstart(tmp_path: Path) -> dict[str, Any]:
     import optuna
 
     from loka_tune.cli import main
-    from loka_tune.study import load_study
+    from loka_tune.tuner.study import load_study
 
     study_file = _study_file(tmp_path)
     assert main(["tune", str(study_file), "--no-tracking"]) == 0

@@ -225,7 +225,7 @@ def _trainer_knobs() -> dict[str, tuple[type, ...]]:
 
 @pytest.mark.parametrize("name", sorted(_trainer_knobs()))
 def test_every_plain_trainer_knob_is_a_training_key(tmp_path: Path, name: str) -> None:
-    from loka_tune.tune import train_config
+    from loka_tune.tuner.build import train_config
 
     doc = {"study": {"name": "s"}, "model": {"name": "dlrm"}, "data": {"source": "synthetic"}}
     base = parse_study(doc, cwd=tmp_path)
@@ -256,7 +256,7 @@ def test_training_defaults_are_the_trainers_but_the_run_length(tmp_path: Path) -
 def test_train_config_is_the_one_built_before_the_training_section_held_it(studies_file: Path,
                                                                           tmp_path: Path) -> None:
     from loka_tune.objectives.trainer import TrainConfig
-    from loka_tune.tune import train_config
+    from loka_tune.tuner.build import train_config
 
     cfg = load_study(studies_file, cwd=tmp_path)
     t = cfg.training

@@ -54,7 +54,7 @@ def open_existing(study_arg: str, storage: str | None):  # noqa: ANN201
 
 
 def run(args: argparse.Namespace) -> int:
-    from loka_tune.tune import export_best
+    from loka_tune.tuner.results import export_best
 
     _cfg, study = open_existing(args.study, args.storage)
     config = export_best(study, args.out)
