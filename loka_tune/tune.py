@@ -1,5 +1,7 @@
 """Compatibility: the study loop now lives in the :mod:`loka_tune.tuner` package, one module per
-job (kept for a release; new code imports from there)."""
+job (kept for a release; new code imports from there). ``HopelessPruner`` is gone: the
+"hopeless" pruner is Optuna's ``ThresholdPruner`` (:func:`loka_tune.tuner.optuna_setup.make_pruner`).
+"""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from loka_tune.tuner.build import (
     trial_model,
 )
 from loka_tune.tuner.loop import run_study
-from loka_tune.tuner.optuna_setup import HopelessPruner, make_pruner, make_storage, open_study
+from loka_tune.tuner.optuna_setup import make_pruner, make_storage, open_study
 from loka_tune.tuner.prepare import StudyContext, no_fp8_reason, prepare_study
 from loka_tune.tuner.results import (
     ATTR_BASELINE,
@@ -35,7 +37,6 @@ __all__ = [
     "Baseline",
     "TrialOutcome",
     "StudyContext",
-    "HopelessPruner",
     "run_study",
     "prepare_study",
     "open_study",

@@ -225,18 +225,43 @@ def test_failed_trial_is_recorded_and_the_study_goes_on(tmp_path: Path, monkeypa
     assert len(_done(study)) == 3 and best_trial(study).user_attrs["config"]["sites"] == {}
 
 
-def test_hopeless_pruner_rule() -> None:
-    from types import SimpleNamespace
+def _hopeless_rule(threshold_pct: float, warmup_steps: int, values: dict[int, float]) -> bool:
+    """The home-made HopelessPruner's rule, which Optuna's ThresholdPruner replaced."""
+    if not values:
+        return False
+    step = max(values)
+    if step < warmup_steps:
+        return False
+    v = values[step]
+    return not math.isfinite(v) or v > threshold_pct
 
-    from loka_tune.tuner.optuna_setup import HopelessPruner
 
-    p = HopelessPruner(threshold_pct=5.0, warmup_steps=4)
-    t = lambda vals: SimpleNamespace(last_step=max(vals) if vals else None, intermediate_values=vals)  # noqa: E731
-    assert not p.prune(None, t({}))
-    assert not p.prune(None, t({2: 100.0}))  # still warming up
-    assert not p.prune(None, t({4: 4.9}))
-    assert p.prune(None, t({4: 5.1}))
-    assert p.prune(None, t({8: float("nan")}))
+@pytest.mark.parametrize("warmup", [0, 4])
+def test_hopeless_pruner_decides_as_the_rule_it_replaced(tmp_path: Path, warmup: int) -> None:
+    import dataclasses
+
+    import optuna
+    from optuna.trial import TrialState
+
+    from loka_tune.tuner.optuna_setup import make_pruner
+
+    cfg = load_study(write_study(tmp_path, budget=0.5))
+    cfg = cfg.with_overrides(trials=dataclasses.replace(cfg.trials, prune_warmup_steps=warmup))
+    pruner = make_pruner(cfg)
+    assert isinstance(pruner, optuna.pruners.ThresholdPruner)
+    threshold = cfg.trials.hopeless_factor * cfg.objective.budget_pct  # 10 x 0.5% = 5%
+    study = optuna.create_study(pruner=pruner)
+    # what the loop reports: the window-loss gap in percent (>= -100), a non-finite gap as 1e9; -inf never
+    # reaches the pruner (there the two would differ: the old rule pruned it, ThresholdPruner does not)
+    values = [-100.0, -1.0, 0.0, 4.9, threshold, threshold + 1e-9, 5.1, 100.0, 1e9, math.nan, math.inf]
+    for v in values:
+        for steps in ([2], [4], [2, 4], [4, 8], [8], [2, 4, 8]):
+            trial = study.ask()
+            history = {s: 0.0 for s in steps[:-1]} | {steps[-1]: v}
+            for s, x in history.items():
+                trial.report(x, s)
+            assert trial.should_prune() == _hopeless_rule(threshold, warmup, history), (v, steps)
+            study.tell(trial, state=TrialState.PRUNED)
 
 
 def test_cli_tune_report_export(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -9,7 +9,6 @@ before that, a ``constraints_func`` reading the trial's record; both use
 from __future__ import annotations
 
 import functools
-import math
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -19,7 +18,7 @@ from typing import Any
 from loka_tune.tuner.results import TrialRecord, constraint
 from loka_tune.tuner.study import StudyConfig
 
-__all__ = ["HopelessPruner", "make_storage", "make_sampler", "make_pruner", "open_study", "set_constraint"]
+__all__ = ["make_storage", "make_sampler", "make_pruner", "open_study", "set_constraint"]
 
 CONSTRAINT_NAME = "rel_logloss_minus_budget_pct"
 
@@ -86,35 +85,21 @@ def _constraints(frozen: Any) -> Sequence[float]:
     return (TrialRecord.of(frozen).constraint,)
 
 
-class HopelessPruner:
-    """Prune a trial whose latest windowed training loss is ``factor`` x the budget above the
-    baseline's at the same step (the intermediate values are that relative gap, in percent).
-
-    Built lazily as an :class:`optuna.pruners.BasePruner` through :func:`make_pruner`.
-    """
-
-    def __init__(self, threshold_pct: float, warmup_steps: int = 0) -> None:
-        self.threshold_pct = float(threshold_pct)
-        self.warmup_steps = int(warmup_steps)
-
-    def prune(self, study: Any, trial: Any) -> bool:
-        step = trial.last_step
-        if step is None or step < self.warmup_steps:
-            return False
-        v = trial.intermediate_values[step]
-        return not math.isfinite(v) or v > self.threshold_pct
-
-
 def make_pruner(cfg: StudyConfig) -> Any:
-    """The Optuna pruner of ``trials.pruner``."""
+    """The Optuna pruner of ``trials.pruner``.
+
+    "hopeless": prune a trial whose latest windowed training loss is ``hopeless_factor`` x the
+    budget above the baseline's at the same step (the intermediate values are that relative gap,
+    in percent; the loop reports a non-finite one as 1e9): Optuna's ThresholdPruner.
+    """
     import optuna
 
     if cfg.trials.pruner == "none":
         return optuna.pruners.NopPruner()
     if cfg.trials.pruner == "median":
         return optuna.pruners.MedianPruner(n_startup_trials=3, n_warmup_steps=cfg.trials.prune_warmup_steps)
-    cls = type("HopelessPruner", (HopelessPruner, optuna.pruners.BasePruner), {})
-    return cls(cfg.trials.hopeless_factor * cfg.objective.budget_pct, cfg.trials.prune_warmup_steps)
+    return optuna.pruners.ThresholdPruner(upper=cfg.trials.hopeless_factor * cfg.objective.budget_pct,
+                                          n_warmup_steps=cfg.trials.prune_warmup_steps)
 
 
 def make_sampler(cfg: StudyConfig, *, worker_index: int = 0) -> Any:
