@@ -189,11 +189,8 @@ def run(args: argparse.Namespace) -> int:
         **dict(args.model_arg),
     )
     if args.config is not None:
-        try:
-            from loka_tune.applier import apply
-        except ModuleNotFoundError as e:  # pragma: no cover - only in a partial checkout
-            raise ConfigError(f"cannot apply precision configs here ({e}): loka_tune.applier is "
-                              "missing from this installation", key="--config") from e
+        from loka_tune.applier import apply
+
         # apply on the run's device: GPU backends (and the fused Triton epilogue) check it
         model.to(resolve_device(cfg.device))
         summary = apply(model, args.config)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loka_tune.config import ROLES, GemmChoice, PrecisionConfig
+from loka_tune.config import ROLES, GemmChoice
 from loka_tune.errors import UnsupportedChoiceError
 from loka_tune.space.candidates import (
     BF16_ID,
@@ -119,14 +119,6 @@ def _fastest_safe(sc: SiteChoices, role: str, choices: tuple[str, ...]) -> str:
     return max(fp8, key=score)
 
 
-def _dispatch_plan(cfg: StudyConfig, report: Any) -> PrecisionConfig | None:
-    try:
-        from loka_tune.dispatch import build_plan
-    except ImportError:  # Dispatch not installed in this checkout
-        return None
-    return build_plan(report, max_error=cfg.probe.max_error, min_speedup=max(cfg.probe.min_speedup, 1.0))
-
-
 def _starts(cfg: StudyConfig, space: SearchSpace, report: Any) -> list[tuple[str, dict[str, Any]]]:
     """The first trials (unless ``[trials] enqueue_starts = false``: then the sampler picks every
     trial): all-bf16, the Dispatch plan (with a probe report), all-FP8 at the fastest safe choices."""
@@ -134,7 +126,9 @@ def _starts(cfg: StudyConfig, space: SearchSpace, report: Any) -> list[tuple[str
         return []
     starts = [("all-bf16", params_picking(space, lambda sc, r, ch: BF16_ID))]
     if report is not None:
-        plan = _dispatch_plan(cfg, report)
+        from loka_tune.dispatch import build_plan
+
+        plan = build_plan(report, max_error=cfg.probe.max_error, min_speedup=max(cfg.probe.min_speedup, 1.0))
         if plan is not None:
             params, _notes = params_from_config(space, plan)
             starts.append(("dispatch", params))

@@ -253,7 +253,11 @@ class ObjectiveSection:
             non_gemm_fraction=t.number("non_gemm_fraction", d.non_gemm_fraction, minimum=0.0, maximum=0.95),
         )
         t.done()
-        _check_cost_device(objective.cost_device)
+        from loka_tune.kernels.costmodel import DEVICES
+
+        if objective.cost_device not in DEVICES:
+            raise ConfigError(f"got {objective.cost_device!r}; the cost model knows {', '.join(sorted(DEVICES))}",
+                              key="objective.cost_device")
         return objective
 
 
@@ -438,17 +442,6 @@ def _resolve_path(p: str, base: Path | None) -> str:
     if base is not None and not os.path.isabs(p):
         p = str((base / p).resolve())
     return p
-
-
-def _check_cost_device(name: str) -> None:
-    """The cost model's device names, when the cost model is installed in this checkout."""
-    try:
-        from loka_tune.kernels.costmodel import DEVICES
-    except ImportError:  # the cost model is checked again when used
-        return
-    if name not in DEVICES:
-        raise ConfigError(f"got {name!r}; the cost model knows {', '.join(sorted(DEVICES))}",
-                          key="objective.cost_device")
 
 
 def _check_db_url(url: str, key: str) -> None:
