@@ -14,8 +14,7 @@ The names below are imported lazily, so ``import loka_tune.tuner`` stays light.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from loka_tune._lazy import lazy_module
 
 # public name -> module that defines it
 _LAZY = {
@@ -41,14 +40,4 @@ _LAZY = {
 __all__ = list(_LAZY)
 
 
-def __getattr__(name: str) -> Any:
-    mod = _LAZY.get(name)
-    if mod is None:
-        raise AttributeError(f"module 'loka_tune.tuner' has no attribute {name!r}")
-    value = getattr(importlib.import_module(mod), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_module(__name__, _LAZY)
