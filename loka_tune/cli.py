@@ -32,12 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"loka-tune {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMANDS:
-        try:
-            mod = importlib.import_module(f"loka_tune.commands.{name}")
-        except ModuleNotFoundError as e:  # a command not built yet in this checkout
-            if e.name != f"loka_tune.commands.{name}":
-                raise
-            continue
+        mod = importlib.import_module(f"loka_tune.commands.{name}")
         p = sub.add_parser(name, help=mod.HELP, description=getattr(mod, "DESCRIPTION", mod.HELP),
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         mod.add_arguments(p)

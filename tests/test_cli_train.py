@@ -82,6 +82,7 @@ def test_nonfinite_exits_1(tmp_path, capsys):
         (["--data", "parquet:x"], "parquet:x"),
         (["--model-arg", "no_such_option=3"], "no_such_option"),
         (["--config", "/nonexistent/best.json"], "best.json"),
+        (["--device", "cpu", "--cuda-graphs"], "cuda_graphs"),  # TrainConfig.cuda_graphs: CUDA only
     ],
 )
 def test_user_errors_exit_2(extra, needle, capsys):
@@ -103,7 +104,7 @@ def test_help_is_accurate(capsys):
     text = capsys.readouterr().out
     assert e.value.code == 0
     for needle in ("--model {dlrm,dcnv2,wukong}", "--preset {tiny,paper,large}", "criteo:PATH",
-                   "avazu:PATH", "--lr-sparse", "--config", "--json", "--no-progress",
+                   "avazu:PATH", "--lr-sparse", "--config", "--json", "--no-progress", "--cuda-graphs",
                    "examples:", "loka-tune train --model dlrm"):
         assert needle in text, needle
 

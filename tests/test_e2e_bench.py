@@ -61,8 +61,8 @@ def test_e2e_rejects_unknown_variants_and_a_missing_config(tmp_path: Path) -> No
 def test_uniform_policy_keeps_bf16_where_the_backend_refuses_the_real_shape(monkeypatch: pytest.MonkeyPatch) -> None:
     from loka_tune.config import BF16
     from loka_tune.kernels.registry import get_backend
-    from loka_tune.study import load_study
-    from loka_tune.tune import make_model, make_source
+    from loka_tune.tuner.build import make_model, make_source
+    from loka_tune.tuner.study import load_study
 
     e2e = _load()
     cfg = load_study(REPO / "studies" / "quickstart.toml")

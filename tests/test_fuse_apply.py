@@ -218,7 +218,7 @@ mods = {mods}
 def _study(mods: list[str]):  # noqa: ANN202
     import tomllib
 
-    from loka_tune.study import parse_study
+    from loka_tune.tuner.study import parse_study
 
     return parse_study(tomllib.loads(STUDY.format(mods=json.dumps(mods))))
 

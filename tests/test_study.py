@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from loka_tune.errors import ConfigError
-from loka_tune.study import StudyConfig, load_study, parse_study
+from loka_tune.tuner.study import StudyConfig, load_study, parse_study
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -121,6 +121,11 @@ MALFORMED = [
     ("[training]\nseeds = [1, 1]\n", "training.seeds", "distinct"),
     ("[training]\nlr_dense = -0.1\n", "training.lr_dense", "-0.1"),
     ("[training]\ndevice = \"tpu\"\n", "training.device", "'tpu'"),
+    ("[training]\nsparse_optimizer = \"sgd\"\n", "training.sparse_optimizer", "'sgd'"),  # TrainConfig's check
+    ("[training]\ndeterministic = 1\n", "training.deterministic", "true, false or a string"),
+    ("[training]\ndeterministic = \"always\"\n", "training.deterministic", "'always'"),
+    ("[training]\ncpu_threads = 0\n", "training.cpu_threads", "0"),
+    ("[training]\nseed = 3\n", "training.seed", "did you mean 'seeds'"),
     ("[training]\nsteps = 10\nwindow = 20\n", "training.window", "window=20"),
     ("[objective]\nbudget_pct = 0\n", "objective.budget_pct", "> 0"),
     ("[objective]\nkind = \"latency\"\n", "objective.kind", "'latency'"),
@@ -192,3 +197,86 @@ def test_enqueue_starts_and_probe_enabled(tmp_path: Path) -> None:
                      cwd=tmp_path)
     assert off.trials.enqueue_starts is False and off.probe.enabled is False
     assert off.to_dict()["trials"]["enqueue_starts"] is False
+
+
+# ------------------------------------------------------------------ [training] is the trainer's TrainConfig
+_VALID_STR = {"device": "cpu", "autocast": "off", "sparse_optimizer": "sparse_adam"}
+
+
+def _another_value(name: str, kinds: tuple[type, ...], default: object) -> object:
+    """A valid value of a TrainConfig knob other than its default (where this test knows one)."""
+    if name in _VALID_STR:
+        return _VALID_STR[name]
+    if bool in kinds:
+        return not default if isinstance(default, bool) else True
+    if int in kinds:
+        return (default or 1) + 1  # type: ignore[operator]
+    if float in kinds:
+        return (default or 1.0) * 2  # type: ignore[operator]
+    return default  # a string knob without a known other value: it is settable all the same
+
+
+def _trainer_knobs() -> dict[str, tuple[type, ...]]:
+    from loka_tune._toml import plain_fields
+    from loka_tune.objectives.trainer import TrainConfig
+
+    return plain_fields(TrainConfig, exclude=("seed",))
+
+
+@pytest.mark.parametrize("name", sorted(_trainer_knobs()))
+def test_every_plain_trainer_knob_is_a_training_key(tmp_path: Path, name: str) -> None:
+    from loka_tune.tuner.build import train_config
+
+    doc = {"study": {"name": "s"}, "model": {"name": "dlrm"}, "data": {"source": "synthetic"}}
+    base = parse_study(doc, cwd=tmp_path)
+    value = _another_value(name, _trainer_knobs()[name], getattr(base.training, name))
+    cfg = parse_study({**doc, "training": {name: value}}, cwd=tmp_path)
+    assert getattr(cfg.training, name) == value and getattr(cfg.training.trainer, name) == value
+    assert getattr(train_config(cfg), name) == value
+    assert cfg.to_dict()["training"][name] == value
+
+
+def test_training_defaults_are_the_trainers_but_the_run_length(tmp_path: Path) -> None:
+    import dataclasses
+
+    from loka_tune.objectives.trainer import TrainConfig
+    from loka_tune.tuner.sections import SHORT_RUN, TrainingSection
+
+    cfg = load_study(_write(tmp_path, MINIMAL), cwd=tmp_path)
+    assert cfg.training == TrainingSection() and cfg.training.trainer == TrainConfig(**SHORT_RUN)
+    assert (cfg.training.steps, cfg.training.eval_batches, cfg.training.window) == (60, 8, 10)
+    for f in dataclasses.fields(TrainConfig):
+        if f.name not in SHORT_RUN:
+            assert getattr(cfg.training, f.name) == f.default, f.name
+    with pytest.raises(AttributeError, match="no attribute 'stpes'"):
+        cfg.training.stpes  # noqa: B018
+
+
+@pytest.mark.parametrize("studies_file", sorted((REPO / "studies").glob("*.toml")), ids=lambda p: p.name)
+def test_train_config_is_the_one_built_before_the_training_section_held_it(studies_file: Path,
+                                                                          tmp_path: Path) -> None:
+    from loka_tune.objectives.trainer import TrainConfig
+    from loka_tune.tuner.build import train_config
+
+    cfg = load_study(studies_file, cwd=tmp_path)
+    t = cfg.training
+    for seed, device in ((None, None), (7, "cpu")):
+        before = TrainConfig(steps=t.steps, batch_size=t.batch_size, lr_dense=t.lr_dense, lr_sparse=t.lr_sparse,
+                             seed=t.seed if seed is None else seed, eval_batches=t.eval_batches,
+                             eval_batch_size=t.eval_batch_size, window=t.window, warmup_steps=t.warmup_steps,
+                             device=device or t.device, autocast=t.autocast, compile=t.compile)
+        assert train_config(cfg, seed, device=device) == before
+
+
+def test_with_output_dir_moves_the_default_databases_only(tmp_path: Path) -> None:
+    cfg = load_study(_write(tmp_path, MINIMAL, "mystudy.toml"), cwd=tmp_path)
+    moved = cfg.with_output_dir(tmp_path / "elsewhere")
+    out = (tmp_path / "elsewhere").resolve()
+    assert moved.output_dir == out and moved.name == cfg.name
+    assert moved.storage.url == f"sqlite:///{out / 'optuna.db'}"
+    assert moved.tracking.uri == f"sqlite:///{out / 'mlflow.db'}"
+    text = MINIMAL + '[storage]\nurl = "postgresql://u@h:5432/db"\n[tracking]\nuri = "http://h:5000"\n'
+    custom = load_study(_write(tmp_path, text, "custom.toml"), cwd=tmp_path)
+    kept = custom.with_output_dir(tmp_path / "elsewhere")
+    assert (kept.storage.url, kept.tracking.uri) == (custom.storage.url, custom.tracking.uri)
+    assert kept.output_dir == out

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from loka_tune.config import PrecisionConfig
-from loka_tune.tracking import Tracker, pareto_front, plot_choice_map, plot_speed_vs_loss, retry, site_params
+from loka_tune.tuner.tracking import Tracker, pareto_front, plot_choice_map, plot_speed_vs_loss, retry, site_params
 
 
 def test_retry_retries_only_transient_errors() -> None:
@@ -60,7 +60,7 @@ class _FakeStudy:
 
 
 def _cfg(tmp_path: Path) -> SimpleNamespace:
-    from loka_tune.study import load_study
+    from loka_tune.tuner.study import load_study
 
     p = tmp_path / "trk.toml"
     p.write_text('[model]\nname = "dlrm"\n[data]\nsource = "synthetic"\n')

@@ -10,7 +10,14 @@ from pathlib import Path
 import pytest
 
 from loka_tune.errors import StudyError
-from loka_tune.study import load_study
+from loka_tune.space.candidates import SearchSpace
+from loka_tune.tuner import trial as trial_module
+from loka_tune.tuner.baseline import Baseline
+from loka_tune.tuner.build import make_model, make_source, trial_model
+from loka_tune.tuner.loop import run_study
+from loka_tune.tuner.prepare import no_fp8_reason
+from loka_tune.tuner.results import ATTR_BASELINE, ATTR_SPACE, best_trial, export_best
+from loka_tune.tuner.study import load_study
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
@@ -81,10 +88,8 @@ def _done(study):  # noqa: ANN001, ANN202
 
 @pytest.mark.slow
 def test_tiny_study_end_to_end_with_mlflow(tmp_path: Path) -> None:
-    from loka_tune import tune
-
     cfg = load_study(write_study(tmp_path, tracking="true"))
-    study = tune.run_study(cfg, tracking=True)
+    study = run_study(cfg, tracking=True)
     done = _done(study)
     assert len(done) == 4
     # the first trial is the enqueued all-bf16 config: the paired run reproduces the baseline exactly
@@ -98,14 +103,14 @@ def test_tiny_study_end_to_end_with_mlflow(tmp_path: Path) -> None:
         assert t.user_attrs["speed_source"] == "modeled"
         assert "config_key" in t.user_attrs
     # baseline and space are stored for other workers / resumes
-    bl = tune.Baseline.from_dict(study.user_attrs[tune.ATTR_BASELINE])
+    bl = Baseline.from_dict(study.user_attrs[ATTR_BASELINE])
     assert len(bl.eval_logloss) == 2 and bl.noise_floor_pct >= 0 and bl.speed_source == "modeled"
     assert (cfg.output_dir / "probe_report.json").is_file()
     # answer + export with provenance
-    best = tune.best_trial(study)
+    best = best_trial(study)
     assert best.user_attrs["feasible"] and best.value <= t0.value
     out = tmp_path / "best.json"
-    pc = tune.export_best(study, out)
+    pc = export_best(study, out)
     from loka_tune.config import PrecisionConfig
 
     loaded = PrecisionConfig.load(out)
@@ -116,7 +121,7 @@ def test_tiny_study_end_to_end_with_mlflow(tmp_path: Path) -> None:
     # the exported config applies to a fresh model
     from loka_tune.applier import apply
 
-    model = tune.make_model(cfg, tune.make_source(cfg))
+    model = make_model(cfg, make_source(cfg))
     summary = apply(model, str(out))
     assert summary.config_key == pc.key()
     # MLflow: one parent, one nested run per trial, metrics + the config artifact
@@ -142,12 +147,10 @@ def test_tiny_study_end_to_end_with_mlflow(tmp_path: Path) -> None:
 
 
 def test_resume_runs_no_completed_trial_again(tmp_path: Path) -> None:
-    from loka_tune import tune
-
     cfg = load_study(write_study(tmp_path, n_trials=3))
-    s1 = tune.run_study(cfg, tracking=False, progress=False)
+    s1 = run_study(cfg, tracking=False, progress=False)
     before = {t.number: (t.value, t.user_attrs["config_key"]) for t in _done(s1)}
-    s2 = tune.run_study(cfg, tracking=False, n_trials=5, progress=False)
+    s2 = run_study(cfg, tracking=False, n_trials=5, progress=False)
     after = {t.number: (t.value, t.user_attrs["config_key"]) for t in _done(s2)}
     assert len(after) == 5
     assert all(after[n] == v for n, v in before.items())  # kept as they were
@@ -157,8 +160,6 @@ def test_resume_runs_no_completed_trial_again(tmp_path: Path) -> None:
 
 def test_no_probe_and_no_enqueued_starts_leave_the_space_unpruned_and_the_sampler_alone(tmp_path: Path) -> None:
     """[probe] enabled = false + [trials] enqueue_starts = false: the plain-TPE arm of the search benchmark."""
-    from loka_tune import tune
-    from loka_tune.space.candidates import SearchSpace
 
     p = write_study(tmp_path, n_trials=2)
     text = p.read_text().replace("min_speedup = 0.0", "min_speedup = 1.0")  # the probe would drop slow ones
@@ -166,11 +167,11 @@ def test_no_probe_and_no_enqueued_starts_leave_the_space_unpruned_and_the_sample
                  .replace("[trials]\n", "[trials]\nenqueue_starts = false\n"))
     cfg = load_study(p)
     assert not cfg.probe.enabled and not cfg.trials.enqueue_starts
-    study = tune.run_study(cfg, tracking=False, progress=False)
+    study = run_study(cfg, tracking=False, progress=False)
     assert len(_done(study)) == 2
     assert not any("seeded" in t.user_attrs for t in study.trials)  # every trial came from the sampler
     assert not (cfg.output_dir / "probe_report.json").exists()
-    space = SearchSpace.from_dict(study.user_attrs[tune.ATTR_SPACE])
+    space = SearchSpace.from_dict(study.user_attrs[ATTR_SPACE])
     reasons = [why for sc in space.sites for d in sc.dropped.values() for why in d.values()]
     assert all(why.startswith("ineligible") for why in reasons)  # nothing unsafe / slow removed
     assert not any(sc.error or sc.speedup for sc in space.sites)
@@ -180,67 +181,87 @@ def test_no_probe_and_no_enqueued_starts_leave_the_space_unpruned_and_the_sample
                                                                       str(tmp_path / "runs" / "t2"))
                  .replace("n_trials = 2", "n_trials = 1"))
     cfg2 = load_study(p)
-    s2 = tune.run_study(cfg2, tracking=False, progress=False)
+    s2 = run_study(cfg2, tracking=False, progress=False)
     assert s2.trials[0].user_attrs["seeded"] == "all-bf16"
-    pruned = SearchSpace.from_dict(s2.user_attrs[tune.ATTR_SPACE])
+    pruned = SearchSpace.from_dict(s2.user_attrs[ATTR_SPACE])
     assert pruned.n_fp8_candidates() < space.n_fp8_candidates()
 
 
 def test_budget_below_noise_floor_is_refused_unless_forced(tmp_path: Path) -> None:
-    from loka_tune import tune
-
     cfg = load_study(write_study(tmp_path, budget=1e-6, n_trials=1))
     with pytest.raises(StudyError, match="noise floor"):
-        tune.run_study(cfg, tracking=False, progress=False)
+        run_study(cfg, tracking=False, progress=False)
     with pytest.warns(UserWarning, match="forced"):
-        study = tune.run_study(cfg, tracking=False, force=True, progress=False)
+        study = run_study(cfg, tracking=False, force=True, progress=False)
     assert len(_done(study)) == 1
 
 
 def test_user_model_given_as_module_function(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from loka_tune import tune
-
     monkeypatch.syspath_prepend(str(FIXTURES))
     model = 'name = "usermodel:build"\n[model.overrides]\nwidth = 64'
     cfg = load_study(write_study(tmp_path, name="user", model=model, n_trials=3))
-    study = tune.run_study(cfg, tracking=False, progress=False)
-    space = tune.SearchSpace.from_dict(study.user_attrs[tune.ATTR_SPACE])
+    study = run_study(cfg, tracking=False, progress=False)
+    space = SearchSpace.from_dict(study.user_attrs[ATTR_SPACE])
     assert "mlp.2" in space.site_names and "out" in space.site_names
     assert any(len(c) > 1 for sc in space.sites for c in sc.choices.values())
-    assert len(_done(study)) == 3 and tune.best_trial(study).user_attrs["feasible"]
+    assert len(_done(study)) == 3 and best_trial(study).user_attrs["feasible"]
 
 
 def test_failed_trial_is_recorded_and_the_study_goes_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from loka_tune import tune
     from loka_tune.errors import UnsupportedChoiceError
 
     cfg = load_study(write_study(tmp_path, n_trials=3))
-    real = tune.trial_model
+    real = trial_model
 
     def flaky(cfg_, source, config, **kw):  # noqa: ANN001, ANN003, ANN202
         if config.sites:  # every config with an FP8 site "cannot run here"
             raise UnsupportedChoiceError("no kernel for this choice on this device")
         return real(cfg_, source, config, **kw)
 
-    monkeypatch.setattr(tune, "trial_model", flaky)
-    study = tune.run_study(cfg, tracking=False, progress=False)
+    monkeypatch.setattr(trial_module, "trial_model", flaky)
+    study = run_study(cfg, tracking=False, progress=False)
     failed = [t for t in study.trials if t.state.name == "FAIL"]
     assert failed and all("unsupported" in t.user_attrs["fail_reason"] for t in failed)
-    assert len(_done(study)) == 3 and tune.best_trial(study).user_attrs["config"]["sites"] == {}
+    assert len(_done(study)) == 3 and best_trial(study).user_attrs["config"]["sites"] == {}
 
 
-def test_hopeless_pruner_rule() -> None:
-    from types import SimpleNamespace
+def _hopeless_rule(threshold_pct: float, warmup_steps: int, values: dict[int, float]) -> bool:
+    """The home-made HopelessPruner's rule, which Optuna's ThresholdPruner replaced."""
+    if not values:
+        return False
+    step = max(values)
+    if step < warmup_steps:
+        return False
+    v = values[step]
+    return not math.isfinite(v) or v > threshold_pct
 
-    from loka_tune.tune import HopelessPruner
 
-    p = HopelessPruner(threshold_pct=5.0, warmup_steps=4)
-    t = lambda vals: SimpleNamespace(last_step=max(vals) if vals else None, intermediate_values=vals)  # noqa: E731
-    assert not p.prune(None, t({}))
-    assert not p.prune(None, t({2: 100.0}))  # still warming up
-    assert not p.prune(None, t({4: 4.9}))
-    assert p.prune(None, t({4: 5.1}))
-    assert p.prune(None, t({8: float("nan")}))
+@pytest.mark.parametrize("warmup", [0, 4])
+def test_hopeless_pruner_decides_as_the_rule_it_replaced(tmp_path: Path, warmup: int) -> None:
+    import dataclasses
+
+    import optuna
+    from optuna.trial import TrialState
+
+    from loka_tune.tuner.optuna_setup import make_pruner
+
+    cfg = load_study(write_study(tmp_path, budget=0.5))
+    cfg = cfg.with_overrides(trials=dataclasses.replace(cfg.trials, prune_warmup_steps=warmup))
+    pruner = make_pruner(cfg)
+    assert isinstance(pruner, optuna.pruners.ThresholdPruner)
+    threshold = cfg.trials.hopeless_factor * cfg.objective.budget_pct  # 10 x 0.5% = 5%
+    study = optuna.create_study(pruner=pruner)
+    # what the loop reports: the window-loss gap in percent (>= -100), a non-finite gap as 1e9; -inf never
+    # reaches the pruner (there the two would differ: the old rule pruned it, ThresholdPruner does not)
+    values = [-100.0, -1.0, 0.0, 4.9, threshold, threshold + 1e-9, 5.1, 100.0, 1e9, math.nan, math.inf]
+    for v in values:
+        for steps in ([2], [4], [2, 4], [4, 8], [8], [2, 4, 8]):
+            trial = study.ask()
+            history = {s: 0.0 for s in steps[:-1]} | {steps[-1]: v}
+            for s, x in history.items():
+                trial.report(x, s)
+            assert trial.should_prune() == _hopeless_rule(threshold, warmup, history), (v, steps)
+            study.tell(trial, state=TrialState.PRUNED)
 
 
 def test_cli_tune_report_export(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -266,8 +287,8 @@ def test_cli_tune_report_export(tmp_path: Path, capsys: pytest.CaptureFixture[st
 
 def test_report_without_matplotlib_prints_the_leaderboard(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    from loka_tune import tracking
     from loka_tune.cli import main
+    from loka_tune.tuner import tracking
 
     p = write_study(tmp_path, n_trials=1)
     assert main(["tune", str(p), "--no-tracking"]) == 0
@@ -285,14 +306,12 @@ def test_report_without_matplotlib_prints_the_leaderboard(tmp_path: Path, capsys
 def test_no_fp8_reason_counts_the_drops_and_names_the_knob(tmp_path: Path) -> None:
     from types import SimpleNamespace
 
-    from loka_tune import tune
-
     cfg = load_study(write_study(tmp_path))
     space = SimpleNamespace(sites=[
         SimpleNamespace(dropped={"fwd": {"e4m3.row.emulated": "slow: speed-up 0.8 < min_speedup 1.0"},
                                  "wgrad": {"e4m3.row.emulated": "ineligible: K=13 not a multiple of 16"}}),
         SimpleNamespace(dropped={"fwd": {"e4m3.row.emulated": "slow: speed-up 0.9 < min_speedup 1.0"}}),
     ])
-    msg = tune.no_fp8_reason(space, cfg)
+    msg = no_fp8_reason(space, cfg)
     assert "2 slow, 1 ineligible" in msg and "min_speedup" in msg and "min_dim" in msg and "Mods only" in msg
     assert "unsafe" not in msg

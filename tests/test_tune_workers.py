@@ -34,12 +34,12 @@ def _study_file(tmp_path: Path, n_trials: int, storage: str = "") -> Path:
 # whole study between two polls of the test (the kill test needs a trial that is still running when it looks).
 _SLOW_CLI = """
 import sys, time
-import loka_tune.tune as tune
-_evaluate = tune.evaluate_config
+import loka_tune.tuner.loop as loop
+_evaluate = loop.evaluate_config
 def _slow(*a, **k):
     time.sleep(DELAY)
     return _evaluate(*a, **k)
-tune.evaluate_config = _slow
+loop.evaluate_config = _slow
 from loka_tune.cli import main
 sys.exit(main(sys.argv[1:]))
 """
@@ -55,7 +55,7 @@ def _worker(study: Path, *extra: str, trial_delay_s: float = 0.0) -> subprocess.
 def _load(study: Path):  # noqa: ANN202
     import optuna
 
-    from loka_tune.study import load_study
+    from loka_tune.tuner.study import load_study
 
     cfg = load_study(study)
     return optuna.load_study(study_name=cfg.name, storage=cfg.storage.url)
@@ -212,7 +212,7 @@ def test_orphan_trial_without_heartbeat_is_failed_and_requeued(tmp_path: Path) -
     from optuna.storages import RDBStorage, RetryFailedTrialCallback
     from optuna.trial import TrialState
 
-    from loka_tune.tune import _fail_stale
+    from loka_tune.tuner._workers import _fail_stale
 
     storage = RDBStorage(f"sqlite:///{tmp_path / 'o.db'}", heartbeat_interval=1, grace_period=2,
                          heartbeat_stale_trial_callback=RetryFailedTrialCallback(max_retry=2))

@@ -32,7 +32,7 @@ def open_existing(study_arg: str, storage: str | None):  # noqa: ANN201
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     if study_arg.endswith(".toml"):
-        from loka_tune.study import load_study
+        from loka_tune.tuner.study import load_study
 
         cfg = load_study(study_arg)
         name, url = cfg.name, storage or cfg.storage.url
@@ -54,7 +54,7 @@ def open_existing(study_arg: str, storage: str | None):  # noqa: ANN201
 
 
 def run(args: argparse.Namespace) -> int:
-    from loka_tune.tune import export_best
+    from loka_tune.tuner.results import export_best
 
     _cfg, study = open_existing(args.study, args.storage)
     config = export_best(study, args.out)

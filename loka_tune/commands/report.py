@@ -47,21 +47,21 @@ def run(args: argparse.Namespace) -> int:
 
     from loka_tune.commands.export import open_existing
     from loka_tune.space.candidates import SearchSpace
-    from loka_tune.tune import ATTR_BASELINE, ATTR_SPACE, leaderboard
+    from loka_tune.tuner.results import ATTR_BASELINE, ATTR_SPACE, ATTR_STUDY, leaderboard
 
     cfg, study = open_existing(args.study, args.storage)
     rows = leaderboard(study)
     for r in rows:
         r.setdefault("cached_from", None)
     bl = study.user_attrs.get(ATTR_BASELINE) or {}
-    st = study.user_attrs.get("loka.study") or {}
+    st = study.user_attrs.get(ATTR_STUDY) or {}
     budget = (st.get("objective") or {}).get("budget_pct")
     print(f"study {study.study_name!r}: {len(rows)} finished trials; baseline log loss"
           f" {(bl.get('eval_logloss') or [float('nan')])[0]:.5f}, noise floor {bl.get('noise_floor_pct', float('nan')):.4g}%,"
           f" budget {budget}%, speed {bl.get('speed_source')}")
     print(format_leaderboard(rows, limit=args.limit))
     if not args.no_plots and ATTR_SPACE in study.user_attrs:
-        from loka_tune.tracking import write_plots
+        from loka_tune.tuner.tracking import write_plots
 
         out = Path(args.out_dir) if args.out_dir else (cfg.output_dir if cfg is not None else Path("."))
         try:

@@ -95,6 +95,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--autocast", default="auto", choices=("auto", "bf16", "off"),
                    help="auto = bf16 on CUDA, fp32 on CPU (default: auto)")
     t.add_argument("--compile", action="store_true", help="torch.compile the model")
+    t.add_argument("--cuda-graphs", action="store_true",
+                   help="capture the whole training step in one CUDA graph and replay it (CUDA only)")
     t.add_argument("--cpu-threads", type=int, default=None, metavar="N",
                    help="torch CPU threads for the run (default: torch's; 1 is fastest for tiny "
                    "models on a busy machine)")
@@ -174,6 +176,7 @@ def run(args: argparse.Namespace) -> int:
         device=args.device,
         autocast=args.autocast,
         compile=args.compile,
+        cuda_graphs=args.cuda_graphs,
         sparse_optimizer=args.sparse_optimizer,
         cpu_threads=args.cpu_threads,
     )
@@ -189,11 +192,8 @@ def run(args: argparse.Namespace) -> int:
         **dict(args.model_arg),
     )
     if args.config is not None:
-        try:
-            from loka_tune.applier import apply
-        except ModuleNotFoundError as e:  # pragma: no cover - only in a partial checkout
-            raise ConfigError(f"cannot apply precision configs here ({e}): loka_tune.applier is "
-                              "missing from this installation", key="--config") from e
+        from loka_tune.applier import apply
+
         # apply on the run's device: GPU backends (and the fused Triton epilogue) check it
         model.to(resolve_device(cfg.device))
         summary = apply(model, args.config)

@@ -49,28 +49,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _load(args: argparse.Namespace):  # noqa: ANN202
-    from dataclasses import replace
-    from pathlib import Path
-
-    from loka_tune.study import load_study
+    from loka_tune.tuner.study import load_study
 
     cfg = load_study(args.study)
-    if args.out_dir:
-        out = Path(args.out_dir).resolve()
-        old = cfg.output_dir
-        storage = cfg.storage
-        tracking = cfg.tracking
-        if storage.url == f"sqlite:///{old / 'optuna.db'}":
-            storage = replace(storage, url=f"sqlite:///{out / 'optuna.db'}")
-        if tracking.uri == f"sqlite:///{old / 'mlflow.db'}":
-            tracking = replace(tracking, uri=f"sqlite:///{out / 'mlflow.db'}")
-        cfg = replace(cfg, study=replace(cfg.study, output_dir=out), storage=storage, tracking=tracking)
-    return cfg
+    return cfg.with_output_dir(args.out_dir) if args.out_dir else cfg
 
 
 def run(args: argparse.Namespace) -> int:
-    from loka_tune import tune
     from loka_tune.errors import StudyError
+    from loka_tune.tuner.loop import run_study
+    from loka_tune.tuner.optuna_setup import make_storage, open_study
+    from loka_tune.tuner.results import best_trial
 
     if args.workers < 1:
         raise StudyError(f"--workers must be >= 1, got {args.workers}")
@@ -80,13 +69,13 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.time()
     tracking = False if args.no_tracking else None
     if args.workers == 1:
-        study = tune.run_study(cfg, device=args.device, storage_url=args.storage, n_trials=args.n_trials,
-                               timeout_s=args.timeout, force=args.force, tracking=tracking,
-                               worker_index=args.worker_index)
+        study = run_study(cfg, device=args.device, storage_url=args.storage, n_trials=args.n_trials,
+                          timeout_s=args.timeout, force=args.force, tracking=tracking,
+                          worker_index=args.worker_index)
     else:
         # prepare once here (baseline, probe, space, first trials), then N workers share the trials
-        study = tune.run_study(cfg, device=args.device, storage_url=args.storage, n_trials=0,
-                               force=args.force, tracking=tracking, progress=False)
+        study = run_study(cfg, device=args.device, storage_url=args.storage, n_trials=0,
+                          force=args.force, tracking=tracking, progress=False)
         cmd = [sys.executable, "-m", "loka_tune", "tune", args.study]
         for flag, v in (("--device", args.device), ("--storage", args.storage), ("--n-trials", args.n_trials),
                         ("--timeout", args.timeout), ("--out-dir", args.out_dir)):
@@ -104,8 +93,8 @@ def run(args: argparse.Namespace) -> int:
         codes = [p.wait() for p in procs]
         if any(codes):
             print(f"loka-tune tune: worker exit codes {codes}", file=sys.stderr)
-        study = tune.open_study(cfg, tune.make_storage(cfg, args.storage))
-    best = tune.best_trial(study, raise_if_none=False)
+        study = open_study(cfg, make_storage(cfg, args.storage))
+    best = best_trial(study, raise_if_none=False)
     wall = time.time() - t0
     if best is None:
         print(f"study {cfg.name!r}: no feasible trial yet ({wall:.0f}s); see `loka-tune report {args.study}`")

@@ -1,0 +1,43 @@
+"""The tuner: a study file in, the fastest feasible precision config out.
+
+    load_study("study.toml") -> StudyConfig -> run_study(cfg) -> Optuna study -> export_best(study, "best.json")
+
+One module per job: ``study`` (the study file's schema; ``sections`` holds its tables),
+``build`` (data source, model, trainer config), ``baseline`` (bf16 reference runs, noise floor),
+``optuna_setup`` (storage, sampler, pruner), ``prepare`` (baseline + probe + pruned space +
+enqueued starts), ``trial`` (one configuration's evaluation), ``loop`` (ask/evaluate/tell,
+several workers; ``_workers`` holds heartbeats and duplicates), ``results`` (trial records,
+feasibility, best trial, leaderboard, export) and ``tracking`` (MLflow, which reads results).
+
+The names below are imported lazily, so ``import loka_tune.tuner`` stays light.
+"""
+
+from __future__ import annotations
+
+from loka_tune._lazy import lazy_module
+
+# public name -> module that defines it
+_LAZY = {
+    # the study file
+    "StudyConfig": "loka_tune.tuner.study",
+    "load_study": "loka_tune.tuner.study",
+    "parse_study": "loka_tune.tuner.study",
+    # the verbs
+    "run_study": "loka_tune.tuner.loop",
+    "best_trial": "loka_tune.tuner.results",
+    "leaderboard": "loka_tune.tuner.results",
+    "export_best": "loka_tune.tuner.results",
+    # the pieces a custom loop or benchmark reuses
+    "open_study": "loka_tune.tuner.optuna_setup",
+    "prepare_study": "loka_tune.tuner.prepare",
+    "evaluate_config": "loka_tune.tuner.trial",
+    "TrialRecord": "loka_tune.tuner.results",
+    "TrialOutcome": "loka_tune.tuner.trial",
+    "Baseline": "loka_tune.tuner.baseline",
+    "StudyContext": "loka_tune.tuner.prepare",
+}
+
+__all__ = list(_LAZY)
+
+
+__getattr__, __dir__ = lazy_module(__name__, _LAZY)

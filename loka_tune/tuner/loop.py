@@ -1,0 +1,188 @@
+"""The study loop: a probe-pruned Optuna search for the fastest precision config under a loss budget.
+
+One study, end to end (see ``docs/design.md``)::
+
+    StudyConfig ──> baseline: bf16 short runs on 2-3 seeds (the noise floor of relative log loss)
+                    + the Probe's online statistics during the first one
+                ──> space: sites x roles x candidates, pruned by the ProbeReport (unsafe / slow)
+                ──> enqueued: all-bf16, the Dispatch plan, all-FP8 at the fastest safe choices
+                    (unless ``[trials] enqueue_starts = false``)
+                ──> Optuna ask/tell (TPE with constraints, objective: step time)
+                    trial -> PrecisionConfig -> fresh model (same init) -> apply -> paired short run
+                          -> relative log loss vs the baseline, step time (measured or modeled)
+                ──> answer: the fastest feasible trial (``best_trial`` / ``export_best``)
+
+Scale-out: every worker runs :func:`run_study` on the same storage (``sqlite:///`` on one
+machine, ``postgresql://`` across machines). The first one computes the baseline and the
+space and stores them in the study's user attributes; the others (and every resume) reuse
+them. Heartbeats mark a killed worker's trial failed and re-queue it; a configuration is
+evaluated once (trials carry their config key; a repeated key copies the earlier result).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import time
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+from loka_tune.config import PrecisionConfig
+from loka_tune.space.encode import config_from_params, distributions
+from loka_tune.tuner._workers import _fail_stale, _find_duplicate, _Heartbeat, _n_counted, _wait_for
+from loka_tune.tuner.build import _log, resolve_device
+from loka_tune.tuner.optuna_setup import make_storage, open_study, set_constraint
+from loka_tune.tuner.prepare import StudyContext, prepare_study
+from loka_tune.tuner.results import STATES_DONE, TrialRecord, best_trial
+from loka_tune.tuner.study import StudyConfig
+from loka_tune.tuner.tracking import Tracker
+from loka_tune.tuner.trial import evaluate_config
+
+__all__ = ["run_study"]
+
+
+def run_study(cfg: StudyConfig, *, device: str | None = None, storage_url: str | None = None,
+              n_trials: int | None = None, timeout_s: float | None = None, force: bool = False,
+              tracking: bool | None = None, worker_id: str | None = None, worker_index: int = 0,
+              progress: bool = True) -> Any:
+    """Run (or join, or resume) the study: prepare it, then ask/evaluate/tell until the trial
+    budget is spent. Returns the Optuna study. Safe to run in several processes at once."""
+    import optuna
+
+    dev = resolve_device(device or cfg.training.device)
+    storage = make_storage(cfg, storage_url)
+    study = open_study(cfg, storage, worker_index=worker_index)
+    n_total = n_trials if n_trials is not None else cfg.trials.n_trials
+    timeout = timeout_s if timeout_s is not None else cfg.trials.timeout_s
+    tracker = None
+    if tracking is not False and cfg.tracking.enabled is not False:
+        tracker = Tracker.for_study(cfg, study, required=(cfg.tracking.enabled is True or tracking is True))
+    ctx = prepare_study(cfg, study, device=dev, force=force, tracker=tracker)
+    dists = distributions(ctx.space)
+    budget = cfg.objective.budget_pct
+    t_start = time.time()
+    worker = worker_id or f"{platform.node()}:{os.getpid()}"
+    while True:
+        if timeout is not None and time.time() - t_start > timeout:
+            break
+        _fail_stale(study, grace_s=cfg.storage.grace_s)
+        done, running = _n_counted(study.get_trials(deepcopy=False))
+        if n_total is not None and done + running >= n_total:
+            if done >= n_total:
+                break
+            # others are finishing the last trials; a dead one's trial will be re-queued
+            time.sleep(min(cfg.storage.heartbeat_s, 2.0))
+            continue
+        with warnings.catch_warnings():  # heartbeats are recorded by _Heartbeat below, not by optimize()
+            warnings.filterwarnings("ignore", message="Heartbeat of storage")
+            trial = study.ask(fixed_distributions=dists)
+        try:
+            # the first beat is recorded on entering (see _fail_stale for the gap before it)
+            with _Heartbeat(storage, trial._trial_id, cfg.storage.heartbeat_s):
+                end = _one_trial(ctx, study, trial, worker, budget)
+        except optuna.exceptions.UpdateFinishedTrialError:
+            # another worker saw this trial's heartbeat go stale (this process was stalled for
+            # longer than [storage] grace_s), failed it and re-queued its configuration: drop
+            # our copy and go on with the next trial.
+            _log(f"trial {trial.number}: taken over by another worker after a stale heartbeat"
+                 f" (raise [storage] grace_s above {cfg.storage.grace_s}s if this machine stalls); skipped")
+            continue
+        if tracker is not None:
+            tracker.log_trial(trial.number, end.params, end.config, end.attrs, end.state, ctx)
+        if progress:
+            _log(_progress_line(ctx, trial.number, n_total, end.attrs, end.state))
+    if tracker is not None:
+        tracker.finish(ctx)
+    return study
+
+
+@dataclass(frozen=True)
+class _TrialEnd:
+    """What one trial came to: its state as told, the attributes its end wrote, its parameters and config."""
+
+    state: str  # "COMPLETE", "PRUNED" or "FAIL"
+    attrs: Mapping[str, Any]
+    params: Mapping[str, Any]
+    config: PrecisionConfig
+
+
+def _one_trial(ctx: StudyContext, study: Any, trial: Any, worker: str, budget: float) -> _TrialEnd:
+    """Evaluate (or copy from an earlier trial of the same config) one asked trial and tell the study."""
+    from optuna.trial import TrialState
+
+    grace = ctx.cfg.storage.grace_s
+    params = dict(trial.params)
+    config = config_from_params(ctx.space, params)
+    start = TrialRecord(config_key=config.key(), config=json.loads(config.to_json()), budget_pct=budget,
+                        worker=worker, speed_source=ctx.speed)
+    for k, v in start.start_attrs().items():
+        trial.set_user_attr(k, v)
+    dup = _find_duplicate(study, config.key(), trial.number)
+    if dup is not None and dup.state == TrialState.RUNNING:
+        dup = _wait_for(study, dup.number, poll_s=1.0, limit_s=max(60.0, 4 * grace + 600), grace_s=grace)
+    if dup is not None:
+        state, attrs = _tell_copy(study, trial, dup, budget)
+    else:
+        state, attrs = _tell_evaluated(ctx, study, trial, config, budget)
+    return _TrialEnd(state, attrs, params, config)
+
+
+def _tell_copy(study: Any, trial: Any, dup: Any, budget: float) -> tuple[str, dict[str, Any]]:
+    """The earlier trial ``dup``'s result (and its budget and speed source) as this trial's: a cache hit."""
+    from optuna.trial import TrialState
+
+    earlier = TrialRecord.of(dup)
+    attrs = {"budget_pct": earlier.budget_pct, "speed_source": earlier.speed_source,
+             **replace(earlier, cache_hit=True, cached_from=dup.number).result_attrs()}
+    for k, v in attrs.items():
+        trial.set_user_attr(k, v)
+    set_constraint(trial, attrs["rel_logloss_pct"], budget)
+    if dup.state == TrialState.COMPLETE:
+        study.tell(trial, dup.value)
+    else:
+        study.tell(trial, state=dup.state)
+    return dup.state.name, attrs
+
+
+def _tell_evaluated(ctx: StudyContext, study: Any, trial: Any, config: PrecisionConfig,
+                    budget: float) -> tuple[str, dict[str, Any]]:
+    """Evaluate ``config`` (the pruner watching its loss windows) and tell the study."""
+    from optuna.trial import TrialState
+
+    def report(step: int, rel: float) -> bool:
+        trial.report(rel if math.isfinite(rel) else 1e9, step)  # a non-finite gap: hopeless
+        return trial.should_prune()
+
+    outcome = evaluate_config(ctx, config, report=report)
+    record = TrialRecord(**outcome.attrs(), feasible=outcome.feasible(budget), cache_hit=False,
+                         fail_reason=outcome.reason if outcome.status == "failed" else None)
+    attrs = record.result_attrs()
+    for k, v in attrs.items():
+        trial.set_user_attr(k, v)
+    set_constraint(trial, record.rel_logloss_pct, budget)
+    if outcome.status == "ok":
+        study.tell(trial, outcome.step_time_s)
+        return "COMPLETE", attrs
+    state = TrialState.PRUNED if outcome.status == "pruned" else TrialState.FAIL
+    study.tell(trial, state=state)
+    return state.name, attrs
+
+
+def _progress_line(ctx: StudyContext, number: int, n_total: int | None, attrs: Mapping[str, Any],
+                   state: str) -> str:
+    done = [t for t in ctx.study.get_trials(deepcopy=False) if t.state.name in STATES_DONE]
+    feasible = sum(1 for t in done if TrialRecord.of(t).feasible)
+    b = best_trial(ctx.study, raise_if_none=False)
+    best_s = f"{TrialRecord.of(b).speedup:.3f}x" if b is not None else "-"
+    r = TrialRecord.from_attrs(attrs)
+    rel, sp = r.rel_logloss_pct, r.speedup
+    tag = " (cache)" if r.cache_hit else ""
+    what = (f"rel.LL {rel:+.4f}%  speed-up {sp:.3f}x" if state == "COMPLETE" and rel is not None and sp is not None
+            else f"{state.lower()}: {r.fail_reason or r.reason or ''}")
+    of_total = f"/{n_total}" if n_total else ""
+    return (f"[loka-tune] trial {number + 1}{of_total}  {what}{tag}  | best {best_s} ({ctx.speed})"
+            f"  feasible {feasible}/{len(done)}")

@@ -1,0 +1,129 @@
+"""The study's Optuna objects: the RDB storage with heartbeats, the constrained TPE sampler, the
+pruner, and the study itself (created by the first worker, loaded by the others).
+
+The loss constraint reaches the sampler through ``Trial.set_constraint`` (Optuna >= 5) or,
+before that, a ``constraints_func`` reading the trial's record; both use
+:func:`loka_tune.tuner.results.constraint`. Optuna is imported inside the functions.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from loka_tune.tuner.results import TrialRecord, constraint
+from loka_tune.tuner.study import StudyConfig
+
+__all__ = ["make_storage", "make_sampler", "make_pruner", "open_study", "set_constraint"]
+
+CONSTRAINT_NAME = "rel_logloss_minus_budget_pct"
+
+
+def _retry_db(fn: Callable[[], Any], tries: int = 8) -> Any:
+    """Retry ``fn`` while workers race to create the same tables / study ("already exists", locks)."""
+    for i in range(tries):
+        try:
+            return fn()
+        except Exception as e:  # sqlalchemy IntegrityError / OperationalError / optuna DuplicatedStudyError
+            msg = str(e).lower()
+            if i == tries - 1 or not any(w in msg for w in ("already exists", "duplicate", "locked", "unique")):
+                raise
+            time.sleep(0.2 * (i + 1))
+    raise AssertionError("unreachable")
+
+
+def make_storage(cfg: StudyConfig, url: str | None = None) -> Any:
+    """The Optuna RDB storage with heartbeats; a dead worker's trial is failed and re-queued."""
+    return _retry_db(lambda: _make_storage(cfg, url))
+
+
+def _make_storage(cfg: StudyConfig, url: str | None = None) -> Any:
+    import optuna
+
+    url = url or cfg.storage.url
+    engine_kwargs: dict[str, Any] = {}
+    if url.startswith("sqlite:///"):
+        Path(url[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
+        engine_kwargs = {"connect_args": {"timeout": 60}}  # wait on a locked SQLite file
+    else:
+        engine_kwargs = {"pool_pre_ping": True}
+    retry_cb = getattr(optuna.storages, "RetryHeartbeatStaleTrialCallback", None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        warnings.simplefilter("ignore", FutureWarning)
+        if retry_cb is not None:  # optuna >= 4.9
+            return optuna.storages.RDBStorage(
+                url, engine_kwargs=engine_kwargs, heartbeat_interval=cfg.storage.heartbeat_s,
+                grace_period=cfg.storage.grace_s,
+                heartbeat_stale_trial_callback=retry_cb(max_retry=cfg.storage.max_retry))
+        return optuna.storages.RDBStorage(
+            url, engine_kwargs=engine_kwargs, heartbeat_interval=cfg.storage.heartbeat_s,
+            grace_period=cfg.storage.grace_s,
+            failed_trial_callback=optuna.storages.RetryFailedTrialCallback(max_retry=cfg.storage.max_retry))
+
+
+@functools.cache
+def _has_set_constraint() -> bool:
+    import optuna
+
+    return hasattr(optuna.trial.Trial, "set_constraint")
+
+
+def set_constraint(trial: Any, rel_pct: float | None, budget: float) -> None:
+    """Record the trial's loss constraint for the sampler (Optuna >= 5; older ones read
+    :func:`_constraints` instead)."""
+    if _has_set_constraint():
+        trial.set_constraint(CONSTRAINT_NAME, constraint(rel_pct, budget))
+
+
+def _constraints(frozen: Any) -> Sequence[float]:
+    """The sampler's ``constraints_func`` before Optuna 5: the constraint from the trial's record."""
+    return (TrialRecord.of(frozen).constraint,)
+
+
+def make_pruner(cfg: StudyConfig) -> Any:
+    """The Optuna pruner of ``trials.pruner``.
+
+    "hopeless": prune a trial whose latest windowed training loss is ``hopeless_factor`` x the
+    budget above the baseline's at the same step (the intermediate values are that relative gap,
+    in percent; the loop reports a non-finite one as 1e9): Optuna's ThresholdPruner.
+    """
+    import optuna
+
+    if cfg.trials.pruner == "none":
+        return optuna.pruners.NopPruner()
+    if cfg.trials.pruner == "median":
+        return optuna.pruners.MedianPruner(n_startup_trials=3, n_warmup_steps=cfg.trials.prune_warmup_steps)
+    return optuna.pruners.ThresholdPruner(upper=cfg.trials.hopeless_factor * cfg.objective.budget_pct,
+                                          n_warmup_steps=cfg.trials.prune_warmup_steps)
+
+
+def make_sampler(cfg: StudyConfig, *, worker_index: int = 0) -> Any:
+    """TPE with the loss constraint, seeded per worker (``study.seed + 7919 x worker_index``)."""
+    import optuna
+
+    kw: dict[str, Any] = {}
+    if not _has_set_constraint():  # optuna < 5: the sampler reads the constraint through constraints_func
+        kw["constraints_func"] = _constraints
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        return optuna.samplers.TPESampler(seed=cfg.study.seed + 7919 * worker_index,
+                                          n_startup_trials=cfg.trials.n_startup_trials,
+                                          multivariate=True, constant_liar=True, **kw)
+
+
+def open_study(cfg: StudyConfig, storage: Any | None = None, *, study_name: str | None = None,
+               worker_index: int = 0) -> Any:
+    """Create or load the study (TPE with the loss constraint, the study's pruner)."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    storage = storage or make_storage(cfg)
+    sampler = make_sampler(cfg, worker_index=worker_index)
+    return _retry_db(lambda: optuna.create_study(storage=storage, study_name=study_name or cfg.name,
+                                                 direction="minimize", sampler=sampler, pruner=make_pruner(cfg),
+                                                 load_if_exists=True))

@@ -1,0 +1,205 @@
+"""Preparing a study: the baseline, the probe, the search space it prunes, the enqueued starts.
+
+The first worker computes them and stores the baseline and the space in the study's user
+attributes; every other worker (and every resume) loads them, so all share one space. Two
+workers racing to prepare each work in a private folder; the loser drops its result and loads
+the winner's.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from loka_tune.config import ROLES, GemmChoice
+from loka_tune.errors import UnsupportedChoiceError
+from loka_tune.space.candidates import (
+    BF16_ID,
+    SearchSpace,
+    SiteChoices,
+    build_space,
+    enumerate_candidates,
+    prune_by_probe,
+)
+from loka_tune.space.encode import distributions, mods_dims, params_from_config, params_picking
+from loka_tune.space.sites import Site, discover_sites
+from loka_tune.tuner.baseline import Baseline, check_budget, price_baseline, run_baseline
+from loka_tune.tuner.build import _first_batch, _log, make_model, make_source, speed_source
+from loka_tune.tuner.results import ATTR_BASELINE, ATTR_SPACE, ATTR_STUDY
+from loka_tune.tuner.study import StudyConfig
+
+__all__ = ["StudyContext", "prepare_study", "no_fp8_reason"]
+
+
+@dataclass
+class StudyContext:
+    """Everything a worker needs to evaluate trials of a prepared study."""
+
+    cfg: StudyConfig
+    study: Any
+    source: Any
+    baseline: Baseline
+    space: SearchSpace
+    device: str
+    speed: str
+    tracker: Any = None
+    batch: Any = None  # one training batch on the CPU (site shapes for the cost model)
+
+
+def no_fp8_reason(space: SearchSpace, cfg: StudyConfig) -> str:
+    """Why a space has no FP8 candidate left: the counts of the drop reasons, and what to change."""
+    kinds: Counter[str] = Counter()
+    for sc in space.sites:
+        for why in (w for d in sc.dropped.values() for w in d.values()):
+            kinds[why.split(":", 1)[0]] += 1
+    parts = ", ".join(f"{n} {k}" for k, n in kinds.most_common()) or "no candidate at all"
+    hint = []
+    if kinds.get("slow"):
+        hint.append(f"no FP8 choice is predicted faster than bf16 at these GEMM shapes (cost batch"
+                    f" {cfg.cost_batch_size} rows, probe.min_speedup {cfg.probe.min_speedup}): FP8 pays off on"
+                    " wide layers (>= 2048) and large batches; lower probe.min_speedup to explore anyway")
+    if kinds.get("unsafe"):
+        hint.append(f"some choices exceed probe.max_error {cfg.probe.max_error}")
+    if not kinds or kinds.get("ineligible"):
+        hint.append("layers narrower than space.min_dim or not aligned to space.align take no FP8")
+    return (f"no FP8 candidate is left ({parts} site x GEMM x choice dropped): " + "; ".join(hint)
+            + ". The search explores the Mods only.")
+
+
+def _probe_report(cfg: StudyConfig, stats: Any, candidates: Mapping[str, list[GemmChoice]], device: str,
+                  out: Path) -> Any:
+    from loka_tune.probe import measure
+
+    flat: list[GemmChoice] = []
+    for cs in candidates.values():
+        for c in cs:
+            if c not in flat:
+                flat.append(c)
+    # speed at the batch the objective is priced at (cost_batch_size, default the training batch)
+    scale = cfg.cost_batch_size / cfg.training.batch_size
+    report = measure(stats, flat, samples=cfg.probe.samples, device=device, cost_device=cfg.objective.cost_device,
+                     speed_row_scale=scale)
+    report.save(out)
+    return report
+
+
+def _prune(cfg: StudyConfig, space: SearchSpace, report: Any, speed: str) -> SearchSpace:
+    """The space without the candidates the probe calls unsafe or slow (modeled speed: the cost model's)."""
+    speedup_fn = None
+    if speed == "modeled":
+        from loka_tune.kernels.costmodel import modeled_speedup
+
+        def speedup_fn(site: Site, role: str, cid: str) -> float:
+            m, k, n = site.shape(role, cfg.cost_batch_size)
+            try:
+                return modeled_speedup(cid, m, k, n, role, cfg.objective.cost_device)
+            except UnsupportedChoiceError:
+                return 0.0
+    primary = report.select(report.primary_dist) if hasattr(report, "select") else report
+    return prune_by_probe(space, primary.results, max_error=cfg.probe.max_error,
+                          min_speedup=cfg.probe.min_speedup, speedup=speedup_fn)
+
+
+def _fastest_safe(sc: SiteChoices, role: str, choices: tuple[str, ...]) -> str:
+    fp8 = [c for c in choices if c != BF16_ID]
+    if not fp8:
+        return BF16_ID
+    roles = [r.value for r in ROLES] if role == "all" else [role]
+
+    def score(c: str) -> float:
+        sp = [s for s in (sc.speedup.get(r, {}).get(c) for r in roles) if s is not None]
+        return sum(sp) / len(sp) if sp else 1.0
+
+    return max(fp8, key=score)
+
+
+def _starts(cfg: StudyConfig, space: SearchSpace, report: Any) -> list[tuple[str, dict[str, Any]]]:
+    """The first trials (unless ``[trials] enqueue_starts = false``: then the sampler picks every
+    trial): all-bf16, the Dispatch plan (with a probe report), all-FP8 at the fastest safe choices."""
+    if not cfg.trials.enqueue_starts:
+        return []
+    starts = [("all-bf16", params_picking(space, lambda sc, r, ch: BF16_ID))]
+    if report is not None:
+        from loka_tune.dispatch import build_plan
+
+        plan = build_plan(report, max_error=cfg.probe.max_error, min_speedup=max(cfg.probe.min_speedup, 1.0))
+        if plan is not None:
+            params, _notes = params_from_config(space, plan)
+            starts.append(("dispatch", params))
+    starts.append(("all-fp8-fastest-safe", params_picking(space, _fastest_safe)))
+    return starts
+
+
+def _loaded(cfg: StudyConfig, study: Any, *, force: bool) -> tuple[Baseline, SearchSpace]:
+    attrs = study.user_attrs
+    baseline = Baseline.from_dict(attrs[ATTR_BASELINE])
+    space = SearchSpace.from_dict(attrs[ATTR_SPACE])
+    _log(f"[loka-tune] study {cfg.name!r}: reusing its baseline (log loss {baseline.logloss:.5f}, noise floor"
+         f" {baseline.noise_floor_pct:.3g}%) and space ({len(space.sites)} sites)")
+    check_budget(cfg, baseline, force=force)
+    return baseline, space
+
+
+def _prepared(study: Any) -> bool:
+    return ATTR_BASELINE in study.user_attrs and ATTR_SPACE in study.user_attrs
+
+
+def prepare_study(cfg: StudyConfig, study: Any, *, device: str, force: bool = False,
+                  tracker: Any = None) -> StudyContext:
+    """Load the study's baseline and space, computing (and storing) them if this is the first worker."""
+    source = make_source(cfg)
+    speed = speed_source(cfg, device)
+    batch = _first_batch(source, cfg, max_rows=64)  # shapes per example: a small CPU batch is enough
+    if _prepared(study):
+        baseline, space = _loaded(cfg, study, force=force)
+        return StudyContext(cfg, study, source, baseline, space, device, speed, tracker, batch)
+
+    out = cfg.output_dir
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    prep = out / f".prepare-{os.getpid()}"  # private: two workers racing to prepare never share a file
+    prep.mkdir(parents=True, exist_ok=True)
+    baseline, stats, _model = run_baseline(cfg, source, device, force=force, probe_out=prep / "probe_stats.json")
+    check_budget(cfg, baseline, force=force)
+
+    # sites on a fresh (unapplied) model, candidates, eligibility
+    sites = discover_sites(make_model(cfg, source), batch.dense, batch.sparse)
+    candidates = enumerate_candidates(cfg.space.backends, cfg.space.formats, cfg.space.granularities,
+                                      cfg.space.roundings, device=device)
+    space = build_space(sites, candidates, batch_size=cfg.training.batch_size, align=cfg.space.align,
+                        min_dim=cfg.space.min_dim, device=device, per_role=cfg.space.per_role,
+                        mods=mods_dims(cfg.space.mods, blocknorm_sizes=cfg.space.blocknorm_sizes,
+                                       pad_multiples=cfg.space.pad_multiples))
+    baseline = price_baseline(cfg, baseline, source, batch, speed=speed, device=device)
+    report = None
+    if stats is not None:
+        report = _probe_report(cfg, stats, candidates, device, prep / "probe_report.json")
+        space = _prune(cfg, space, report, speed)
+    n_fp8 = space.n_fp8_candidates()
+    _log(f"[loka-tune] space: {len(space.sites)} sites, {n_fp8} FP8 candidates after pruning,"
+         f" {len(distributions(space))} parameters ({time.perf_counter() - t0:.1f}s to prepare)")
+    if n_fp8 == 0:
+        _log("[loka-tune] " + no_fp8_reason(space, cfg))
+
+    # store, unless another worker was faster (then use theirs: every worker must share one space)
+    if _prepared(study):
+        shutil.rmtree(prep, ignore_errors=True)
+        return prepare_study(cfg, study, device=device, force=force, tracker=tracker)
+    for f in prep.iterdir():  # publish the probe files
+        os.replace(f, out / f.name)
+    prep.rmdir()
+    study.set_user_attr(ATTR_SPACE, space.to_dict())
+    study.set_user_attr(ATTR_STUDY, cfg.to_dict())
+    study.set_user_attr(ATTR_BASELINE, baseline.to_dict())
+    ctx = StudyContext(cfg, study, source, baseline, space, device, speed, tracker, batch)
+    for label, params in _starts(cfg, space, report):
+        study.enqueue_trial(params, user_attrs={"seeded": label}, skip_if_exists=True)
+    if tracker is not None:
+        tracker.log_baseline(baseline, space, out / "probe_report.json" if report is not None else None)
+    return ctx

@@ -1,0 +1,204 @@
+"""What a study leaves behind and the answers read from it: the trial records, feasibility,
+the best trial, the leaderboard and the exported config.
+
+A trial's record lives in its Optuna user attributes (a flat JSON dict); :class:`TrialRecord`
+is its typed form. The loop writes it; this module, ``loka-tune report``/``export`` and MLflow
+tracking read it. Feasibility is one rule, :func:`constraint`: relative log loss - budget <= 0.
+"""
+
+from __future__ import annotations
+
+import math
+import platform
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from loka_tune.config import ModsConfig, PrecisionConfig
+from loka_tune.errors import LokaError, StudyError
+
+__all__ = ["ATTR_BASELINE", "ATTR_SPACE", "ATTR_STUDY", "STATES_DONE", "TrialRecord", "constraint",
+           "best_trial", "leaderboard", "export_best", "study_summary"]
+
+ATTR_BASELINE = "loka.baseline"  # study user attr: the Baseline JSON
+ATTR_SPACE = "loka.space"  # study user attr: the SearchSpace JSON
+ATTR_STUDY = "loka.study"  # study user attr: the StudyConfig summary
+STATES_DONE = ("COMPLETE", "PRUNED", "FAIL")
+INFEASIBLE = 1e9  # the constraint of an unknown (or non-finite) loss: Optuna wants a finite number
+
+
+def constraint(rel_logloss_pct: float | None, budget_pct: float | None) -> float:
+    """The loss constraint of a trial: relative log loss - budget (feasible when <= 0); an unknown
+    loss or budget is infeasible (:data:`INFEASIBLE`)."""
+    if budget_pct is None or rel_logloss_pct is None or not math.isfinite(rel_logloss_pct):
+        return INFEASIBLE
+    return float(rel_logloss_pct) - float(budget_pct)
+
+
+# the record's keys written when a trial starts; other workers find a running duplicate by config_key
+_START_KEYS = ("config_key", "config", "budget_pct", "worker", "speed_source")
+# keys present only when set (their presence means something: failed by the config, a cache copy, enqueued)
+_OPTIONAL_KEYS = ("fail_reason", "cached_from", "seeded")
+
+
+@dataclass(frozen=True)
+class TrialRecord:
+    """One trial's user attributes, typed; None where an attribute is absent, or a float was not
+    measured (or not finite).
+
+    Written when the trial starts: ``config_key``, ``config`` (the PrecisionConfig's dict),
+    ``budget_pct``, ``worker``, ``speed_source``; ``seeded`` by the enqueued starts ("all-bf16",
+    "dispatch", "all-fp8-fastest-safe"). Written when it ends: what evaluating it gave
+    (``status`` "ok" / "pruned" / "failed", the metrics, ``reason``, ``steps_run``, ``wall_s``),
+    ``feasible``, ``cache_hit`` (copied from ``cached_from``, an earlier trial of the same
+    config) and, for a trial its config failed, ``fail_reason``.
+    """
+
+    config_key: str | None = None
+    config: Mapping[str, Any] = field(default_factory=dict)
+    budget_pct: float | None = None
+    worker: str | None = None
+    speed_source: str | None = None
+    seeded: str | None = None
+    status: str | None = None
+    rel_logloss_pct: float | None = None
+    step_time_s: float | None = None
+    speedup: float | None = None
+    eval_logloss: float | None = None
+    eval_ne: float | None = None
+    eval_auc: float | None = None
+    measured_step_time_s: float | None = None
+    reason: str | None = None
+    steps_run: int | None = None
+    wall_s: float | None = None
+    feasible: bool = False
+    cache_hit: bool = False
+    fail_reason: str | None = None
+    cached_from: int | None = None
+
+    @classmethod
+    def of(cls, trial: Any) -> TrialRecord:
+        """The record of an Optuna (frozen) trial."""
+        return cls.from_attrs(trial.user_attrs)
+
+    @classmethod
+    def from_attrs(cls, attrs: Mapping[str, Any]) -> TrialRecord:
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in attrs.items() if k in known})
+
+    def start_attrs(self) -> dict[str, Any]:
+        """The attributes written when the trial starts."""
+        return {k: getattr(self, k) for k in _START_KEYS}
+
+    def result_attrs(self) -> dict[str, Any]:
+        """The attributes written when it ends (what its evaluation, or the copied one, gave)."""
+        skip = set(_START_KEYS) | {"seeded"}
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if f.name not in skip and not (f.name in _OPTIONAL_KEYS and getattr(self, f.name) is None)}
+
+    @property
+    def counts(self) -> bool:
+        """A FAIL that counts as a finished trial: its config failed (the trial of a dead worker
+        is failed without a reason, re-queued and not counted)."""
+        return self.fail_reason is not None
+
+    @property
+    def constraint(self) -> float:
+        return constraint(self.rel_logloss_pct, self.budget_pct)
+
+
+def best_trial(study: Any, *, raise_if_none: bool = True) -> Any:
+    """The fastest feasible completed trial (the study's answer)."""
+    from optuna.trial import TrialState
+
+    ok = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+          if TrialRecord.of(t).feasible and t.value is not None]
+    if not ok:
+        if raise_if_none:
+            raise StudyError(f"study {study.study_name!r} has no feasible trial yet: run more trials, raise"
+                             " objective.budget_pct, or look at `loka-tune report` for the closest ones")
+        return None
+    # ties (same modeled time) go to the lower relative log loss, then the earlier trial
+    return min(ok, key=lambda t: (t.value, TrialRecord.of(t).rel_logloss_pct or 0.0, t.number))
+
+
+def leaderboard(study: Any, *, limit: int | None = None) -> list[dict[str, Any]]:
+    """Finished trials, feasible ones first by step time, then the rest by relative log loss."""
+    rows = []
+    for t in study.get_trials(deepcopy=False):
+        if t.state.name not in STATES_DONE:
+            continue
+        r = TrialRecord.of(t)
+        n_fp8 = sum(1 for s in (r.config.get("sites") or {}).values() for v in s.values() if not v.startswith("bf16"))
+        rows.append({"trial": t.number, "state": t.state.name, "feasible": bool(r.feasible),
+                     "step_time_s": t.value, "speedup": r.speedup, "rel_logloss_pct": r.rel_logloss_pct,
+                     "eval_ne": r.eval_ne, "eval_auc": r.eval_auc, "cache_hit": bool(r.cache_hit),
+                     "fp8_gemms": n_fp8, "mods": (r.config.get("mods") and _mods_str(r.config["mods"])) or "none",
+                     "reason": r.fail_reason or "", "seeded": "" if r.seeded is None else r.seeded,
+                     "cached_from": r.cached_from})
+
+    def order(r: dict[str, Any]) -> tuple:
+        if r["feasible"]:
+            return (0, r["step_time_s"])
+        rel = r["rel_logloss_pct"]
+        return (1 if r["state"] == "COMPLETE" else 2, rel if rel is not None else math.inf)
+
+    rows.sort(key=order)
+    return rows[:limit] if limit else rows
+
+
+def _mods_str(d: Mapping[str, Any]) -> str:
+    try:
+        return ModsConfig.from_dict(d).short_str()
+    except LokaError:
+        return "?"
+
+
+def study_summary(study: Any) -> dict[str, Any]:
+    attrs = study.user_attrs
+    return {"baseline": attrs.get(ATTR_BASELINE), "study": attrs.get(ATTR_STUDY)}
+
+
+def export_best(study: Any, out: str | Path | None = None) -> PrecisionConfig:
+    """The best feasible trial's PrecisionConfig with its provenance (written to ``out`` if given)."""
+    import optuna
+    import torch
+
+    from loka_tune import __version__
+
+    t = best_trial(study)
+    r = TrialRecord.of(t)
+    config = PrecisionConfig.from_dict(r.config)
+    bl = study.user_attrs.get(ATTR_BASELINE) or {}
+    st = study.user_attrs.get(ATTR_STUDY) or {}
+    objective, training = st.get("objective") or {}, st.get("training") or {}
+    prov = {
+        "study": study.study_name,
+        "trial": t.number,
+        "step_time_s": t.value,
+        "speedup": r.speedup,
+        "speed_source": r.speed_source,
+        "rel_logloss_pct": r.rel_logloss_pct,
+        "budget_pct": r.budget_pct,
+        "eval_logloss": r.eval_logloss,
+        "eval_ne": r.eval_ne,
+        "eval_auc": r.eval_auc,
+        "baseline_logloss": (bl.get("eval_logloss") or [None])[0],
+        "baseline_step_time_s": bl.get("step_time_s"),
+        "noise_floor_pct": bl.get("noise_floor_pct"),
+        "device": bl.get("device"),
+        "cost_device": objective.get("cost_device"),
+        "cost_batch_size": objective.get("cost_batch_size") or training.get("batch_size"),
+        "model": st.get("model"),
+        "data": (st.get("data") or {}).get("source"),
+        "objective": objective.get("kind"),
+        "versions": {"loka_tune": __version__, "torch": torch.__version__, "optuna": optuna.__version__,
+                     "python": platform.python_version()},
+        "exported_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    config = config.with_provenance(**prov)
+    if out is not None:
+        config.save(out)
+    return config

@@ -1,0 +1,456 @@
+"""The sections of a study file: one frozen dataclass per TOML table, each reading and checking
+its own table (``from_table``), next to its fields and their defaults.
+
+The layout of a whole study file, with every key, is in :mod:`loka_tune.tuner.study`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import MISSING, asdict, dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from loka_tune._toml import Table, json_scalar_tree, plain_fields, read_plain, rekeyed
+from loka_tune.config import Format, Granularity
+from loka_tune.errors import ConfigError
+
+if TYPE_CHECKING:
+    from loka_tune.objectives.trainer import TrainConfig
+
+__all__ = ["StudySection", "ModelSection", "DataSection", "TrainingSection", "ObjectiveSection", "SpaceSection",
+           "ProbeSection", "TrialsSection", "StorageSection", "TrackingSection", "MOD_NAMES", "SHORT_RUN"]
+
+MOD_NAMES = ("no_bias", "blocknorm", "hardswish", "pad", "fuse_epilogue")  # the Mods the sampler may switch on
+OBJECTIVES = ("train_step", "inference")
+SPEED_SOURCES = ("auto", "measured", "modeled")
+PRUNERS = ("hopeless", "median", "none")
+# a study's short paired runs are shorter than TrainConfig's default run; every other trainer
+# default is TrainConfig's own
+SHORT_RUN: dict[str, Any] = {"steps": 60, "eval_batches": 8, "window": 10}
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+_FUNC_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")  # package.module:function
+_DEVICE_RE = re.compile(r"^cuda:\d+$")
+
+
+@dataclass(frozen=True)
+class Where:
+    """What a section may need besides its table: the working directory (anchors a relative
+    ``study.output_dir``), the study file and its folder (anchors relative data paths) and,
+    once ``[study]`` is read, the output dir (the default storage and tracking URLs)."""
+
+    cwd: Path
+    base_dir: Path | None = None
+    source_path: Path | None = None
+    output_dir: Path | None = None
+
+
+def _default(cls: type, name: str) -> Any:
+    """A section field's default, as its dataclass states it."""
+    f = cls.__dataclass_fields__[name]  # type: ignore[attr-defined]
+    return f.default_factory() if f.default_factory is not MISSING else f.default
+
+
+# ---------------------------------------------------------------------------------------------
+# the sections
+
+
+@dataclass(frozen=True)
+class StudySection:
+    """Identity of the study and where its files go."""
+
+    name: str
+    output_dir: Path
+    seed: int = 0
+
+    @classmethod
+    def from_table(cls, t: Table, where: Where) -> StudySection:
+        default_name = where.source_path.stem if where.source_path is not None else None
+        name = t.string("name", default_name, required=True)
+        if not _NAME_RE.match(name):
+            raise ConfigError(f"got {name!r}; use letters, digits, '_', '-' and '.' (e.g. 'dlrm_fp8')",
+                              key="study.name")
+        out = t.string("output_dir", f"runs/{name}")
+        if not out:
+            raise ConfigError("got an empty string; give a folder such as 'runs/my_study'", key="study.output_dir")
+        out_path = Path(os.path.expanduser(out))
+        out_path = (out_path if out_path.is_absolute() else where.cwd / out_path).resolve()
+        seed = t.integer("seed", _default(cls, "seed"), minimum=0)
+        t.done()
+        return cls(name, out_path, seed)
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    """A built-in model (``name`` + ``preset`` + ``overrides``) or a user's ``module:function``.
+
+    A user function is called as ``function(num_dense=..., cardinalities=..., **overrides)``
+    and returns an ``nn.Module`` with ``forward(dense, sparse) -> (B,) logits``.
+    """
+
+    name: str
+    preset: str = "tiny"
+    overrides: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def is_function(self) -> bool:
+        return ":" in self.name
+
+    @classmethod
+    def from_table(cls, t: Table, where: Where) -> ModelSection:
+        mname = t.string("name", required=True)
+        preset = t.string("preset", _default(cls, "preset"))
+        overrides = json_scalar_tree(t.table("overrides"), "model.overrides")
+        t.done()
+        if ":" in mname:
+            if not _FUNC_RE.match(mname):
+                raise ConfigError(f"got {mname!r}; a user model is 'package.module:function'", key="model.name")
+            if t.has("preset"):
+                raise ConfigError(f"got preset={preset!r} with a user function {mname!r}: presets are for built-in"
+                                  " models; pass settings in [model.overrides] instead", key="model.preset")
+        else:
+            from loka_tune.models import PRESETS, model_names
+
+            if mname not in model_names():
+                raise ConfigError(f"got {mname!r}; choose a built-in model ({', '.join(model_names())}) or give"
+                                  " 'package.module:function'", key="model.name")
+            if preset not in PRESETS:
+                raise ConfigError(f"got {preset!r}; choose one of {', '.join(PRESETS)}", key="model.preset")
+        return cls(mname, preset, overrides)
+
+
+@dataclass(frozen=True)
+class DataSection:
+    """The data source spec (``synthetic``, ``criteo:PATH``, ``avazu:PATH``, ``module:function``)
+    and its keyword parameters. Relative paths are resolved against the study file's folder."""
+
+    source: str
+    params: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def kind(self) -> str:
+        if self.source == "synthetic" or self.source.startswith("synthetic:"):
+            return "synthetic"
+        if self.source.startswith(("criteo:", "avazu:")):
+            return self.source.split(":", 1)[0]
+        return "function"
+
+    @classmethod
+    def from_table(cls, t: Table, where: Where) -> DataSection:
+        src = t.string("source", required=True)
+        params = json_scalar_tree(t.table("params"), "data.params")
+        t.done()
+        if src.startswith(("criteo:", "avazu:")):
+            kind, _, path = src.partition(":")
+            if not path:
+                raise ConfigError(f"got {src!r}; give a path, e.g. '{kind}:data/train.tsv'", key="data.source")
+            src = f"{kind}:{_resolve_path(path, where.base_dir)}"
+        elif src == "synthetic" or (":" in src and _FUNC_RE.match(src)):
+            pass
+        else:
+            raise ConfigError(f"got {src!r}; use 'synthetic', 'criteo:PATH', 'avazu:PATH' or"
+                              " 'package.module:function'", key="data.source")
+        return cls(src, params)
+
+
+def _short_run() -> TrainConfig:
+    from loka_tune.objectives.trainer import TrainConfig
+
+    return TrainConfig(**SHORT_RUN)
+
+
+@dataclass(frozen=True)
+class TrainingSection:
+    """The short paired runs: the baseline seeds and the trainer's settings.
+
+    ``trainer`` is the :class:`~loka_tune.objectives.trainer.TrainConfig` of every run, and its
+    fields read through: ``training.steps`` is ``training.trainer.steps``. Every plain field of
+    TrainConfig (bool, int, float, str, or a union of them) can be set in ``[training]``, checked
+    by ``TrainConfig`` itself; the defaults are TrainConfig's, except the length of the run
+    (:data:`SHORT_RUN`). ``seeds[0]`` is the seed every trial pairs with.
+    """
+
+    seeds: tuple[int, ...] = (0, 1, 2)
+    trainer: TrainConfig = field(default_factory=_short_run)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_") or name == "trainer":  # copy/pickle probe these before __init__
+            raise AttributeError(name)
+        try:
+            return getattr(self.trainer, name)
+        except AttributeError:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}") from None
+
+    @property
+    def seed(self) -> int:
+        """The seed every trial pairs with."""
+        return self.seeds[0]
+
+    def to_train_config(self, seed: int | None = None, *, device: str | None = None) -> TrainConfig:
+        """The trainer's config for one run: under ``seed`` (default: the pairing seed), on ``device``."""
+        return replace(self.trainer, seed=self.seed if seed is None else seed, device=device or self.trainer.device)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The seeds and the trainer's settings, flat (``seed`` is ``seeds[0]``)."""
+        return {"seeds": self.seeds, **{k: v for k, v in asdict(self.trainer).items() if k != "seed"}}
+
+    @classmethod
+    def from_table(cls, t: Table, where: Where) -> TrainingSection:
+        from loka_tune.objectives.trainer import TrainConfig
+
+        seeds = _read_seeds(t, _default(cls, "seeds"))
+        base = _short_run()  # every plain TrainConfig field but seed (seeds[0]) is a key, with its default
+        values = {name: read_plain(t, name, kinds, getattr(base, name))
+                  for name, kinds in plain_fields(TrainConfig, exclude=("seed",)).items()}
+        device = values["device"]
+        if device not in ("auto", "cpu", "cuda") and not _DEVICE_RE.match(device):
+            raise ConfigError(f"got {device!r}; use 'auto', 'cpu', 'cuda' or 'cuda:N'", key="training.device")
+        try:
+            trainer = TrainConfig(**values, seed=seeds[0])
+        except ConfigError as e:  # TrainConfig names its own field: name it in the study's terms
+            raise rekeyed(e, "training") from None
+        t.done()
+        if trainer.window > trainer.steps:
+            raise ConfigError(f"got window={trainer.window} > steps={trainer.steps}; the loss window must fit"
+                              " in the run", key="training.window")
+        return cls(seeds, trainer)
+
+
+def _read_seeds(t: Table, default: tuple[int, ...]) -> tuple[int, ...]:
+    seeds = t.get("seeds", list(default))
+    if (not isinstance(seeds, list) or not seeds
+            or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in seeds)):
+        raise ConfigError(f"got {seeds!r}; expected a list of 1-5 integer seeds >= 0, e.g. [0, 1, 2]",
+                          key="training.seeds")
+    if not 1 <= len(seeds) <= 5 or len(set(seeds)) != len(seeds):
+        raise ConfigError(f"got {seeds!r}; give 1 to 5 distinct seeds (2-3 measure the noise floor)",
+                          key="training.seeds")
+    return tuple(seeds)
+
+
+@dataclass(frozen=True)
+class ObjectiveSection:
+    """What is minimized (step time) and the constraint (relative log loss <= budget)."""
+
+    kind: str = "train_step"
+    budget_pct: float = 0.5
+    speed: str = "auto"
+    cost_device: str = "h200"
+    cost_batch_size: int | None = None
+    non_gemm_fraction: float = 0.3
+
+    @classmethod
+    def from_table(cls, t: Table, where: Where) -> ObjectiveSection:
+        d = cls()
+        objective = cls(
+            kind=t.string("kind", d.kind, choices=OBJECTIVES),
+            budget_pct=t.number("budget_pct", d.budget_pct, minimum=0.0, strict_min=True),
+            speed=t.string("speed", d.speed, choices=SPEED_SOURCES),
+            cost_device=t.string("cost_device", d.cost_device),
+            cost_batch_size=t.integer("cost_batch_size", d.cost_batch_size, minimum=1, allow_none=True),
+            non_gemm_fraction=t.number("non_gemm_fraction", d.non_gemm_fraction, minimum=0.0, maximum=0.95),
+        )
+        t.done()
+        from loka_tune.kernels.costmodel import DEVICES
+
+        if objective.cost_device not in DEVICES:
+            raise ConfigError(f"got {objective.cost_device!r}; the cost model knows {', '.join(sorted(DEVICES))}",
+                              key="objective.cost_device")
+        return objective
+
+
+@dataclass(frozen=True)
+class SpaceSection:
+    """The allowed search space."""
+
+    formats: tuple[str, ...] = ("e4m3", "e5m2")
+    granularities: tuple[str, ...] = ("tensor", "row", "block")
+    backends: tuple[str, ...] = ("emulated",)
+    roundings: tuple[str, ...] = ("exact",)
+    mods: tuple[str, ...] = ()
+    per_role: bool = True
+    align: int = 16
+    min_dim: int = 16
+    blocknorm_sizes: tuple[int, ...] = (128,)
+    pad_multiples: tuple[int, ...] = (16,)
+
+    @classmethod
+    def from_table(cls, t: Table, where: Where) -> SpaceSection:
+        d = cls()
+        fmts = t.str_list("formats", d.formats, choices=tuple(f.value for f in Format if f != Format.BF16))
+        grans = t.str_list("granularities", d.granularities,
+                           choices=tuple(g.value for g in Granularity if g != Granularity.NONE))
+        backends = t.str_list("backends", d.backends)
+        for b in backends:
+            if not re.match(r"^[a-z][a-z0-9_]*$", b):
+                raise ConfigError(f"got {b!r}; a backend name is lower-case letters, digits and '_'",
+                                  key="space.backends")
+        mods = t.str_list("mods", d.mods, choices=MOD_NAMES, allow_empty=True)
+        if "fuse_epilogue" in mods and not {"blocknorm", "hardswish"} <= set(mods):
+            raise ConfigError(f"got {list(mods)!r}: 'fuse_epilogue' fuses Linear -> BlockNorm -> Hard Swish chains,"
+                              " which exist only with the blocknorm and hardswish Mods on; add 'blocknorm' and"
+                              " 'hardswish' to space.mods (or drop 'fuse_epilogue')", key="space.mods")
+        bn = t.get("blocknorm_sizes", list(d.blocknorm_sizes))
+        pm = t.get("pad_multiples", list(d.pad_multiples))
+        for k, v in (("blocknorm_sizes", bn), ("pad_multiples", pm)):
+            if (not isinstance(v, list) or not v
+                    or not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in v)):
+                raise ConfigError(f"got {v!r}; expected a non-empty list of positive integers", key=f"space.{k}")
+        space = cls(
+            formats=fmts, granularities=grans, backends=backends, mods=mods,
+            roundings=t.str_list("roundings", d.roundings, choices=("exact", "pow2")),
+            per_role=t.boolean("per_role", d.per_role),
+            align=t.integer("align", d.align, minimum=1),
+            min_dim=t.integer("min_dim", d.min_dim, minimum=1),
+            blocknorm_sizes=tuple(bn), pad_multiples=tuple(pm),
+        )
+        t.done()
+        if fmts == ("mxfp8",) and "mx" not in grans:
+            raise ConfigError(f"got formats=['mxfp8'] with granularities {list(grans)!r}; mxfp8 needs 'mx':"
+                              " add it to space.granularities", key="space.granularities")
+        if grans == ("mx",) and "mxfp8" not in fmts:
+            raise ConfigError(f"got granularities=['mx'] with formats {list(fmts)!r}; 'mx' needs 'mxfp8':"
+                              " add it to space.formats", key="space.formats")
+        return space
+
+
+@dataclass(frozen=True)
+class ProbeSection:
+    """Probe thresholds: which candidates survive pruning."""
+
+    enabled: bool = True
+    max_error: float = 0.2
+    min_speedup: float = 1.0
+    samples: int = 32
+    every: int = 10
+
+    @classmethod
+    def from_table(cls, t: Table, where: Where) -> ProbeSection:
+        d = cls()
+        probe = cls(
+            enabled=t.boolean("enabled", d.enabled),
+            max_error=t.number("max_error", d.max_error, minimum=0.0, strict_min=True),
+            min_speedup=t.number("min_speedup", d.min_speedup, minimum=0.0),  # 0: keep every speed
+            samples=t.integer("samples", d.samples, minimum=1),
+            every=t.integer("every", d.every, minimum=1),
+        )
+        t.done()
+        return probe
+
+
+@dataclass(frozen=True)
+class TrialsSection:
+    """The trial budget and the pruner."""
+
+    n_trials: int | None = 20
+    timeout_s: float | None = None
+    pruner: str = "hopeless"
+    hopeless_factor: float = 10.0
+    prune_warmup_steps: int = 0
+    n_startup_trials: int = 8
+    enqueue_starts: bool = True
+
+    @classmethod
+    def from_table(cls, t: Table, where: Where) -> TrialsSection:
+        d = cls()
+        n_trials = t.integer("n_trials", d.n_trials if not t.has("timeout_s") else None, minimum=1,
+                             allow_none=True)
+        timeout = t.number("timeout_s", d.timeout_s, minimum=0.0, strict_min=True)
+        trials = cls(
+            n_trials=n_trials, timeout_s=timeout,
+            pruner=t.string("pruner", d.pruner, choices=PRUNERS),
+            hopeless_factor=t.number("hopeless_factor", d.hopeless_factor, minimum=1.0),
+            prune_warmup_steps=t.integer("prune_warmup_steps", d.prune_warmup_steps, minimum=0),
+            n_startup_trials=t.integer("n_startup_trials", d.n_startup_trials, minimum=0),
+            enqueue_starts=t.boolean("enqueue_starts", d.enqueue_starts),
+        )
+        t.done()
+        if trials.n_trials is None and trials.timeout_s is None:
+            raise ConfigError("neither n_trials nor timeout_s is set; give at least one (e.g. n_trials = 20)",
+                              key="trials.n_trials")
+        return trials
+
+
+@dataclass(frozen=True)
+class StorageSection:
+    """Optuna storage (``url``: ``sqlite:///...`` or ``postgresql://...``) and worker heartbeats."""
+
+    url: str
+    heartbeat_s: int = 10
+    grace_s: int = 30
+    max_retry: int = 2
+
+    @staticmethod
+    def default_url(output_dir: Path) -> str:
+        return f"sqlite:///{output_dir / 'optuna.db'}"
+
+    @classmethod
+    def from_table(cls, t: Table, where: Where) -> StorageSection:
+        assert where.output_dir is not None, "[study] is read first"
+        url = t.string("url", "") or cls.default_url(where.output_dir)
+        _check_db_url(url, "storage.url")
+        storage = cls(
+            url=url,
+            heartbeat_s=t.integer("heartbeat_s", _default(cls, "heartbeat_s"), minimum=1),
+            grace_s=t.integer("grace_s", _default(cls, "grace_s"), minimum=1),
+            max_retry=t.integer("max_retry", _default(cls, "max_retry"), minimum=0),
+        )
+        t.done()
+        if storage.grace_s <= storage.heartbeat_s:
+            raise ConfigError(f"got grace_s={storage.grace_s} <= heartbeat_s={storage.heartbeat_s}; a trial is"
+                              " declared dead after grace_s without a heartbeat, so make it larger (e.g. 3x)",
+                              key="storage.grace_s")
+        return storage
+
+
+@dataclass(frozen=True)
+class TrackingSection:
+    """MLflow tracking: ``enabled`` is True, False or "auto" (on when mlflow can be imported)."""
+
+    enabled: bool | str = "auto"
+    uri: str = ""
+    experiment: str = "loka-tune"
+    plots: bool = True
+
+    @staticmethod
+    def default_uri(output_dir: Path) -> str:
+        return f"sqlite:///{output_dir / 'mlflow.db'}"
+
+    @classmethod
+    def from_table(cls, t: Table, where: Where) -> TrackingSection:
+        assert where.output_dir is not None, "[study] is read first"
+        d = cls()
+        enabled = t.get("enabled", d.enabled)
+        if enabled not in (True, False, "auto"):
+            raise ConfigError(f"got {enabled!r}; use true, false or \"auto\"", key="tracking.enabled")
+        uri = t.string("uri", d.uri) or cls.default_uri(where.output_dir)
+        if not re.match(r"^(sqlite|postgresql|mysql|mssql|https?|file|databricks)(\+\w+)?:", uri):
+            raise ConfigError(f"got {uri!r}; use sqlite:///PATH, http(s)://HOST:PORT, postgresql://... or"
+                              " file:///PATH", key="tracking.uri")
+        experiment = t.string("experiment", d.experiment)
+        if not experiment:
+            raise ConfigError("got an empty string; name the MLflow experiment", key="tracking.experiment")
+        tracking = cls(enabled=enabled, uri=uri, experiment=experiment, plots=t.boolean("plots", d.plots))
+        t.done()
+        return tracking
+
+
+def _resolve_path(p: str, base: Path | None) -> str:
+    p = os.path.expanduser(os.path.expandvars(p))
+    if base is not None and not os.path.isabs(p):
+        p = str((base / p).resolve())
+    return p
+
+
+def _check_db_url(url: str, key: str) -> None:
+    if url.startswith("sqlite:///"):
+        if url == "sqlite:///" or url.startswith("sqlite:///:memory:"):
+            raise ConfigError(f"got {url!r}; an in-memory database cannot be shared or resumed; give a file"
+                              " such as sqlite:///runs/study/optuna.db", key=key)
+        return
+    if re.match(r"^(postgresql|mysql)(\+\w+)?://", url):
+        return
+    raise ConfigError(f"got {url!r}; use sqlite:///PATH (one machine) or postgresql://USER@HOST:PORT/DB"
+                      " (several machines)", key=key)

@@ -1,0 +1,111 @@
+"""One trial: a fresh model, the trial's precision config applied, the paired short run, the speed.
+
+:func:`evaluate_config` is the objective; what it gives is a :class:`TrialOutcome`. Failures a
+config can cause (unsupported choice, non-finite loss, out of memory) are outcomes, not errors.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from loka_tune.config import PrecisionConfig
+from loka_tune.errors import BackendError, UnsupportedChoiceError
+from loka_tune.objectives.speed import measure_forward_seconds
+from loka_tune.tuner.baseline import modeled_seconds
+from loka_tune.tuner.build import _first_batch, _train, resolve_device, train_config, trial_model
+from loka_tune.tuner.prepare import StudyContext
+from loka_tune.tuner.results import constraint
+
+__all__ = ["TrialOutcome", "evaluate_config"]
+
+
+@dataclass
+class TrialOutcome:
+    """What evaluating one configuration gave."""
+
+    status: str  # "ok", "pruned", "failed"
+    rel_logloss_pct: float = math.nan
+    step_time_s: float = math.nan
+    speedup: float = math.nan
+    eval_logloss: float = math.nan
+    eval_ne: float = math.nan
+    eval_auc: float = math.nan
+    measured_step_time_s: float = math.nan
+    reason: str = ""
+    steps_run: int = 0
+    wall_s: float = 0.0
+
+    def feasible(self, budget_pct: float) -> bool:
+        return self.status == "ok" and constraint(self.rel_logloss_pct, budget_pct) <= 0
+
+    def attrs(self) -> dict[str, Any]:
+        """As trial attributes: non-finite floats become None."""
+        return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in asdict(self).items()}
+
+
+def evaluate_config(ctx: StudyContext, config: PrecisionConfig, *,
+                    report: Callable[[int, float], bool] | None = None) -> TrialOutcome:
+    """Build a fresh model, apply ``config``, run the paired short run and measure speed.
+
+    ``report(step, rel_window_loss_pct) -> bool`` is called at each loss window; True prunes.
+    Failures a config can cause (unsupported choice, non-finite loss, out of memory) come back
+    as ``status="failed"`` with the reason; other errors propagate.
+    """
+    from loka_tune.objectives.metrics import relative_log_loss
+
+    cfg, bl = ctx.cfg, ctx.baseline
+    t0 = time.perf_counter()
+    try:
+        model, _summary = trial_model(cfg, ctx.source, config, device=ctx.device)
+    except (UnsupportedChoiceError, BackendError) as e:
+        return TrialOutcome("failed", reason=f"unsupported: {e}", wall_s=time.perf_counter() - t0)
+    modeled = None
+    if ctx.speed == "modeled":
+        on_cpu = resolve_device(ctx.device) == "cpu"
+        batch = ctx.batch if on_cpu else _first_batch(ctx.source, cfg, ctx.device, max_rows=64)
+        modeled = modeled_seconds(model, batch, cfg, bl)
+    base_curve = dict(zip(bl.window_steps, bl.window_losses))
+
+    def on_step(step: int, window_loss: float) -> bool:
+        base = base_curve.get(step)
+        if base is None or report is None:
+            return False
+        rel = (window_loss - base) / base * 100.0 if math.isfinite(window_loss) else math.inf
+        return bool(report(step, rel))
+
+    try:
+        res = _train(model, ctx.source, train_config(cfg, device=ctx.device), on_step=on_step)
+    except (UnsupportedChoiceError, BackendError) as e:
+        return TrialOutcome("failed", reason=f"unsupported: {e}", wall_s=time.perf_counter() - t0)
+    except torch.cuda.OutOfMemoryError as e:  # a config may need more memory (e.g. fp32 copies)
+        del model
+        torch.cuda.empty_cache()
+        return TrialOutcome("failed", reason=f"out of memory: {str(e).splitlines()[0]}",
+                            wall_s=time.perf_counter() - t0)
+    wall = time.perf_counter() - t0
+    if res.status == "nonfinite":
+        return TrialOutcome("failed", reason=f"non-finite loss at step {res.nonfinite_step}",
+                            steps_run=res.steps_run, wall_s=wall)
+    if res.status == "pruned":
+        last = res.loss_curve[-1] if res.loss_curve else math.nan
+        base = base_curve.get(res.curve_steps[-1]) if res.curve_steps else None
+        rel = (last - base) / base * 100 if base else math.nan
+        return TrialOutcome("pruned", rel_logloss_pct=rel, steps_run=res.steps_run, wall_s=wall,
+                            reason="windowed loss hopeless vs the baseline")
+    if modeled is not None:
+        t = modeled
+    elif cfg.objective.kind == "inference":
+        t = measure_forward_seconds(model, _first_batch(ctx.source, cfg, ctx.device), autocast=cfg.training.autocast)
+    else:
+        t = float(res.step_time_s)
+    rel = relative_log_loss(res.eval_logloss, bl.logloss) * 100.0
+    return TrialOutcome("ok", rel_logloss_pct=float(rel), step_time_s=float(t), speedup=float(bl.step_time_s / t),
+                        eval_logloss=float(res.eval_logloss), eval_ne=float(res.eval_ne),
+                        eval_auc=float(res.eval_auc), measured_step_time_s=float(res.step_time_s),
+                        steps_run=res.steps_run, wall_s=wall)

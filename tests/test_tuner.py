@@ -1,0 +1,167 @@
+"""The shape of ``loka_tune/tuner/``: one feasibility rule, the typed trial record, the compatibility
+modules, no import cycle, light imports, and the size limits of issue 12."""
+
+from __future__ import annotations
+
+import ast
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from loka_tune.tuner.results import INFEASIBLE, TrialRecord, constraint
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE = REPO / "loka_tune"
+
+
+# ------------------------------------------------------------------ feasibility and the trial record
+@pytest.mark.parametrize("rel,budget,want", [
+    (0.0, 0.5, -0.5), (0.5, 0.5, 0.0), (0.75, 0.5, 0.25), (-1.0, 0.5, -1.5),
+    (None, 0.5, INFEASIBLE), (math.nan, 0.5, INFEASIBLE), (math.inf, 0.5, INFEASIBLE), (0.1, None, INFEASIBLE),
+])
+def test_constraint_is_the_one_feasibility_rule(rel: float | None, budget: float | None, want: float) -> None:
+    from types import SimpleNamespace
+
+    from loka_tune.tuner.optuna_setup import _constraints
+    from loka_tune.tuner.trial import TrialOutcome
+
+    assert constraint(rel, budget) == want
+    attrs = {"rel_logloss_pct": rel, "budget_pct": budget}
+    assert TrialRecord.from_attrs(attrs).constraint == want
+    assert tuple(_constraints(SimpleNamespace(user_attrs=attrs))) == (want,)  # what TPE reads before Optuna 5
+    if budget is not None:
+        outcome = TrialOutcome("ok", rel_logloss_pct=math.nan if rel is None else rel)
+        assert outcome.feasible(budget) == (want <= 0)
+        assert not TrialOutcome("pruned", rel_logloss_pct=0.0).feasible(budget)
+
+
+def test_trial_record_round_trips_the_attributes_the_loop_writes() -> None:
+    from loka_tune.tuner.trial import TrialOutcome
+
+    start = TrialRecord(config_key="k", config={"sites": {}}, budget_pct=0.5, worker="w:1", speed_source="modeled")
+    assert start.start_attrs() == {"config_key": "k", "config": {"sites": {}}, "budget_pct": 0.5, "worker": "w:1",
+                                   "speed_source": "modeled"}
+    ok = TrialOutcome("ok", rel_logloss_pct=0.1, step_time_s=1e-3, speedup=1.2, steps_run=8, wall_s=2.0)
+    end = TrialRecord(**ok.attrs(), feasible=ok.feasible(0.5), cache_hit=False)
+    attrs = end.result_attrs()
+    # the keys a finished evaluation always had; the optional ones only when set
+    assert set(attrs) == set(ok.attrs()) | {"feasible", "cache_hit"}
+    assert attrs["eval_ne"] is None and attrs["feasible"] is True  # not measured: None, as JSON
+    failed = TrialRecord(**TrialOutcome("failed", reason="unsupported: x").attrs(), fail_reason="unsupported: x")
+    assert failed.result_attrs()["fail_reason"] == "unsupported: x" and failed.counts and not end.counts
+    stored = {**start.start_attrs(), **attrs, "seeded": "all-bf16", "some_future_key": 1}
+    back = TrialRecord.from_attrs(stored)
+    assert back.seeded == "all-bf16" and back.rel_logloss_pct == 0.1 and back.worker == "w:1"
+    assert back.result_attrs() == attrs
+
+
+# ------------------------------------------------------------------ the package and its old names
+def test_compatibility_modules_are_the_new_homes() -> None:
+    import loka_tune.study as old_study
+    import loka_tune.tracking as old_tracking
+    import loka_tune.tune as old_tune
+    from loka_tune import tuner
+    from loka_tune.tuner import build, loop, prepare, results, study, tracking, trial
+
+    assert old_tune.run_study is loop.run_study is tuner.run_study
+    assert (old_tune.make_model, old_tune.make_source, old_tune.resolve_device) == (
+        build.make_model, build.make_source, build.resolve_device)
+    assert old_tune.evaluate_config is trial.evaluate_config and old_tune.prepare_study is prepare.prepare_study
+    assert old_tune.ATTR_BASELINE == results.ATTR_BASELINE and old_tune.STATES_DONE == results.STATES_DONE
+    for name in old_tune.__all__:
+        assert getattr(old_tune, name) is not None
+    assert old_study.load_study is study.load_study is tuner.load_study
+    assert old_study.StudyConfig is study.StudyConfig
+    assert old_tracking.Tracker is tracking.Tracker and old_tracking.write_plots is tracking.write_plots
+    for name in tuner.__all__:
+        assert getattr(tuner, name) is not None
+
+
+def test_tuner_imports_stay_light() -> None:
+    code = (
+        "import sys, loka_tune, loka_tune.tuner, loka_tune.tuner.study, loka_tune.tuner.results,"
+        " loka_tune.tuner.tracking, loka_tune.study, loka_tune.tracking, loka_tune._toml;"
+        "heavy = [m for m in ('torch', 'optuna', 'mlflow', 'matplotlib') if m in sys.modules];"
+        "assert not heavy, heavy"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _module_level_imports(path: Path, modules: set[str]) -> set[str]:
+    """The loka_tune modules ``path`` imports when it is imported (``if TYPE_CHECKING:`` blocks included)."""
+    name = _module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+
+    def visit(body: list[ast.stmt]) -> None:
+        for node in body:
+            if isinstance(node, ast.Import):
+                found.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(up + ([node.module] if node.module else []))
+                found.add(base)
+                found.update(f"{base}.{a.name}" for a in node.names)
+            elif isinstance(node, (ast.If, ast.Try)):
+                for block in ("body", "orelse", "finalbody"):
+                    visit(getattr(node, block, []))
+                for handler in getattr(node, "handlers", []):
+                    visit(handler.body)
+
+    visit(ast.parse(path.read_text()).body)
+    out = set()
+    for imported in found:
+        while imported and imported not in modules:
+            imported = imported.rpartition(".")[0]
+        if imported and imported != name:
+            out.add(imported)
+    return out
+
+
+def test_no_import_cycle_at_module_level() -> None:
+    paths = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph = {m: _module_level_imports(p, set(paths)) for m, p in paths.items()}
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def walk(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for d in sorted(graph[m]):
+            if state.get(d) == 1:
+                raise AssertionError("import cycle: " + " -> ".join(path[path.index(d):] + [m, d]))
+            if d not in state:
+                walk(d, path + [m])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            walk(m, [])
+    # tracking reads results, never the loop (not even inside a function)
+    text = (PACKAGE / "tuner" / "tracking.py").read_text()
+    assert not re.search(r"tuner\.(loop|prepare|trial)\b|loka_tune\.tune\b", text)
+
+
+# files of the tuner refactor (issue 12): modules <= 600 lines, functions <= 120 lines
+_OWNED = [*sorted((PACKAGE / "tuner").glob("*.py")), PACKAGE / "_toml.py", PACKAGE / "objectives" / "speed.py",
+          PACKAGE / "tune.py", PACKAGE / "study.py", PACKAGE / "tracking.py", PACKAGE / "cli.py",
+          *sorted((PACKAGE / "commands").glob("*.py"))]
+
+
+@pytest.mark.parametrize("path", _OWNED, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_module_and_function_sizes(path: Path) -> None:
+    lines = path.read_text().splitlines()
+    assert len(lines) <= 600, f"{path.name}: {len(lines)} lines"
+    for node in ast.walk(ast.parse("\n".join(lines))):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            n = node.end_lineno - node.lineno + 1  # type: ignore[operator]
+            assert n <= 120, f"{path.name}:{node.lineno} {node.name}() is {n} lines"
