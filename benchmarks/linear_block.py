@@ -101,7 +101,11 @@ def run_cell(variant: str, mode: str, m_rows: int, k: int, device: torch.device,
 
         graphs = mode != "default"
 
+        params = list(model.parameters())
+
         def step() -> torch.Tensor:
+            for p in params:  # as a training step does (zero_grad): CUDA-graph outputs are not accumulated into
+                p.grad = None
             if graphs:  # a new iteration: the CUDA-graph trees may reuse the last one's outputs
                 torch.compiler.cudagraph_mark_step_begin()
             with torch.autocast("cuda", dtype=torch.bfloat16):
