@@ -101,7 +101,7 @@ def run_cell(variant: str, mode: str, m_rows: int, k: int, device: torch.device,
 
         graphs = mode != "default"
 
-        params = list(model.parameters())
+        params = [x, *model.parameters()]  # x too: its gradient is the dgrad output
 
         def step() -> torch.Tensor:
             for p in params:  # as a training step does (zero_grad): CUDA-graph outputs are not accumulated into
