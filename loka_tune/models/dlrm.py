@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from loka_tune.errors import ConfigError
-from loka_tune.models.base import EmbeddingTables, MLP, RecModel, check_options, check_positive, check_sizes
+from loka_tune.models.base import MLP, EmbeddingTables, RecModel, check_options, check_positive, check_sizes
 
 __all__ = ["DLRM"]
 

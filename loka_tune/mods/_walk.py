@@ -98,11 +98,6 @@ class Walk:
         self._gone.extend(site.names)
 
 
-def replace(self, site: Site, new: nn.Module) -> None:
-        replace(self.model, site, new)
-        self._gone.extend(site.names)
-
-
 def parent_of(model: nn.Module, name: str) -> nn.Module | None:
     """The module that holds ``name`` as a direct child (``None`` for the root)."""
     if name == "":

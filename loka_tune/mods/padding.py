@@ -44,6 +44,7 @@ from torch import nn
 
 from loka_tune.errors import ModError
 from loka_tune.mods._walk import (
+    Walk,
     check_model,
     find_prediction_head,
     has_hooks,
@@ -52,7 +53,6 @@ from loka_tune.mods._walk import (
     overrides_forward,
     param_owner_count,
     resolve_names,
-    Walk,
 )
 from loka_tune.mods.report import Change, PassReport, Skip
 

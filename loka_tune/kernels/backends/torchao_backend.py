@@ -20,15 +20,14 @@ torchao's recipes are whole-layer choices; :data:`RECIPES` maps each onto a
 from __future__ import annotations
 
 import torch
+from torchao.float8.config import ScalingGranularity  # optional dependency: the registry imports us lazily
+from torchao.float8.float8_ops import addmm_float8_unwrapped
+from torchao.float8.float8_utils import tensor_to_scale, to_fp8_saturated
 
 from loka_tune.config import BF16, Format, GemmChoice, GemmRole, Granularity, SitePrecision
 from loka_tune.errors import ConfigError
 from loka_tune.kernels.backends import GPUBackend
 from loka_tune.kernels.registry import Shape, register_backend
-
-from torchao.float8.config import ScalingGranularity  # noqa: E402 - optional dependency
-from torchao.float8.float8_ops import addmm_float8_unwrapped  # noqa: E402
-from torchao.float8.float8_utils import tensor_to_scale, to_fp8_saturated  # noqa: E402
 
 __all__ = ["TorchAOBackend", "RECIPES", "recipe_precision"]
 
