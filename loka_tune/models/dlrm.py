@@ -9,7 +9,7 @@ interact.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import nn
@@ -34,6 +34,9 @@ class DLRM(RecModel):
         norm, activation, bias: options of every hidden layer (``head`` always has a bias).
     """
 
+    _tri_i: torch.Tensor  # buffers: the strict upper triangle's row and column indices
+    _tri_j: torch.Tensor
+
     def __init__(
         self,
         num_dense: int,
@@ -54,7 +57,7 @@ class DLRM(RecModel):
         self.hparams = dict(
             embedding_dim=d, bottom_mlp=bottom, top_mlp=top, norm=norm, activation=activation, bias=bias
         )
-        opts = dict(norm=norm, activation=activation, bias=bias)
+        opts: dict[str, Any] = dict(norm=norm, activation=activation, bias=bias)
 
         self.embeddings = EmbeddingTables(self.cardinalities, d)
         self.bottom_mlp = MLP(num_dense, (*bottom, d), **opts) if self.num_dense > 0 else None

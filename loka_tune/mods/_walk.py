@@ -147,7 +147,7 @@ def is_parametrized(module: nn.Module, tensor_name: str | None = None) -> bool:
     return parametrize.is_parametrized(module, tensor_name)
 
 
-def overrides_forward(module: nn.Module, *bases: type) -> bool:
+def overrides_forward(module: nn.Module, *bases: type[nn.Module]) -> bool:
     """Whether ``type(module)`` has a ``forward`` other than those of ``bases``."""
     fwd = type(module).forward
     return all(fwd is not b.forward for b in bases)

@@ -159,8 +159,9 @@ class PaddedLinear(nn.Module):
                         device=w.device, dtype=w.dtype)
         with torch.no_grad():
             lin.weight.copy_(self.weight)
-            if lin.bias is not None:
-                lin.bias.copy_(self.bias)
+            bias = self.bias
+            if bias is not None:  # exactly when lin has a bias
+                lin.bias.copy_(bias)
         lin.weight.requires_grad_(w.requires_grad)
         lin.train(self.training)
         return lin
