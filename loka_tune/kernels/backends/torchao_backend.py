@@ -36,7 +36,7 @@ _DT = {Format.E4M3: torch.float8_e4m3fn, Format.E5M2: torch.float8_e5m2}
 RECIPES: dict[str, SitePrecision] = {
     "tensorwise": SitePrecision.uniform("e4m3.tensor.torchao"),
     "rowwise": SitePrecision.uniform("e4m3.row.pow2.torchao"),
-    "rowwise_with_gw_hp": SitePrecision("e4m3.row.pow2.torchao", "e4m3.row.pow2.torchao", BF16),
+    "rowwise_with_gw_hp": SitePrecision(GemmChoice.parse("e4m3.row.pow2.torchao"), GemmChoice.parse("e4m3.row.pow2.torchao"), BF16),
 }
 
 
