@@ -14,8 +14,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import math
-import statistics
 import sys
 import time
 from pathlib import Path

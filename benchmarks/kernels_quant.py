@@ -67,8 +67,8 @@ def main() -> None:
         except Exception as e:  # noqa: BLE001
             print("fbgemm unavailable:", e)
         try:
-            from loka_tune.kernels.backends.torchao_backend import _cast
             from loka_tune.config import Format, Granularity
+            from loka_tune.kernels.backends.torchao_backend import _cast
 
             refs["torchao eager cast (row)"] = ("row", lambda: _cast(x, Format.E4M3, Granularity.ROW, True))
             refs["torchao eager cast (tensor)"] = ("tensor", lambda: _cast(x, Format.E4M3, Granularity.TENSOR, False))

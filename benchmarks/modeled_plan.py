@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from loka_tune.config import GemmChoice, PrecisionConfig, ROLES, SitePrecision  # noqa: E402
+from loka_tune.config import ROLES, GemmChoice, PrecisionConfig, SitePrecision  # noqa: E402
 from loka_tune.kernels import costmodel  # noqa: E402
 from loka_tune.models import build_model  # noqa: E402
 from loka_tune.space.sites import discover_sites  # noqa: E402

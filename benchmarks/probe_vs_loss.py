@@ -67,8 +67,10 @@ def _config(model: torch.nn.Module, choices: tuple[str, str, str]) -> PrecisionC
 
 def run_model(name: str, args: argparse.Namespace, source) -> dict:
     seeds = [int(s) for s in args.seeds.split(",")]
-    cfg = lambda seed: TrainConfig(steps=args.steps, batch_size=args.batch_size, seed=seed, device="cpu",
-                                   window=min(50, args.steps), lr_dense=args.lr)  # noqa: E731
+
+    def cfg(seed: int) -> TrainConfig:
+        return TrainConfig(steps=args.steps, batch_size=args.batch_size, seed=seed, device="cpu",
+                           window=min(50, args.steps), lr_dense=args.lr)
 
     def fresh(seed: int) -> torch.nn.Module:
         torch.manual_seed(seed)

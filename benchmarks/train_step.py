@@ -358,7 +358,7 @@ def main() -> int:
               f" {result['plain']['mean_ms']:.2f} / {result['plain_after']['mean_ms']:.2f} ms plain"
               f" -> overhead {result['probe_overhead_mean']:+.2%} (plain-vs-plain noise"
               f" {result['plain_noise_mean']:.2%}; {result['probe_collections']} collections)")
-        print(f"probe, direct: collection steps cost "
+        print("probe, direct: collection steps cost "
               + ", ".join(f"{e:+.1f}" for e in result["probe_collection_extra_ms"])
               + f" ms over the median other step ({result['probe_noncollection_median_ms']:.2f} ms);"
               f" overhead at every={args.probe_every}: steady {result['probe_overhead_steady']:+.3%},"

@@ -160,7 +160,7 @@ def _enum(cls: type[Enum], value: Any, key: str) -> Any:
     try:
         return cls(value)
     except ValueError:
-        valid = ", ".join(repr(m.value) for m in cls)  # type: ignore[attr-defined]
+        valid = ", ".join(repr(m.value) for m in cls)
         raise ConfigError(f"got {value!r}; expected one of {valid}", key=key) from None
 
 
@@ -259,8 +259,9 @@ class GemmChoice:
         return self.short_str()
 
     @classmethod
-    def parse(cls, text: str, *, key: str = "choice") -> "GemmChoice":
-        """Inverse of :meth:`short_str`. Raises :class:`ConfigError` naming ``key``."""
+    def parse(cls, text: GemmChoice | str, *, key: str = "choice") -> "GemmChoice":
+        """Inverse of :meth:`short_str` (a :class:`GemmChoice` passes through). Raises
+        :class:`ConfigError` naming ``key``."""
         if isinstance(text, GemmChoice):
             return text
         if not isinstance(text, str) or not text.strip():
@@ -336,9 +337,10 @@ class GemmChoice:
         fast_accum: bool = False,
         backend: str = "emulated",
     ) -> "GemmChoice":
-        return cls(
-            a_format, a_format if b_format is None else b_format, granularity, rounding, fast_accum, backend
-        )
+        a = _enum(Format, a_format, "a_format")  # the checks __post_init__ makes, in its order
+        b = a if b_format is None else _enum(Format, b_format, "b_format")
+        return cls(a, b, _enum(Granularity, granularity, "granularity"), _enum(ScaleRounding, rounding, "rounding"),
+                   fast_accum, backend)
 
     def with_backend(self, backend: str) -> "GemmChoice":
         return replace(self, backend=backend)

@@ -160,7 +160,7 @@ def build_plan(report: Any, *, max_error: float = 0.2, min_speedup: float = 1.05
     if not (min_speedup > 0):
         raise ConfigError(f"got min_speedup={min_speedup!r}; expected e.g. 1.05", key="min_speedup")
     decisions = plan_decisions(report, max_error=max_error, min_speedup=min_speedup, timings=timings)
-    recs_by = {}
+    recs_by: dict[tuple[str, str], Any] = {}
     for r in _records(report):
         recs_by.setdefault((str(_get(r, "site")), GemmRole(_get(r, "role")).value), r)
     sites: dict[str, SitePrecision] = {}

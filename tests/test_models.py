@@ -22,8 +22,8 @@ from loka_tune.models import (
     preset_config,
     register_model,
 )
-from loka_tune.models.dcnv2 import CrossLayer
 from loka_tune.models.base import EmbeddingTables
+from loka_tune.models.dcnv2 import CrossLayer
 from loka_tune.models.wukong import FactorizationMachineBlock, LinearCompressBlock
 
 NUM_DENSE = 5  # a handful of dense features

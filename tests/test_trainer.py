@@ -28,7 +28,6 @@ from loka_tune.objectives import (
 )
 from loka_tune.objectives.metrics import auc, log_loss
 
-
 NUM_DENSE = 4
 CARDS = (50, 20, 7)
 
@@ -300,7 +299,7 @@ def test_global_settings_are_restored():
     before = (torch.are_deterministic_algorithms_enabled(), torch.get_num_threads())
     seen = []
     cfg = TrainConfig(**{**CFG.__dict__, "steps": 2, "cpu_threads": 2})
-    train(fresh(), TinySource(), cfg, progress=lambda s, l: seen.append(
+    train(fresh(), TinySource(), cfg, progress=lambda step, loss: seen.append(
         (torch.are_deterministic_algorithms_enabled(), torch.get_num_threads())))
     assert seen and all(x == (True, 2) for x in seen)
     assert (torch.are_deterministic_algorithms_enabled(), torch.get_num_threads()) == before

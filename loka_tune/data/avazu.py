@@ -47,7 +47,7 @@ class AvazuFormat:
 
     kind = "avazu"
     has_header = True
-    dense_names = ("hour_of_day", "day_of_week")
+    dense_names: tuple[str, ...] = ("hour_of_day", "day_of_week")
 
     def __init__(self, columns: Sequence[str], hash_size: int | Sequence[int] | dict[str, int]) -> None:
         self.columns = tuple(columns)

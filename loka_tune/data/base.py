@@ -52,7 +52,10 @@ class DataSource(Protocol):
 
     name: str
     num_dense: int
-    cardinalities: Sequence[int]
+
+    @property
+    def cardinalities(self) -> Sequence[int]:  # read-only: a tuple or a list satisfies it
+        ...
 
     def batches(
         self,

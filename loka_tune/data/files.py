@@ -36,7 +36,7 @@ import logging
 import os
 import zlib
 from pathlib import Path
-from typing import IO, Iterator, Protocol, Sequence
+from typing import IO, Generator, Iterator, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -282,7 +282,7 @@ class FileSource:
                 line=lineno + 1,
             ) from e
 
-    def _chunks(self, chunk_rows: int) -> Iterator[dict[str, np.ndarray]]:
+    def _chunks(self, chunk_rows: int) -> Generator[dict[str, np.ndarray], None, None]:
         """Parsed rows in numpy chunks of at most ``chunk_rows``: line, label, dense, sparse."""
         lines: list[int] = []
         labels: list[float] = []

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -279,7 +279,7 @@ def _zipf(card: int, s: float, g: torch.Generator) -> tuple[_Zipf, torch.Tensor,
 
 def _build_world(
     num_dense: int, cards: tuple[int, ...], s: float, teacher_seed: int, dim: int
-) -> dict:
+) -> dict[str, Any]:
     """Every fixed table of the synthetic world, on the CPU (see the module docstring)."""
     g = torch.Generator().manual_seed(mix_seed(teacher_seed, "world"))
     plans, cdfs, perms = [], [], []
@@ -291,7 +291,7 @@ def _build_world(
     rows = [min(c, _TEACHER_ROWS) for c in cards]
     starts = torch.tensor([0, *torch.tensor(rows).cumsum(0)[:-1].tolist()], dtype=torch.int64)
     D, H = num_dense, _TEACHER_HIDDEN
-    world = {
+    world: dict[str, Any] = {
         "plans": plans,  # list of _Zipf (python values, no tensors)
         "cdfs": cdfs,  # list of (head_f,) float64
         "perms": perms,  # list of (c_f,) int64 rank -> id, or None (affine map)

@@ -432,7 +432,7 @@ def modeled_backends() -> tuple[str, ...]:
     return MODELED_BACKENDS
 
 
-def _norm_args(choice: GemmChoice | str, role: GemmRole | str, m: int, k: int, n: int):
+def _norm_args(choice: GemmChoice | str, role: GemmRole | str, m: int, k: int, n: int) -> tuple[GemmChoice, GemmRole]:
     if isinstance(choice, str):
         choice = GemmChoice.parse(choice)
     try:

@@ -146,7 +146,7 @@ class _FusedFn(torch.autograd.Function):
     (``q`` / ``q_inv_scale`` empty unless ``out_fp8``; not differentiable)."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         x: torch.Tensor,  # (M, K)
         weight: torch.Tensor,  # (N, K)
@@ -203,7 +203,7 @@ class _FusedFn(torch.autograd.Function):
         return h, q, qs
 
     @staticmethod
-    def backward(ctx: Any, dh: torch.Tensor, _dq: Any, _dqs: Any) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, dh: torch.Tensor, _dq: Any, _dqs: Any) -> tuple[torch.Tensor | None, ...]:
         xc, wc, ypre, rstd = ctx.saved_tensors
         b, prec, dtype, x_dtype, w_dtype, b_dtype = ctx.meta
         if prec.fwd.backend == "triton":
@@ -310,10 +310,11 @@ class FusedLinearBlockNormHardswish(nn.Module):
                 raise ValueError("choice=None takes all three GEMMs from the LokaLinear: leave dgrad and wgrad None")
             self._precision = linear.precision
         else:
-            fwd = GemmChoice.parse(choice) if isinstance(choice, str) else choice
+            assert choice is not None  # not self._follow
+            fwd = GemmChoice.parse(choice)
             own = linear.precision if isinstance(linear, LokaLinear) else None
-            dg = dgrad if dgrad is not None else (own.dgrad if own is not None else fwd)
-            wg = wgrad if wgrad is not None else (own.wgrad if own is not None else fwd)
+            dg = GemmChoice.parse(dgrad, key="dgrad") if dgrad is not None else (own.dgrad if own is not None else fwd)
+            wg = GemmChoice.parse(wgrad, key="wgrad") if wgrad is not None else (own.wgrad if own is not None else fwd)
             self._precision = SitePrecision(fwd, dg, wg)
         fwd = self.precision.fwd
         reason = epilogue_supports(fwd, n=linear.out_features, block=norm.block)

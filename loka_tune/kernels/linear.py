@@ -83,7 +83,7 @@ class _LokaLinearFn(torch.autograd.Function):
     """The autograd of a LokaLinear on a 2-D input; choices arrive as short_str ids."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         x: torch.Tensor,  # (M, K)
         weight: torch.Tensor,  # (N, K)
@@ -104,7 +104,7 @@ class _LokaLinearFn(torch.autograd.Function):
         return y
 
     @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         xc, wc = ctx.saved_tensors
         dgrad, wgrad, fns, tag, dtype, x_dtype, w_dtype, b_dtype = ctx.meta
         dy = dy.to(dtype)  # (M, N)
@@ -139,7 +139,7 @@ class LokaLinear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.site_name = name
         self._tag = f"{name or 'linear'}#{next(_TAGS)}"
-        self.precision = SitePrecision() if precision is None else precision  # type: ignore[assignment]
+        self.precision = SitePrecision() if precision is None else precision
 
     # ------------------------------------------------------------------ precision
     @property
@@ -188,7 +188,7 @@ class LokaLinear(nn.Linear):
         ops.reset_nonfinite(self._tag)
 
     def __getstate__(self) -> dict[str, Any]:
-        state = super().__getstate__()  # type: ignore[no-untyped-call]
+        state = super().__getstate__()
         state.pop("_fns", None)  # closures and backend objects: resolved again on load
         state.pop("_shape_checks", None)
         return state
@@ -260,4 +260,4 @@ def find_linears(model: nn.Module) -> dict[str, nn.Linear]:
     The root module itself is not a site (it cannot be swapped in place); a layer reachable
     under several names is listed once, under its first name.
     """
-    return {name: m for name, m in model.named_modules() if name and is_eligible(m)}  # type: ignore[misc]
+    return {name: m for name, m in model.named_modules() if name and is_eligible(m)}

@@ -363,7 +363,7 @@ def candidate_choices(
     """
     if isinstance(backends, str):
         backends = (backends,)
-    roles = [GemmRole(r) for r in roles]
+    role_list = [GemmRole(r) for r in roles]
     fmt_filter = None if formats is None else {Format(f) for f in formats}
     gran_filter = None if granularities is None else {Granularity(g) for g in granularities}
     rnd = [ScaleRounding.EXACT, ScaleRounding.POW2] if roundings is None else [ScaleRounding(r) for r in roundings]
@@ -390,11 +390,11 @@ def candidate_choices(
             choice = GemmChoice(a, b, gran, rounding, fa, name)
             if choice.short_str() in seen:
                 continue
-            if not all((a, b) in _valid_formats(r) for r in roles):
+            if not all((a, b) in _valid_formats(r) for r in role_list):
                 continue
             devs = [device] if device is not None else sorted(be.devices)
             if not all(
-                any(be.supports(choice, r, device=d, shape=shape) is None for d in devs) for r in roles
+                any(be.supports(choice, r, device=d, shape=shape) is None for d in devs) for r in role_list
             ):
                 continue
             seen.add(choice.short_str())

@@ -24,7 +24,7 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -211,7 +211,7 @@ def _cuda_time(fn: Callable[[], Any], reps: int) -> float:
     return start.elapsed_time(end) / 1e3
 
 
-def time_fn(fns: list[Callable[[], Any]], *, target_s: float = 2e-3, replays: int = 7,
+def time_fn(fns: Sequence[Callable[[], Any]], *, target_s: float = 2e-3, replays: int = 7,
             use_graph: bool = True, max_calls: int = 400) -> TimingResult:
     """Median seconds per call of ``fns`` run round-robin (one fn per input set).
 

@@ -31,8 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-from loka_tune.kernels.triton_quant import FMAX, TL_FP8, _cast, _row_cast_partials_kernel, _scale_from_amax
 from loka_tune.config import Format, ScaleRounding
+from loka_tune.kernels.triton_quant import FMAX, TL_FP8, _cast, _row_cast_partials_kernel, _scale_from_amax
 
 __all__ = ["fused_forward", "fused_backward", "pick_epilogue_config", "epilogue_reason"]
 

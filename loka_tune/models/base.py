@@ -160,6 +160,9 @@ class EmbeddingTables(nn.Module):
     the per-feature layout (``0.weight``, ``1.weight``, ...) load into this one.
     """
 
+    offsets: torch.Tensor  # buffers: each feature's first row in ``table``, and its cardinality
+    limits: torch.Tensor
+
     def __init__(self, cardinalities: Sequence[int], dim: int) -> None:
         super().__init__()
         cards = tuple(int(c) for c in cardinalities)

@@ -9,13 +9,13 @@ on x0 beside the cross network, outputs concatenated. Then the prediction head -
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import nn
 
 from loka_tune.errors import ConfigError
-from loka_tune.models.base import EmbeddingTables, MLP, RecModel, check_options, check_positive, check_sizes
+from loka_tune.models.base import MLP, EmbeddingTables, RecModel, check_options, check_positive, check_sizes
 
 __all__ = ["DCNv2", "CrossLayer", "STRUCTURES"]
 
@@ -86,12 +86,12 @@ class DCNv2(RecModel):
             deep_mlp=deep, structure=structure, norm=norm, activation=activation, bias=bias,
         )
         self.structure = structure
-        opts = dict(norm=norm, activation=activation, bias=bias)
+        opts: dict[str, Any] = dict(norm=norm, activation=activation, bias=bias)
 
         self.embeddings = EmbeddingTables(self.cardinalities, d)
         if self.num_dense > 0:
-            self.dense_mlp = MLP(self.num_dense, dense_hidden, **opts)
-            self.dense_proj = nn.Linear(self.dense_mlp.out_dim, d, bias=bias)
+            self.dense_mlp: MLP | None = MLP(self.num_dense, dense_hidden, **opts)
+            self.dense_proj: nn.Linear | None = nn.Linear(self.dense_mlp.out_dim, d, bias=bias)
         else:
             self.dense_mlp = None
             self.dense_proj = None
@@ -105,7 +105,7 @@ class DCNv2(RecModel):
         self.check_inputs(dense, sparse)
         emb = self.embeddings(sparse)  # (B, n, d)
         parts = [emb.flatten(1)]  # (B, n d)
-        if self.dense_proj is not None:
+        if self.dense_proj is not None and self.dense_mlp is not None:
             parts.insert(0, self.dense_proj(self.dense_mlp(dense)))  # (B, d)
         x0 = torch.cat(parts, dim=1)  # (B, D)
         x = x0

@@ -9,13 +9,13 @@ interact.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import nn
 
 from loka_tune.errors import ConfigError
-from loka_tune.models.base import EmbeddingTables, MLP, RecModel, check_options, check_positive, check_sizes
+from loka_tune.models.base import MLP, EmbeddingTables, RecModel, check_options, check_positive, check_sizes
 
 __all__ = ["DLRM"]
 
@@ -33,6 +33,9 @@ class DLRM(RecModel):
         top_mlp: hidden widths of the top MLP; the prediction head (-> 1) is appended.
         norm, activation, bias: options of every hidden layer (``head`` always has a bias).
     """
+
+    _tri_i: torch.Tensor  # buffers: the strict upper triangle's row and column indices
+    _tri_j: torch.Tensor
 
     def __init__(
         self,
@@ -54,7 +57,7 @@ class DLRM(RecModel):
         self.hparams = dict(
             embedding_dim=d, bottom_mlp=bottom, top_mlp=top, norm=norm, activation=activation, bias=bias
         )
-        opts = dict(norm=norm, activation=activation, bias=bias)
+        opts: dict[str, Any] = dict(norm=norm, activation=activation, bias=bias)
 
         self.embeddings = EmbeddingTables(self.cardinalities, d)
         self.bottom_mlp = MLP(num_dense, (*bottom, d), **opts) if self.num_dense > 0 else None

@@ -16,13 +16,13 @@ Head: flatten (B, (nF + nL) d) -> MLP -> prediction head -> 1. Every weight GEMM
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import nn
 
 from loka_tune.layers import make_norm
-from loka_tune.models.base import EmbeddingTables, MLP, RecModel, check_options, check_positive, check_sizes
+from loka_tune.models.base import MLP, EmbeddingTables, RecModel, check_options, check_positive, check_sizes
 
 __all__ = ["Wukong", "WukongLayer", "FactorizationMachineBlock", "LinearCompressBlock"]
 
@@ -138,13 +138,13 @@ class Wukong(RecModel):
             norm=norm, activation=activation, bias=bias,
         )
         self.embedding_dim = d
-        opts = dict(norm=norm, activation=activation, bias=bias)
+        opts: dict[str, Any] = dict(norm=norm, activation=activation, bias=bias)
 
         self.embeddings = EmbeddingTables(self.cardinalities, d)
         if self.num_dense > 0:
             self.dense_embeddings = m
-            self.dense_mlp = MLP(self.num_dense, dense_hidden, **opts)
-            self.dense_proj = nn.Linear(self.dense_mlp.out_dim, m * d, bias=bias)
+            self.dense_mlp: MLP | None = MLP(self.num_dense, dense_hidden, **opts)
+            self.dense_proj: nn.Linear | None = nn.Linear(self.dense_mlp.out_dim, m * d, bias=bias)
         else:
             self.dense_embeddings = 0
             self.dense_mlp = None
@@ -161,7 +161,7 @@ class Wukong(RecModel):
     def forward(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
         self.check_inputs(dense, sparse)
         x = self.embeddings(sparse)  # (B, n, d)
-        if self.dense_proj is not None:
+        if self.dense_proj is not None and self.dense_mlp is not None:
             rows = self.dense_proj(self.dense_mlp(dense))  # (B, m d)
             x = torch.cat([rows.view(-1, self.dense_embeddings, self.embedding_dim), x], dim=1)  # (B, m + n, d)
         for layer in self.layers:

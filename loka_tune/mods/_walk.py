@@ -98,11 +98,6 @@ class Walk:
         self._gone.extend(site.names)
 
 
-def replace(self, site: Site, new: nn.Module) -> None:
-        replace(self.model, site, new)
-        self._gone.extend(site.names)
-
-
 def parent_of(model: nn.Module, name: str) -> nn.Module | None:
     """The module that holds ``name`` as a direct child (``None`` for the root)."""
     if name == "":
@@ -152,7 +147,7 @@ def is_parametrized(module: nn.Module, tensor_name: str | None = None) -> bool:
     return parametrize.is_parametrized(module, tensor_name)
 
 
-def overrides_forward(module: nn.Module, *bases: type) -> bool:
+def overrides_forward(module: nn.Module, *bases: type[nn.Module]) -> bool:
     """Whether ``type(module)`` has a ``forward`` other than those of ``bases``."""
     fwd = type(module).forward
     return all(fwd is not b.forward for b in bases)

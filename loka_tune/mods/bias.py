@@ -96,7 +96,7 @@ def no_bias(model: nn.Module, keep: Iterable[str] = (), *, keep_head: bool = Tru
             b = m.bias.detach()
             with torch.no_grad():
                 amax = float(b.abs().max()) if b.numel() and b.device.type != "meta" else 0.0
-            m.bias = None
+            m.bias = None  # type: ignore[assignment]  # torch infers Linear.bias as Parameter; None drops it
             report.changed.append(
                 Change(site.name, site.kind, f"bias {tuple(b.shape)} (max |b| {amax:.3g})", "bias None", site.aliases)
             )

@@ -52,6 +52,7 @@ def _chain_reason(lin: nn.Module, norm: BlockNorm, act: nn.Module, fwd: GemmChoi
     """Why the chain cannot be fused (``None``: it can). ``fwd=None``: the linear's own fwd choice."""
     if not is_eligible(lin):
         return f"{type(lin).__name__} is not a plain nn.Linear / LokaLinear"
+    assert isinstance(lin, nn.Linear)  # what is_eligible accepts (LokaLinear is one)
     if getattr(norm, "weight", None) is not None:
         return "BlockNorm has an affine weight: the fused epilogue is parameter-free"
     if _hooked(lin, norm, act):
@@ -129,15 +130,15 @@ def fuse_epilogues(model: nn.Module, *, choice: GemmChoice | str | None = DEFAUL
                 if (isinstance(lin, nn.Linear) and isinstance(norm, BlockNorm)
                         and type(act) is nn.Hardswish):
                     where = f"{name}.{keys[i]}" if name else keys[i]
-                    reason = _chain_reason(lin, norm, act, fwd)  # type: ignore[arg-type]
+                    reason = _chain_reason(lin, norm, act, fwd)
                     if reason is None and not sequential:
                         reason = ("a run of nn.Sequential entries: fusing it would move the linear's parameters"
                                   " to '<i>.linear.' (new state dict names); wrap the three in a container")
                     if reason is not None:
                         report.skipped.append((where, reason))
                     else:
-                        fused = make(lin, norm, act)  # type: ignore[arg-type]
-                        fused.train(lin.training)  # type: ignore[union-attr]
+                        fused = make(lin, norm, act)
+                        fused.train(lin.training)
                         fused.__dict__["_seq_keys"] = tuple(keys[i:i + 3])
                         m._modules[keys[i]] = fused
                         m._modules[keys[i + 1]] = nn.Identity()

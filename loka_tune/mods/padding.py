@@ -44,6 +44,7 @@ from torch import nn
 
 from loka_tune.errors import ModError
 from loka_tune.mods._walk import (
+    Walk,
     check_model,
     find_prediction_head,
     has_hooks,
@@ -52,7 +53,6 @@ from loka_tune.mods._walk import (
     overrides_forward,
     param_owner_count,
     resolve_names,
-    Walk,
 )
 from loka_tune.mods.report import Change, PassReport, Skip
 
@@ -159,8 +159,9 @@ class PaddedLinear(nn.Module):
                         device=w.device, dtype=w.dtype)
         with torch.no_grad():
             lin.weight.copy_(self.weight)
-            if lin.bias is not None:
-                lin.bias.copy_(self.bias)
+            bias = self.bias
+            if bias is not None:  # exactly when lin has a bias
+                lin.bias.copy_(bias)
         lin.weight.requires_grad_(w.requires_grad)
         lin.train(self.training)
         return lin

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Iterator
 
-
 __all__ = ["CompileHealthError", "strict_compile", "dynamo_report"]
 
 

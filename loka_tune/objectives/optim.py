@@ -11,7 +11,7 @@ On the CPU they are the reference implementations (bit-for-bit what they always 
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
 from torch import nn
@@ -152,7 +152,7 @@ def split_parameters(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Para
         if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.weight.requires_grad:
             if id(m.weight) not in emb_ids:
                 emb_ids.add(id(m.weight))
-                emb.append(m.weight)
+                emb.append(cast(nn.Parameter, m.weight))  # torch types Embedding.weight as Tensor
     dense: list[nn.Parameter] = []
     seen: set[int] = set(emb_ids)
     for p in model.parameters():

@@ -486,7 +486,7 @@ def train(
         status=run.status, steps_run=run.steps_run, nonfinite_step=run.nonfinite_step,
         step_losses=tuple(run.losses), loss_curve=curve, curve_steps=ends,
         train_logloss=curve[-1] if curve else math.nan,
-        eval_logloss=ev["logloss"], eval_ne=ev["ne"], eval_auc=ev["auc"], eval_count=ev["count"], eval_ctr=ev["ctr"],
+        eval_logloss=ev["logloss"], eval_ne=ev["ne"], eval_auc=ev["auc"], eval_count=int(ev["count"]), eval_ctr=ev["ctr"],
         step_time_s=step_time,
         examples_per_s=cfg.batch_size / step_time if step_time and math.isfinite(step_time) else math.nan,
         wall_s=time.perf_counter() - t_wall,

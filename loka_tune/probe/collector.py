@@ -99,6 +99,7 @@ class _StreamAcc:
         if flat.numel() == 0:
             return
         zero = torch.zeros((), dtype=torch.float32, device=x.device)
+        assert isinstance(self.amax, torch.Tensor)  # a device scalar since the first data
         self.amax = torch.maximum(self.amax, torch.where(ok, torch.linalg.vector_norm(flat, float("inf")).float(), zero))
         if flat.numel() > QUANTILE_SAMPLE:
             flat = flat[random_rows(flat.numel(), QUANTILE_SAMPLE, gen, flat.device)]
@@ -122,6 +123,7 @@ class _StreamAcc:
             vals, vecs = m.low_rank()
             t.lr_vals, t.lr_vecs = vals.cpu().numpy(), vecs.cpu().numpy()
         t.kurtosis = m.excess_kurtosis().cpu().numpy()
+        assert isinstance(self.absq_sum, torch.Tensor)  # a device tensor since the first data
         t.absq = (self.absq_sum / max(batches, 1)).cpu().numpy()
         real = None if self.real is None else self.real.cpu()
         t.real = None if real is None or not bool(torch.isfinite(real).all()) else real.numpy()

@@ -32,6 +32,7 @@ sketch that many rows drawn at random (with replacement), scaled by ``sqrt(rows 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -118,14 +119,14 @@ class RunningMoments:
         self.sketch_rows = int(sketch_rows)
         self._gen = generator if generator is not None else torch.Generator().manual_seed(0)
         self.full = self.dim <= max_full_dim
-        f64 = dict(dtype=torch.float64, device=device)
+        f64: dict[str, Any] = dict(dtype=torch.float64, device=device)
         self._n = torch.zeros((), **f64)  # rows merged, on the device (exact in float64 up to 2^53)
         self.mean = torch.zeros(self.dim, **f64)
-        self.m2 = torch.zeros(self.dim, self.dim, **f64) if self.full else None  # scatter matrix
+        self.m2: torch.Tensor | None = torch.zeros(self.dim, self.dim, **f64) if self.full else None  # scatter
         self.m2d = torch.zeros(self.dim, **f64)  # its diagonal (always exact)
         self.m3 = torch.zeros(self.dim, **f64)
         self.m4 = torch.zeros(self.dim, **f64)
-        self.sketch = None if self.full else NystromSketch(self.dim, sketch_rank, device=device, generator=self._gen)
+        self.sketch: NystromSketch | None = None if self.full else NystromSketch(self.dim, sketch_rank, device=device, generator=self._gen)
 
     @property
     def n(self) -> int:
@@ -180,8 +181,10 @@ class RunningMoments:
         )
         self.m2d = m2a + m2d_b + d2 * (na * nb_t / n1)
         if self.full:
+            assert self.m2 is not None and m2_b is not None
             self.m2 = self.m2 + m2_b + torch.outer(delta, delta) * (na * nb_t / n1)
         else:
+            assert self.sketch is not None
             cross = (delta * torch.sqrt(na * nb_t / n1))[None]  # the Chan cross term, one row (0 if na = 0)
             self.sketch.append(torch.cat([self._sketch_rows(xc), cross]))
         self.mean = self.mean + delta * (nb_t / n1)
@@ -199,7 +202,7 @@ class RunningMoments:
     # ------------------------------------------------------------------ read-outs
     def covariance(self, ddof: int = 1) -> torch.Tensor:
         """The ``(d, d)`` covariance (full mode only): ``M2 / (n - ddof)``."""
-        assert self.full, "covariance() needs full mode; use variance() and low_rank()"
+        assert self.full and self.m2 is not None, "covariance() needs full mode; use variance() and low_rank()"
         return self.m2 / max(self.n - ddof, 1)
 
     def variance(self, ddof: int = 1) -> torch.Tensor:
@@ -208,7 +211,7 @@ class RunningMoments:
 
     def low_rank(self, ddof: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """Sketch mode: ``(values (r,), vectors (r, d))`` with ``cov ~= V^T diag(values) V``."""
-        assert not self.full
+        assert not self.full and self.sketch is not None
         vals, vecs = self.sketch.eig()
         return vals / max(self.n - ddof, 1), vecs
 

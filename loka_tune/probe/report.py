@@ -77,7 +77,8 @@ def _dec_result(d: dict[str, Any]) -> CandidateResult:
     unknown = set(d) - names
     if unknown:
         raise ProbeError(f"unknown field(s) {sorted(unknown)} in a probe result; valid: {sorted(names)}")
-    return CandidateResult(**{k: (float(v) if k in _FLOAT_FIELDS else v) for k, v in d.items()})
+    kw: dict[str, Any] = {k: (float(v) if k in _FLOAT_FIELDS else v) for k, v in d.items()}
+    return CandidateResult(**kw)
 
 
 @dataclass
@@ -225,7 +226,7 @@ class ProbeReport:
         its MERE and speed-up, and how many candidates were safe / fast / both; then the
         per-candidate geomean MERE."""
         dist = dist or self.primary_dist
-        rows = [("site", "role", "m x k x n", "best", "MERE", "SQNR dB", "speedup", "safe", "fast", "both")]
+        rows: list[tuple[str, ...]] = [("site", "role", "m x k x n", "best", "MERE", "SQNR dB", "speedup", "safe", "fast", "both")]
         keys = list(dict.fromkeys((r.site, r.role) for r in self.results if r.dist == dist))
         for site, role in keys:
             rs = self.for_site(site, role, dist)
@@ -243,7 +244,7 @@ class ProbeReport:
         out.append(_render(rows))
         summ = self.summary().get(dist, {})
         if summ:
-            crow = [("candidate", "geomean MERE", "geomean speedup", "safe", "fast", "both")]
+            crow: list[tuple[str, ...]] = [("candidate", "geomean MERE", "geomean speedup", "safe", "fast", "both")]
             for c, s in summ["candidates"].items():
                 crow.append((c, _fmt(s["geomean_mere"], 4), _fmt(s["geomean_speedup"], 2),
                              f"{s['safe']}/{s['n']}", f"{s['fast']}/{s['n']}", f"{s['safe_fast']}/{s['n']}"))

@@ -101,6 +101,7 @@ class TensorStats:
         """The covariance as a dense ``(dim, dim)`` matrix (from the sketch when not full)."""
         if self.cov is not None:
             return self.cov
+        assert self.lr_vecs is not None and self.lr_vals is not None  # sketched stats
         low = (self.lr_vecs.T * self.lr_vals) @ self.lr_vecs
         resid = np.clip(self.var - np.diag(low), 0.0, None)
         return low + np.diag(resid)
@@ -277,7 +278,7 @@ class ProbeStats:
         if path.suffix != ".npz":
             path = path.with_name(path.name + ".npz")
         path.parent.mkdir(parents=True, exist_ok=True)
-        arrays: dict[str, np.ndarray] = {}
+        arrays: dict[str, Any] = {}  # Any: np.savez's stub reads **arrays as its keyword options
         site_meta = []
         for i, s in enumerate(self.sites.values()):
             entry: dict[str, Any] = {"name": s.name, "in_features": s.in_features,
@@ -339,9 +340,9 @@ class ProbeStats:
             )
         sites = {}
         for i, entry in enumerate(meta["sites"]):
-            parts = {}
+            parts: dict[str, Any] = {}
             for part, klass in (("x", TensorStats), ("dy", TensorStats), ("w", WeightStats)):
-                kw = {k: (float(v) if k in _FLOAT_SCALARS else v) for k, v in entry[part].items()}
+                kw: dict[str, Any] = {k: (float(v) if k in _FLOAT_SCALARS else v) for k, v in entry[part].items()}
                 for k in klass._ARRAYS:
                     key = f"s{i}.{part}.{k}"
                     if key in data:

@@ -59,6 +59,9 @@ def psd_factor(cov: np.ndarray) -> tuple[np.ndarray, float]:
 class _GaussianRows:
     """Sampler of rows ``N(mean, cov)`` from one :class:`TensorStats`."""
 
+    factor: np.ndarray | None  # (d, d) with factor @ factor.T = cov (full stats), else None
+    lr: np.ndarray | None  # (d, r) low-rank factor (sketched stats), else None
+
     def __init__(self, t: TensorStats) -> None:
         self.mean = np.asarray(t.mean, dtype=np.float64)
         self.jitter = 0.0
@@ -78,6 +81,7 @@ class _GaussianRows:
         if self.factor is not None:
             z = rng.standard_normal((rows, d))
             return self.mean + z @ self.factor.T  # (rows, d)
+        assert self.lr is not None
         z_r = rng.standard_normal((rows, self.lr.shape[1]))
         z_d = rng.standard_normal((rows, d))
         return self.mean + z_r @ self.lr.T + z_d * self.resid_sd
@@ -148,9 +152,11 @@ class SiteSampler:
             r = self.rng
             return r.standard_normal((rows, k)), r.standard_normal((rows, n)), r.standard_normal((n, k))
         if self.dist == "real":
+            x_real, dy_real = s.x.real, s.dy.real
+            assert x_real is not None and dy_real is not None  # checked in __init__
             w = np.asarray(s.w.last, dtype=np.float64)
-            return (np.asarray(s.x.real[:rows], dtype=np.float64),
-                    np.asarray(s.dy.real[:rows], dtype=np.float64), w)
+            return (np.asarray(x_real[:rows], dtype=np.float64),
+                    np.asarray(dy_real[:rows], dtype=np.float64), w)
         x = self._x.draw(rows, self.rng)
         dy = self._dy.draw(rows, self.rng)
         if self._w is not None:

@@ -46,6 +46,8 @@ measured on draws of this model agree with errors on the current weight itself
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from loka_tune.probe.moments import MAX_FULL_DIM
@@ -116,8 +118,8 @@ class MatrixNormalEMA:
         self.v_full = self.cols <= max_full_dim
         self.count = 0  # collections seen
         self.residuals = 0  # collections that moved the weight (fitted U, V)
-        f32 = dict(dtype=torch.float32, device=device)
-        f64 = dict(dtype=torch.float64, device=device)
+        f32: dict[str, Any] = dict(dtype=torch.float32, device=device)
+        f64: dict[str, Any] = dict(dtype=torch.float64, device=device)
         self.mean = torch.zeros(self.rows, self.cols, **f32)
         self.last = torch.zeros(self.rows, self.cols, **f32)
         # EMA states, before shrinkage: S_U, S_V (moments) or the scale-fixed U, V (flip-flop)

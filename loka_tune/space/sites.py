@@ -70,7 +70,7 @@ def _linears(model: nn.Module) -> dict[str, nn.Linear]:
 
 @torch.no_grad()
 def discover_sites(model: nn.Module, dense: torch.Tensor, sparse: torch.Tensor, *,
-                   linears: Mapping[str, nn.Module] | None = None) -> list[Site]:
+                   linears: Mapping[str, nn.Linear] | None = None) -> list[Site]:
     """Run ``model(dense, sparse)`` once with hooks and return every linear site it used, in module order.
 
     ``linears`` defaults to :func:`loka_tune.kernels.linear.find_linears` (eligible sites).

@@ -102,6 +102,10 @@ class GPUBackend(Backend):
         """Backend-specific rules beyond the declared capability sets (override)."""
         return None
 
+    def gemm_impl(self, a: torch.Tensor, b: torch.Tensor, choice: GemmChoice, role: GemmRole) -> torch.Tensor:
+        """The backend's own kernels for one canonical GEMM ``A @ B.T`` (every GPU backend implements it)."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement gemm_impl")
+
     def supports(self, choice: GemmChoice, role: GemmRole | str, *, device: str | torch.device | None = None,
                  shape: Shape | None = None) -> str | None:
         reason = super().supports(choice, role, device=device, shape=shape)

@@ -20,15 +20,14 @@ torchao's recipes are whole-layer choices; :data:`RECIPES` maps each onto a
 from __future__ import annotations
 
 import torch
+from torchao.float8.config import ScalingGranularity  # optional dependency: the registry imports us lazily
+from torchao.float8.float8_ops import addmm_float8_unwrapped
+from torchao.float8.float8_utils import tensor_to_scale, to_fp8_saturated
 
 from loka_tune.config import BF16, Format, GemmChoice, GemmRole, Granularity, SitePrecision
 from loka_tune.errors import ConfigError
 from loka_tune.kernels.backends import GPUBackend
 from loka_tune.kernels.registry import Shape, register_backend
-
-from torchao.float8.config import ScalingGranularity  # noqa: E402 - optional dependency
-from torchao.float8.float8_ops import addmm_float8_unwrapped  # noqa: E402
-from torchao.float8.float8_utils import tensor_to_scale, to_fp8_saturated  # noqa: E402
 
 __all__ = ["TorchAOBackend", "RECIPES", "recipe_precision"]
 
@@ -37,7 +36,7 @@ _DT = {Format.E4M3: torch.float8_e4m3fn, Format.E5M2: torch.float8_e5m2}
 RECIPES: dict[str, SitePrecision] = {
     "tensorwise": SitePrecision.uniform("e4m3.tensor.torchao"),
     "rowwise": SitePrecision.uniform("e4m3.row.pow2.torchao"),
-    "rowwise_with_gw_hp": SitePrecision("e4m3.row.pow2.torchao", "e4m3.row.pow2.torchao", BF16),
+    "rowwise_with_gw_hp": SitePrecision(GemmChoice.parse("e4m3.row.pow2.torchao"), GemmChoice.parse("e4m3.row.pow2.torchao"), BF16),
 }
 
 
