@@ -360,8 +360,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, required=True, help="output folder (results.json, table.md)")
     args = ap.parse_args(argv)
 
-    from loka_tune.study import load_study
-    from loka_tune.tune import make_model, make_source, resolve_device
+    from loka_tune.tuner.build import make_model, make_source, resolve_device
+    from loka_tune.tuner.study import load_study
 
     t_start = time.perf_counter()
     cfg = load_study(args.study)

@@ -19,8 +19,8 @@ import torch
 
 from loka_tune.config import GemmChoice, role_operands
 from loka_tune.kernels.quant import mere, sqnr_db
-from loka_tune.probe import DEFAULT_MAX_ERROR, GUARD_FRAC
-from loka_tune.probe.measure import DEFAULT_CANDIDATES, _backend_gemm
+from loka_tune.probe import DEFAULT_MAX_ERROR
+from loka_tune.probe.measure import DEFAULT_CANDIDATES, GUARD_FRAC, _backend_gemm
 
 SHAPES = ((256, 16, 8), (1024, 512, 512), (4096, 64, 256))
 

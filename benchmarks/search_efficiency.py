@@ -1,6 +1,6 @@
 """Search efficiency (issue #8, point 3): short runs to the best feasible config, probe-pruned vs plain TPE.
 
-For one fixed trial budget, each *arm* is a real ``loka_tune.tune.run_study`` on a variant of one
+For one fixed trial budget, each *arm* is a real ``loka_tune.tuner.run_study`` on a variant of one
 base study, repeated for several sampler seeds (``[study] seed``):
 
 * ``loka``: what ``loka-tune tune`` does today: probe pruning (``[probe] enabled = true``) and the
@@ -131,7 +131,7 @@ def arm_config(base: Mapping[str, Any], arm: str, seed: int, n_trials: int, work
     """The validated StudyConfig of ``arm`` for sampler ``seed``: the base study document with only
     ``[study]`` name/output_dir/seed, ``[probe] enabled``, ``[trials]`` n_trials/enqueue_starts and
     ``[tracking] enabled = false`` (and a storage in ``workdir``) changed."""
-    from loka_tune.study import parse_study
+    from loka_tune.tuner.study import parse_study
 
     probe_on, enqueue = ARMS[arm]
     doc = copy.deepcopy(dict(base))
@@ -159,18 +159,19 @@ def _space_facts(space: Any) -> dict[str, Any]:
 
 
 def run_arm(base: Mapping[str, Any], arm: str, seed: int, n_trials: int, workdir: Path) -> dict[str, Any]:
-    """One real study of ``arm`` (``loka_tune.tune.run_study``, no tracking); its trial records."""
-    from loka_tune import tune
+    """One real study of ``arm`` (``loka_tune.tuner.run_study``, no tracking); its trial records."""
     from loka_tune.space.candidates import SearchSpace
+    from loka_tune.tuner import results
+    from loka_tune.tuner.loop import run_study
 
     cfg = arm_config(base, arm, seed, n_trials, workdir)
     t0 = time.perf_counter()
-    study = tune.run_study(cfg, tracking=False, progress=False)
+    study = run_study(cfg, tracking=False, progress=False)
     wall = time.perf_counter() - t0
     records = []
     n_eval = 0
     for t in sorted(study.trials, key=lambda t: t.number):
-        if t.state.name not in tune.STATES_DONE:
+        if t.state.name not in results.STATES_DONE:
             continue
         a = t.user_attrs
         evaluated = not a.get("cache_hit", False)
@@ -182,8 +183,8 @@ def run_arm(base: Mapping[str, Any], arm: str, seed: int, n_trials: int, workdir
             "step_time_s": t.value, "speedup": a.get("speedup"), "rel_logloss_pct": a.get("rel_logloss_pct"),
             "config_key": a.get("config_key"), "wall_s": a.get("wall_s"),
         })
-    bl = study.user_attrs[tune.ATTR_BASELINE]
-    space = SearchSpace.from_dict(study.user_attrs[tune.ATTR_SPACE])
+    bl = study.user_attrs[results.ATTR_BASELINE]
+    space = SearchSpace.from_dict(study.user_attrs[results.ATTR_SPACE])
     return {"arm": arm, "seed": seed, "n_trials": n_trials, "wall_s": wall, "records": records,
             "space": _space_facts(space), "baseline": {"eval_logloss": bl["eval_logloss"],
                                                        "noise_floor_pct": bl["noise_floor_pct"],

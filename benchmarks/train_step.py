@@ -180,9 +180,7 @@ def variant_config(mods_text: str, precision: str):
     if precision == "bf16":
         return PrecisionConfig(mods=mods)
     if precision.startswith("torchao:"):
-        from loka_tune.kernels.backends.torchao_backend import recipe_precision
-
-        return PrecisionConfig(default=recipe_precision(precision.split(":", 1)[1]), mods=mods)
+        return PrecisionConfig.from_recipe(precision.split(":", 1)[1], backend="torchao", mods=mods)
     if precision.startswith("uniform:"):
         return PrecisionConfig(default=SitePrecision.parse(precision.split(":", 1)[1]), mods=mods)
     cfg = PrecisionConfig.load(precision)

@@ -1,33 +1,62 @@
 """loka-tune: autotuning FP8 precision configurations for large recommendation models.
 
-The top-level API is imported lazily so that ``import loka_tune`` is fast and never touches
-CUDA, triton, fbgemm, torchao or mlflow:
+The workflow, in order (every name is imported lazily: ``import loka_tune`` is fast and never
+touches CUDA, triton, fbgemm, torchao or mlflow):
 
 >>> import loka_tune
->>> summary = loka_tune.apply(model, "best.json")   # doctest: +SKIP
+>>> study = loka_tune.run_study(loka_tune.load_study("study.toml"))     # doctest: +SKIP
+>>> loka_tune.export_best(study, "best.json")                         # doctest: +SKIP
+>>> summary = loka_tune.apply(model, "best.json")                     # doctest: +SKIP
+
+Or without a study, a named recipe: ``loka_tune.apply(model,
+loka_tune.PrecisionConfig.from_recipe("rowwise"))``.
+
+What is public is listed in ``__all__`` below. Everything else (modules, their helpers, any
+name with a leading underscore) is internal and may change between releases; the
+sub-packages' ``__all__`` lists say what a user of each one calls.
 """
 
 from __future__ import annotations
 
 from loka_tune._lazy import lazy_module
-
-__version__ = "0.1.0"
+from loka_tune.version import __version__
 
 # public name -> module that defines it
 _LAZY = {
-    "apply": "loka_tune.applier",
-    "export": "loka_tune.applier",
-    "load_config": "loka_tune.applier",
-    "GemmChoice": "loka_tune.config",
-    "SitePrecision": "loka_tune.config",
+    # configuration: what a precision choice is, per GEMM, per layer, per model; the study file
     "PrecisionConfig": "loka_tune.config",
+    "SitePrecision": "loka_tune.config",
+    "GemmChoice": "loka_tune.config",
     "ModsConfig": "loka_tune.config",
     "Format": "loka_tune.config",
     "Granularity": "loka_tune.config",
     "GemmRole": "loka_tune.config",
+    "StudyConfig": "loka_tune.tuner.study",
+    # the workflow: a study file in, the fastest feasible config out, applied to your model
+    "load_study": "loka_tune.tuner.study",
+    "run_study": "loka_tune.tuner.loop",
+    "export_best": "loka_tune.tuner.results",
+    "load_config": "loka_tune.applier",
+    "apply": "loka_tune.applier",
+    "export": "loka_tune.applier",
+    # the method's pieces, for your own loop: probe, measure, dispatch; models, training
+    "Probe": "loka_tune.probe.collector",
+    "measure": "loka_tune.probe.measure",
+    "build_plan": "loka_tune.dispatch",
+    "build_model": "loka_tune.models.registry",
+    "TrainConfig": "loka_tune.objectives.trainer",
+    "train": "loka_tune.objectives.trainer",
+    # types: what apply puts in place of an nn.Linear
     "LokaLinear": "loka_tune.kernels.linear",
-    "build_model": "loka_tune.models",
-    "Probe": "loka_tune.probe",
+    # errors: every error loka-tune raises on purpose derives from LokaError
+    "LokaError": "loka_tune.errors",
+    "ConfigError": "loka_tune.errors",
+    "DataError": "loka_tune.errors",
+    "BackendError": "loka_tune.errors",
+    "UnsupportedChoiceError": "loka_tune.errors",
+    "ProbeError": "loka_tune.errors",
+    "StudyError": "loka_tune.errors",
+    "ModError": "loka_tune.errors",
 }
 
 __all__ = ["__version__", *_LAZY]

@@ -19,7 +19,7 @@ COMMANDS = ("train", "probe", "tune", "export", "report")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from loka_tune import __version__
+    from loka_tune.version import __version__
 
     parser = argparse.ArgumentParser(
         prog="loka-tune",

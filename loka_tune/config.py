@@ -516,6 +516,15 @@ class PrecisionConfig:
             provenance=dict(provenance or {}),
         )
 
+    @classmethod
+    def from_recipe(cls, name: str, **options: Any) -> "PrecisionConfig":
+        """A named whole-model recipe: ``"bf16"``, ``"tensorwise"``, ``"rowwise"``,
+        ``"rowwise_with_gw_hp"`` or ``"dispatch"`` (LoKA's per-GEMM plan from a probe report).
+        Options and what each recipe means: :func:`loka_tune.recipes.recipe_config`."""
+        from loka_tune.recipes import recipe_config  # its own module: the recipe table and its checks
+
+        return recipe_config(name, **options)
+
     def with_provenance(self, **kw: Any) -> "PrecisionConfig":
         return replace(self, provenance={**self.provenance, **kw})
 

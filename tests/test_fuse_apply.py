@@ -226,7 +226,7 @@ def _study(mods: list[str]):  # noqa: ANN202
 def test_study_mods_fuse_epilogue() -> None:
     cfg = _study(["blocknorm", "hardswish", "fuse_epilogue"])
     assert cfg.space.mods == ("blocknorm", "hardswish", "fuse_epilogue")
-    from loka_tune.space import mods_dims
+    from loka_tune.space.encode import mods_dims
 
     assert mods_dims(cfg.space.mods)["mods.fuse_epilogue"] == (False, True)
     for bad, quoted in ((["blocknorm", "hardswish", "fuse"], "fuse"), (["fused_epilogue"], "fused_epilogue")):

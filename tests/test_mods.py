@@ -18,25 +18,12 @@ from loka_tune.config import ModsConfig
 from loka_tune.errors import ConfigError, ModError
 from loka_tune.layers import SwishLayerNorm
 from loka_tune.models import build_model
-from loka_tune.mods import (
-    PASS_ORDER,
-    BlockNorm,
-    ModsReport,
-    PaddedLinear,
-    PassReport,
-    apply_mods,
-    block_layout,
-    blocknorm,
-    hardswish,
-    mod_choices,
-    mods_from_params,
-    mods_to_params,
-    no_bias,
-    pad,
-    padding_violations,
-    rezero_padding_,
-    unpad,
-)
+from loka_tune.mods import ModsReport, apply_mods, blocknorm, hardswish, no_bias, pad, unpad
+from loka_tune.mods.norm import BlockNorm, block_layout
+from loka_tune.mods.padding import PaddedLinear, padding_violations, rezero_padding_
+from loka_tune.mods.pipeline import PASS_ORDER
+from loka_tune.mods.report import PassReport
+from loka_tune.mods.search import mod_choices, mods_from_params, mods_to_params
 
 # ----------------------------------------------------------------------------- fixtures
 

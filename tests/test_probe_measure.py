@@ -13,17 +13,9 @@ from torch import nn
 from loka_tune.config import GemmChoice
 from loka_tune.errors import ProbeError
 from loka_tune.kernels.quant import mere, sqnr_db
-from loka_tune.probe import (
-    DEFAULT_MAX_ERROR,
-    GUARD_FRAC,
-    Probe,
-    ProbeReport,
-    ProbeStats,
-    RooflineSpeed,
-    TimedSpeed,
-    measure,
-    run_probe,
-)
+from loka_tune.probe import DEFAULT_MAX_ERROR, Probe, ProbeReport, ProbeStats, measure, run_probe
+from loka_tune.probe.measure import GUARD_FRAC
+from loka_tune.probe.speed import RooflineSpeed, TimedSpeed
 from loka_tune.probe.synth import SiteSampler, psd_factor
 
 

@@ -14,15 +14,11 @@ from loka_tune.space import (
     build_space,
     config_from_params,
     discover_sites,
-    distributions,
-    enumerate_candidates,
-    mods_dims,
-    param_name,
     params_from_config,
-    params_picking,
     prune_by_probe,
-    suggest,
 )
+from loka_tune.space.candidates import enumerate_candidates
+from loka_tune.space.encode import distributions, mods_dims, param_name, params_picking, suggest
 from loka_tune.space.sites import Site
 
 ROW = "e4m3.row.emulated"

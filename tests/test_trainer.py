@@ -18,15 +18,9 @@ from torch import nn
 
 from loka_tune.data.base import Batch
 from loka_tune.errors import ConfigError, DataError
-from loka_tune.objectives import (
-    RowwiseAdagrad,
-    TrainConfig,
-    build_optimizers,
-    evaluate,
-    split_parameters,
-    train,
-)
+from loka_tune.objectives import TrainConfig, evaluate, train
 from loka_tune.objectives.metrics import auc, log_loss
+from loka_tune.objectives.trainer import RowwiseAdagrad, build_optimizers, split_parameters
 
 NUM_DENSE = 4
 CARDS = (50, 20, 7)

@@ -60,23 +60,14 @@ def test_trial_record_round_trips_the_attributes_the_loop_writes() -> None:
 
 
 # ------------------------------------------------------------------ the package and its old names
-def test_compatibility_modules_are_the_new_homes() -> None:
-    import loka_tune.study as old_study
-    import loka_tune.tracking as old_tracking
-    import loka_tune.tune as old_tune
-    from loka_tune import tuner
-    from loka_tune.tuner import build, loop, prepare, results, study, tracking, trial
+def test_the_old_flat_modules_are_gone() -> None:
+    """The study loop lives in loka_tune.tuner only: no second import path to keep in step."""
+    import importlib.util
 
-    assert old_tune.run_study is loop.run_study is tuner.run_study
-    assert (old_tune.make_model, old_tune.make_source, old_tune.resolve_device) == (
-        build.make_model, build.make_source, build.resolve_device)
-    assert old_tune.evaluate_config is trial.evaluate_config and old_tune.prepare_study is prepare.prepare_study
-    assert old_tune.ATTR_BASELINE == results.ATTR_BASELINE and old_tune.STATES_DONE == results.STATES_DONE
-    for name in old_tune.__all__:
-        assert getattr(old_tune, name) is not None
-    assert old_study.load_study is study.load_study is tuner.load_study
-    assert old_study.StudyConfig is study.StudyConfig
-    assert old_tracking.Tracker is tracking.Tracker and old_tracking.write_plots is tracking.write_plots
+    from loka_tune import tuner
+
+    for old in ("loka_tune.tune", "loka_tune.study", "loka_tune.tracking"):
+        assert importlib.util.find_spec(old) is None, old
     for name in tuner.__all__:
         assert getattr(tuner, name) is not None
 
@@ -84,7 +75,7 @@ def test_compatibility_modules_are_the_new_homes() -> None:
 def test_tuner_imports_stay_light() -> None:
     code = (
         "import sys, loka_tune, loka_tune.tuner, loka_tune.tuner.study, loka_tune.tuner.results,"
-        " loka_tune.tuner.tracking, loka_tune.study, loka_tune.tracking, loka_tune._toml;"
+        " loka_tune.tuner.tracking, loka_tune._toml;"
         "heavy = [m for m in ('torch', 'optuna', 'mlflow', 'matplotlib') if m in sys.modules];"
         "assert not heavy, heavy"
     )

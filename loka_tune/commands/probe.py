@@ -102,7 +102,8 @@ def run(args: argparse.Namespace) -> int:
     from loka_tune.data import parse_data_spec
     from loka_tune.errors import ConfigError
     from loka_tune.models import build_model
-    from loka_tune.probe import DEFAULT_MAX_ERROR, DEFAULT_MIN_SPEEDUP, ProbeStats, measure
+    from loka_tune.probe import DEFAULT_MAX_ERROR, ProbeStats, measure
+    from loka_tune.probe.measure import DEFAULT_MIN_SPEEDUP
     from loka_tune.probe.run import collect
     from loka_tune.probe.synth import MAX_ROWS
 

@@ -21,36 +21,23 @@ from __future__ import annotations
 
 from loka_tune.mods.activation import hardswish
 from loka_tune.mods.bias import no_bias
-from loka_tune.mods.fuse import FuseReport, fuse_epilogues, unfuse_epilogues
-from loka_tune.mods.norm import BlockNorm, block_layout, blocknorm
-from loka_tune.mods.padding import PaddedLinear, pad, padding_violations, rezero_padding_, round_up, unpad
-from loka_tune.mods.pipeline import PASS_ORDER, apply_mods
-from loka_tune.mods.report import Change, ModsReport, PassReport, Skip
-from loka_tune.mods.search import MOD_NAMES, mod_choices, mods_from_params, mods_to_params
+from loka_tune.mods.fuse import fuse_epilogues, unfuse_epilogues
+from loka_tune.mods.norm import blocknorm
+from loka_tune.mods.padding import pad, unpad
+from loka_tune.mods.pipeline import apply_mods
+from loka_tune.mods.report import ModsReport
+from loka_tune.mods.search import MOD_NAMES
 
+# what a user calls; the other names imported above are importable but internal (they may change)
 __all__ = [
     "apply_mods",
-    "PASS_ORDER",
     "no_bias",
     "blocknorm",
     "hardswish",
     "pad",
+    "unpad",
     "fuse_epilogues",
     "unfuse_epilogues",
-    "FuseReport",
-    "unpad",
-    "rezero_padding_",
-    "padding_violations",
-    "round_up",
-    "BlockNorm",
-    "block_layout",
-    "PaddedLinear",
-    "Change",
-    "Skip",
-    "PassReport",
     "ModsReport",
     "MOD_NAMES",
-    "mod_choices",
-    "mods_from_params",
-    "mods_to_params",
 ]

@@ -9,35 +9,16 @@
 
 from __future__ import annotations
 
-from loka_tune.objectives.metrics import (
-    auc,
-    binary_entropy,
-    log_loss,
-    normalized_entropy,
-    relative_log_loss,
-)
-from loka_tune.objectives.trainer import (
-    SPARSE_OPTIMIZERS,
-    RowwiseAdagrad,
-    TrainConfig,
-    TrainResult,
-    build_optimizers,
-    evaluate,
-    split_parameters,
-    train,
-)
+from loka_tune.objectives.metrics import auc, log_loss, normalized_entropy, relative_log_loss
+from loka_tune.objectives.trainer import TrainConfig, TrainResult, evaluate, train
 
+# what a user calls; the other names imported above are importable but internal (they may change)
 __all__ = [
     "TrainConfig",
     "TrainResult",
     "train",
     "evaluate",
-    "RowwiseAdagrad",
-    "SPARSE_OPTIMIZERS",
-    "build_optimizers",
-    "split_parameters",
     "log_loss",
-    "binary_entropy",
     "normalized_entropy",
     "auc",
     "relative_log_loss",

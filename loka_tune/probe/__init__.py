@@ -17,39 +17,19 @@ against a float64 reference and the speed (measured or modeled), giving a
 from __future__ import annotations
 
 from loka_tune.probe.collector import Probe
-from loka_tune.probe.measure import (
-    DEFAULT_CANDIDATES,
-    DEFAULT_MAX_ERROR,
-    DEFAULT_MIN_SPEEDUP,
-    GUARD_FRAC,
-    measure,
-)
-from loka_tune.probe.report import CandidateResult, ProbeReport, SkippedCandidate
+from loka_tune.probe.measure import DEFAULT_CANDIDATES, DEFAULT_MAX_ERROR, measure
+from loka_tune.probe.report import ProbeReport
 from loka_tune.probe.run import collect, run_probe
-from loka_tune.probe.speed import CostModelSpeed, RooflineSpeed, SpeedModel, TimedSpeed, default_speed_model
-from loka_tune.probe.stats import ProbeStats, SiteStats, TensorStats, WeightStats
-from loka_tune.probe.synth import SiteSampler
+from loka_tune.probe.stats import ProbeStats
 
+# what a user calls; the other names imported above are importable but internal (they may change)
 __all__ = [
     "Probe",
-    "ProbeStats",
-    "SiteStats",
-    "TensorStats",
-    "WeightStats",
-    "SiteSampler",
     "measure",
     "run_probe",
     "collect",
     "ProbeReport",
-    "CandidateResult",
-    "SkippedCandidate",
-    "SpeedModel",
-    "RooflineSpeed",
-    "CostModelSpeed",
-    "TimedSpeed",
-    "default_speed_model",
-    "GUARD_FRAC",
-    "DEFAULT_MAX_ERROR",
-    "DEFAULT_MIN_SPEEDUP",
+    "ProbeStats",
     "DEFAULT_CANDIDATES",
+    "DEFAULT_MAX_ERROR",
 ]

@@ -4,31 +4,16 @@ PrecisionConfig as Optuna parameters."""
 
 from __future__ import annotations
 
-from loka_tune.space.candidates import (
-    SearchSpace,
-    SiteChoices,
-    build_space,
-    eligibility,
-    enumerate_candidates,
-    prune_by_probe,
-)
-from loka_tune.space.encode import (
-    config_from_params,
-    distributions,
-    fusable,
-    mods_dims,
-    mods_from_params,
-    param_name,
-    params_from_config,
-    params_picking,
-    suggest,
-)
-from loka_tune.space.sites import Site, discover_sites
+from loka_tune.space.candidates import SearchSpace, build_space, prune_by_probe
+from loka_tune.space.encode import config_from_params, params_from_config
+from loka_tune.space.sites import discover_sites
 
+# what a user calls; the other names imported above are importable but internal (they may change)
 __all__ = [
-    "Site", "discover_sites",
-    "SearchSpace", "SiteChoices", "build_space", "eligibility", "enumerate_candidates",
+    "SearchSpace",
+    "build_space",
+    "discover_sites",
     "prune_by_probe",
-    "config_from_params", "distributions", "fusable", "mods_dims", "mods_from_params", "param_name", "params_from_config",
-    "params_picking", "suggest",
+    "config_from_params",
+    "params_from_config",
 ]

@@ -82,7 +82,7 @@ def mods_dims(allowed: Sequence[str], *, blocknorm_sizes: Sequence[int] = (128,)
     ``mods.<field>`` (:func:`loka_tune.mods.mod_choices` restricted to ``allowed``)."""
     if not allowed:
         return {}
-    from loka_tune.mods import mod_choices
+    from loka_tune.mods.search import mod_choices
 
     ch = mod_choices(blocknorm=tuple(blocknorm_sizes), pad=tuple(pad_multiples), include=tuple(allowed))
     return {f"mods.{k}": tuple(v) for k, v in ch.items()}
@@ -95,7 +95,7 @@ def mods_from_params(params: Mapping[str, Any]) -> ModsConfig:
     without both there is no (Linear, BlockNorm, Hard Swish) chain to fuse, and dropping it
     gives such a trial the config (and cache key) of the same trial unfused.
     """
-    from loka_tune.mods import mods_from_params as _decode
+    from loka_tune.mods.search import mods_from_params as _decode
 
     mods = _decode({k: v for k, v in params.items() if k.startswith("mods.")})
     if mods.fuse_epilogue and not fusable(mods):

@@ -166,7 +166,7 @@ def export_best(study: Any, out: str | Path | None = None) -> PrecisionConfig:
     import optuna
     import torch
 
-    from loka_tune import __version__
+    from loka_tune.version import __version__
 
     t = best_trial(study)
     r = TrialRecord.of(t)

@@ -24,19 +24,20 @@ from torchao.float8.config import ScalingGranularity  # optional dependency: the
 from torchao.float8.float8_ops import addmm_float8_unwrapped
 from torchao.float8.float8_utils import tensor_to_scale, to_fp8_saturated
 
-from loka_tune.config import BF16, Format, GemmChoice, GemmRole, Granularity, SitePrecision
+from loka_tune.config import Format, GemmChoice, GemmRole, Granularity, SitePrecision
 from loka_tune.errors import ConfigError
 from loka_tune.kernels.backends import GPUBackend
 from loka_tune.kernels.registry import Shape, register_backend
+from loka_tune.recipes import RECIPES as _UNIFORM
 
 __all__ = ["TorchAOBackend", "RECIPES", "recipe_precision"]
 
 _DT = {Format.E4M3: torch.float8_e4m3fn, Format.E5M2: torch.float8_e5m2}
 
+# torchao's recipe names are loka-tune's uniform recipes (loka_tune.recipes) on this backend
 RECIPES: dict[str, SitePrecision] = {
-    "tensorwise": SitePrecision.uniform("e4m3.tensor.torchao"),
-    "rowwise": SitePrecision.uniform("e4m3.row.pow2.torchao"),
-    "rowwise_with_gw_hp": SitePrecision(GemmChoice.parse("e4m3.row.pow2.torchao"), GemmChoice.parse("e4m3.row.pow2.torchao"), BF16),
+    name: SitePrecision.parse(site.format(backend="torchao"), key="recipe")
+    for name, site in _UNIFORM.items() if name != "bf16"
 }
 
 
