@@ -357,8 +357,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--infer-reps", type=int, default=30)
     ap.add_argument("--eval-batches", type=int, default=8)
     ap.add_argument("--budget", type=float, default=float("inf"), help="seconds: start no new run after this")
+    ap.add_argument("--nproc", type=int, default=1,
+                    help="data-parallel training over N processes, one GPU each (torchrun, DDP; --batch stays the"
+                         " global batch); inference is then skipped. Scaling: benchmarks/scaling.py")
     ap.add_argument("--out", type=Path, required=True, help="output folder (results.json, table.md)")
     args = ap.parse_args(argv)
+
+    from loka_tune.objectives.distributed import dist_env, launch, process_group, rank_device, strip_nproc
+
+    env = dist_env()
+    if args.nproc > 1 and env is None:  # launch this script under torchrun and wait
+        return launch(args.nproc, [__file__, *strip_nproc(sys.argv[1:] if argv is None else argv)])
+    if env is not None and args.infer_batches:
+        args.infer_batches = ""  # serving is one GPU: measure it in a one-process run
+    main_rank = env is None or env.is_main
 
     from loka_tune.tuner.build import make_model, make_source, resolve_device
     from loka_tune.tuner.study import load_study
@@ -368,6 +380,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.preset:
         cfg = replace(cfg, model=replace(cfg.model, preset=args.preset))
     dev = torch.device(resolve_device(args.device))
+    if env is not None:
+        dev = rank_device(env, dev)
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
     source = make_source(cfg)
     config = PrecisionConfig.load(args.config) if args.config else PrecisionConfig(
         mods=ModsConfig(no_bias=True, blocknorm=256, hardswish=True))
@@ -393,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
             "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu",
             "torch": torch.__version__, "python": platform.python_version(), "date": time.strftime("%Y-%m-%d"),
             "config": str(args.config) if args.config else None, "config_mods": config.mods.short_str(),
-            "argv": sys.argv[1:] if argv is None else argv}
+            "argv": sys.argv[1:] if argv is None else argv, "nproc": env.world_size if env is not None else 1}
     args.out.mkdir(parents=True, exist_ok=True)
     runs: list[dict[str, Any]] = []
     failed: list[str] = []
@@ -422,37 +438,44 @@ def main(argv: list[str] | None = None) -> int:
         del model
 
     def dump() -> None:
+        if not main_rank:
+            return
         summary = summarize(runs)
         (args.out / "results.json").write_text(json.dumps({"meta": meta, "runs": runs, **summary}, indent=1))
         (args.out / "table.md").write_text(table(summary) + "\n")
 
-    for name in names:
-        for seed in seeds:
-            rec: dict[str, Any] = {"variant": name, "seed": seed}
-            if time.perf_counter() - t_start > args.budget:
-                rec["skipped"] = "over the --budget"
-            elif name in _GPU_ONLY and dev.type != "cuda":
-                rec["skipped"] = "needs a CUDA GPU"
-            else:
-                guard = strict_compile() if args.compile else contextlib.nullcontext({})
-                try:
-                    with guard as dynamo:
-                        run_variant(name, seed, rec)
-                    if args.compile:
-                        rec["dynamo"] = dynamo
-                except Exception as e:  # record it and go on: one broken variant must not hide the rest
-                    rec["error"] = f"{type(e).__name__}: {e}"[:400]
-                    if isinstance(e, CompileHealthError):
-                        print(f"!! {name} seed {seed}: {e}", flush=True)
-                    failed.append(name)
-                if dev.type == "cuda":
-                    torch.cuda.empty_cache()
-            runs.append(rec)
-            dump()
-            shown = {k: rec[k] for k in ("status", "step_time_s", "eval_logloss", "fp8_sites", "skipped", "error")
-                     if k in rec}
-            print(f"[e2e {time.perf_counter() - t_start:6.0f}s] {name} seed {seed}: {shown}", flush=True)
+    group = process_group(env, dev) if env is not None else contextlib.nullcontext()
+    with group:  # one process group for every variant's run (train() joins it)
+        for name in names:
+            for seed in seeds:
+                rec: dict[str, Any] = {"variant": name, "seed": seed}
+                if time.perf_counter() - t_start > args.budget:
+                    rec["skipped"] = "over the --budget"
+                elif name in _GPU_ONLY and dev.type != "cuda":
+                    rec["skipped"] = "needs a CUDA GPU"
+                else:
+                    guard = strict_compile() if args.compile else contextlib.nullcontext({})
+                    try:
+                        with guard as dynamo:
+                            run_variant(name, seed, rec)
+                        if args.compile:
+                            rec["dynamo"] = dynamo
+                    except Exception as e:  # record it and go on: one broken variant must not hide the rest
+                        rec["error"] = f"{type(e).__name__}: {e}"[:400]
+                        if isinstance(e, CompileHealthError):
+                            print(f"!! {name} seed {seed}: {e}", flush=True)
+                        failed.append(name)
+                    if dev.type == "cuda":
+                        torch.cuda.empty_cache()
+                runs.append(rec)
+                dump()
+                shown = {k: rec[k] for k in ("status", "step_time_s", "eval_logloss", "fp8_sites", "skipped", "error")
+                         if k in rec}
+                if main_rank:
+                    print(f"[e2e {time.perf_counter() - t_start:6.0f}s] {name} seed {seed}: {shown}", flush=True)
     dump()
+    if not main_rank:
+        return 1 if failed else 0
     print()
     print(table(summarize(runs)))
     if failed:

@@ -43,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args._argv = list(sys.argv[1:] if argv is None else argv)  # a command that re-launches itself (train --nproc)
     if getattr(args, "_run", None) is None:
         parser.print_help()
         return 2

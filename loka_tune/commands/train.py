@@ -97,6 +97,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--compile", action="store_true", help="torch.compile the model")
     t.add_argument("--cuda-graphs", action="store_true",
                    help="capture the whole training step in one CUDA graph and replay it (CUDA only)")
+    t.add_argument("--nproc", type=int, default=1, metavar="N",
+                   help="data-parallel over N processes on this host (torchrun; gloo on the CPU, NCCL with one"
+                        " GPU per process); --batch-size stays the global batch, so the run takes the same"
+                        " steps on the same examples as one process (default: 1)")
     t.add_argument("--cpu-threads", type=int, default=None, metavar="N",
                    help="torch CPU threads for the run (default: torch's; 1 is fastest for tiny "
                    "models on a busy machine)")
@@ -161,10 +165,20 @@ def run(args: argparse.Namespace) -> int:
     from loka_tune.data import parse_data_spec
     from loka_tune.errors import ConfigError
     from loka_tune.models import build_model
+    from loka_tune.objectives.distributed import dist_env, launch, strip_nproc
     from loka_tune.objectives.trainer import TrainConfig, resolve_device, train
 
+    env = dist_env()
+    if args.nproc < 1:
+        raise ConfigError(f"got {args.nproc}; expected the number of processes (>= 1)", key="--nproc")
+    main_rank = env is None or env.is_main
     source = parse_data_spec(args.data)
     batch_size, steps = default_schedule(source, args.batch_size, args.steps)
+    if args.nproc > 1 and env is None:  # this process launches the job and waits for it
+        if batch_size % args.nproc:
+            raise ConfigError(f"got a global batch of {batch_size} for {args.nproc} processes; it must split evenly:"
+                              f" pass --batch-size as a multiple of {args.nproc}", key="--batch-size")
+        return launch(args.nproc, ["-m", "loka_tune", *strip_nproc(args._argv)])
     cfg = TrainConfig(
         steps=steps,
         batch_size=batch_size,
@@ -198,11 +212,14 @@ def run(args: argparse.Namespace) -> int:
         model.to(resolve_device(cfg.device))
         summary = apply(model, args.config)
         replaced = dict(getattr(summary, "replaced", {}))
-        if not args.no_progress:
+        if not args.no_progress and main_rank:
             print(summary, file=sys.stderr)
 
     result = train(model, source, cfg, progress=not args.no_progress)
+    if not main_rank:  # rank 0 reports
+        return 0 if result.status == "ok" else 1
     d = {
+        "nproc": env.world_size if env is not None else 1,
         "model": args.model,
         "preset": args.preset,
         "model_args": {k: list(v) if isinstance(v, tuple) else v for k, v in args.model_arg},

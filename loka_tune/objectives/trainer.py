@@ -30,6 +30,8 @@ and stops the run (``status="pruned"``) when it returns True: the tuner's pruner
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import math
 import random
 import statistics
@@ -43,6 +45,8 @@ import torch
 from torch import nn
 
 from loka_tune.errors import ConfigError, DataError
+from loka_tune.objectives import distributed as D
+from loka_tune.objectives.distributed import DistEnv
 from loka_tune.objectives.metrics import auc, log_loss, normalized_entropy
 from loka_tune.objectives.optim import (
     SPARSE_OPTIMIZERS,
@@ -364,6 +368,7 @@ def evaluate(
     seed: int = 0,
     max_batches: int | None = None,
     autocast: str = "auto",
+    _env: DistEnv | None = None,
 ) -> dict[str, float]:
     """Held-out metrics of ``model`` on one deterministic pass over ``source``'s eval split.
 
@@ -384,14 +389,17 @@ def evaluate(
     labels: list[torch.Tensor] = []
     try:
         with torch.no_grad(), _autocast(dev, dtype):
-            for i, batch in enumerate(source.batches("eval", batch_size, seed=seed, device=dev)):
-                if max_batches is not None and i >= max_batches:
-                    break
+            batches = source.batches("eval", batch_size, seed=seed, device=dev)
+            if max_batches is not None:  # a RankSource yields every world_size-th batch of the split
+                batches = itertools.islice(batches, D.rank_share(max_batches, _env))
+            for batch in batches:
                 out = model(batch.dense, batch.sparse)
                 logits.append(out.detach().float().reshape(-1).cpu())
                 labels.append(batch.labels.detach().float().reshape(-1).cpu())
     finally:
         model.train(was_training)
+    if _env is not None:  # the ranks' eval batches, back in the split's order
+        logits, labels = D.gather_rows(logits, _env), D.gather_rows(labels, _env)
     if not logits:
         raise DataError(
             f"data source {getattr(source, 'name', source)!r} yielded no eval batches: "
@@ -460,20 +468,31 @@ def train(
     cfg = cfg or TrainConfig()
     t_wall = time.perf_counter()
     dev = resolve_device(cfg.device)
+    env = D.dist_env()  # a torchrun job: data-parallel over its ranks (loka_tune.objectives.distributed)
+    if env is not None:
+        dev = D.rank_device(env, dev)
+        D.check_batch(cfg.batch_size, env)
+        if cfg.cuda_graphs:
+            raise ConfigError(f"cuda_graphs with {env.world_size} processes is not supported: turn cuda_graphs off"
+                              " or train in one process", key="cuda_graphs")
     dtype = autocast_for(cfg.autocast, dev)
     deterministic = (dev.type != "cuda") if cfg.deterministic == "auto" else bool(cfg.deterministic)
-    with _RunSettings(deterministic, cfg.cpu_threads):
+    group = D.process_group(env, dev) if env is not None else contextlib.nullcontext()
+    with _RunSettings(deterministic, cfg.cpu_threads), group:
         _seed_everything(cfg.seed)
         model.to(dev)
         model.train()
         emb, dense = split_parameters(model)
-        step = TrainStep(model, build_optimizers(model, cfg), device=dev, dtype=dtype, compile=cfg.compile,
+        ddp = D.wrap_model(model, dev) if env is not None else model
+        src = D.RankSource(source, env) if env is not None else source
+        step = TrainStep(ddp, build_optimizers(model, cfg), device=dev, dtype=dtype, compile=cfg.compile,
                          cuda_graphs=cfg.cuda_graphs)
-        run = _run_steps(step, source, cfg, dev, on_step, progress, f"train {type(model).__name__}")
+        run = _run_steps(step, src, cfg, dev, on_step, progress if env is None or env.is_main else False,
+                         f"train {type(model).__name__}", env=env)
         ev = {"logloss": math.nan, "ne": math.nan, "auc": math.nan, "count": 0, "ctr": math.nan}
         if run.status == "ok":
-            ev = evaluate(model, source, batch_size=cfg.eval_batch_size or cfg.batch_size, device=dev,
-                          seed=cfg.eval_seed, max_batches=cfg.eval_batches, autocast=cfg.autocast)
+            ev = evaluate(model, src, batch_size=cfg.eval_batch_size or cfg.batch_size, device=dev,
+                          seed=cfg.eval_seed, max_batches=cfg.eval_batches, autocast=cfg.autocast, _env=env)
             if not math.isfinite(ev["logloss"]):
                 run.status, run.nonfinite_step = "nonfinite", run.steps_run
 
@@ -497,7 +516,7 @@ def train(
 
 
 def _run_steps(step: TrainStep, source: Any, cfg: TrainConfig, dev: torch.device, on_step: OnStep | None,
-               progress: bool | ProgressFn, desc: str) -> _Run:
+               progress: bool | ProgressFn, desc: str, *, env: DistEnv | None = None) -> _Run:
     """The step loop: time each step, pull losses to the host at sync points, fire callbacks."""
     on_cuda = dev.type == "cuda"
     bar, progress_fn = _make_progress(progress, cfg.steps, desc)
@@ -532,7 +551,7 @@ def _run_steps(step: TrainStep, source: Any, cfg: TrainConfig, dev: torch.device
             run.steps_run = i + 1
             if profiler is not None and run.steps_run == cfg.steps:
                 run.profile, run.profiled, profiler = profiler.stop(), cfg.profile_steps, None
-            if _sync_point(run, loss_buf, cfg, on_cuda, bar, progress_fn, on_step):
+            if _sync_point(run, loss_buf, cfg, on_cuda, bar, progress_fn, on_step, env):
                 break
     finally:
         if bar is not None:
@@ -546,7 +565,7 @@ def _run_steps(step: TrainStep, source: Any, cfg: TrainConfig, dev: torch.device
 
 
 def _sync_point(run: _Run, loss_buf: torch.Tensor, cfg: TrainConfig, on_cuda: bool, bar: Any,
-                progress_fn: ProgressFn | None, on_step: OnStep | None) -> bool:
+                progress_fn: ProgressFn | None, on_step: OnStep | None, env: DistEnv | None = None) -> bool:
     """Every step on the CPU (free there), every ``log_every`` steps and at window ends on
     CUDA: pull new losses to the host, check them, report progress, ask ``on_step``.
     Returns True when the run must stop (non-finite loss, or pruned)."""
@@ -556,6 +575,8 @@ def _sync_point(run: _Run, loss_buf: torch.Tensor, cfg: TrainConfig, on_cuda: bo
     if on_cuda and not (at_window or at_log):
         return False
     base = len(run.losses)
+    if env is not None:  # each rank's loss is the mean of its rows: their mean is the global batch's
+        D.mean_over_ranks(loss_buf[base:done])
     run.losses.extend(loss_buf[base:done].tolist())
     bad = [i for i in range(base, done) if not math.isfinite(run.losses[i])]
     if bad:
