@@ -17,6 +17,13 @@ traceable torch code that ``torch.compile`` fuses into the graph (``torch_scaled
 ``torch.ops.loka.gemm`` custom op (see :mod:`loka_tune.kernels.ops`), which also runs the
 non-finite check. Under ``torch.compile`` nothing of this dispatch remains at run time.
 
+Quantize once (compiled runs): where two GEMMs of a layer take the same operand tensorwise on
+``torch_scaled_mm`` in one format (``X`` in fwd and wgrad, ``W`` in fwd and dgrad, ``dY`` in
+dgrad and wgrad), it is quantized once and its FP8 copy (transposed where the other GEMM needs
+it) serves both, and the FP8 copies of ``X`` and ``W`` are what forward saves for backward
+(:class:`~loka_tune.kernels.scaled.SharePlan`), as torchao's tensorwise training does.
+Bit-identical to quantizing per GEMM; eager mode keeps the fused Triton quantization per GEMM.
+
 Compute dtype: the autocast dtype when autocast is on for the input's device, else the
 input's dtype; operands are cast to it, the output is in it, and gradients come back in the
 dtypes of ``X``, ``W`` and the bias. The module has exactly ``nn.Linear``'s parameters
@@ -37,10 +44,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loka_tune.config import BF16, ROLES, SitePrecision
+from loka_tune.config import BF16, ROLES, GemmChoice, Granularity, SitePrecision
 from loka_tune.errors import BackendError
 from loka_tune.kernels import ops
 from loka_tune.kernels.registry import SHAPE_FALLBACKS, Backend, get_backend
+from loka_tune.kernels.scaled import NO_SHARE, SharePlan, cast_to_fp8, mm_quantized, share_plan, transposed
 
 __all__ = ["LokaLinear", "find_linears", "is_eligible"]
 
@@ -52,6 +60,9 @@ _NO_DIRECT: tuple[GemmFn | None, GemmFn | None, GemmFn | None] = (None, None, No
 
 
 _ROLE_NAMES = tuple(r.value for r in ROLES)  # ("fwd", "dgrad", "wgrad")
+
+#: quantize shared tensorwise operands once in eager mode too (tests; compiled runs always do)
+SHARE_IN_EAGER = False
 
 
 def _backend(choice: str) -> Backend | None:
@@ -80,7 +91,13 @@ def _gemm(a: torch.Tensor, b: torch.Tensor, choice: str, role: str, tag: str, fn
 
 
 class _LokaLinearFn(torch.autograd.Function):
-    """The autograd of a LokaLinear on a 2-D input; choices arrive as short_str ids."""
+    """The autograd of a LokaLinear on a 2-D input; choices arrive as short_str ids.
+
+    ``share`` (a :class:`~loka_tune.kernels.scaled.SharePlan`, set only while compiling) says
+    which tensorwise operands are quantized once for two GEMMs; those GEMMs then run on the FP8
+    copies (``cs`` holds the three parsed choices) and the FP8 copies, not the bf16 tensors,
+    are saved for backward.
+    """
 
     @staticmethod
     def forward(
@@ -94,28 +111,57 @@ class _LokaLinearFn(torch.autograd.Function):
         fns: tuple[GemmFn | None, GemmFn | None, GemmFn | None],
         tag: str,
         dtype: torch.dtype,
+        share: SharePlan = NO_SHARE,
+        cs: tuple[GemmChoice, ...] = (),
     ) -> torch.Tensor:
         xc, wc = x.to(dtype), weight.to(dtype)
-        y = _gemm(xc, wc, fwd, "fwd", tag, fns[0])  # (M, N)
+        if share.x or share.w:  # fwd is tensorwise on torch._scaled_mm: quantize, keep the FP8 copies
+            c = cs[0]
+            qx = cast_to_fp8(xc, c.a_format, Granularity.TENSOR, c.rounding)  # (M, K), ()
+            qw = cast_to_fp8(wc, c.b_format, Granularity.TENSOR, c.rounding)  # (N, K), ()
+            y = mm_quantized(qx, qw, c, dtype)  # (M, N)
+            saved_x: tuple[torch.Tensor, ...] = qx if share.x else (xc,)
+            saved_w: tuple[torch.Tensor, ...] = qw if share.w else (wc,)
+        else:
+            y = _gemm(xc, wc, fwd, "fwd", tag, fns[0])  # (M, N)
+            saved_x, saved_w = (xc,), (wc,)
         if bias is not None:
             y = y + bias.to(dtype)
-        ctx.save_for_backward(xc, wc)
-        ctx.meta = (dgrad, wgrad, fns, tag, dtype, x.dtype, weight.dtype, None if bias is None else bias.dtype)
+        ctx.save_for_backward(*saved_x, *saved_w)
+        ctx.meta = (dgrad, wgrad, fns, tag, dtype, x.dtype, weight.dtype, None if bias is None else bias.dtype,
+                    share, cs, len(saved_x))
         return y
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        xc, wc = ctx.saved_tensors
-        dgrad, wgrad, fns, tag, dtype, x_dtype, w_dtype, b_dtype = ctx.meta
+        dgrad, wgrad, fns, tag, dtype, x_dtype, w_dtype, b_dtype, share, cs, nx = ctx.meta
+        saved = ctx.saved_tensors
+        sx, sw = saved[:nx], saved[nx:]  # (X,) or its FP8 (data, inv_scale); the same for W
         dy = dy.to(dtype)  # (M, N)
+        qdy = cast_to_fp8(dy, cs[1].a_format, Granularity.TENSOR, cs[1].rounding) if share.dy else None
         dx = dw = db = None
-        if ctx.needs_input_grad[0]:
-            dx = _gemm(dy, wc.t(), dgrad, "dgrad", tag, fns[1]).to(x_dtype)  # (M, N) @ (K, N).T -> (M, K)
-        if ctx.needs_input_grad[1]:
-            dw = _gemm(dy.t(), xc.t(), wgrad, "wgrad", tag, fns[2]).to(w_dtype)  # (N, M) @ (K, M).T -> (N, K)
+        if ctx.needs_input_grad[0]:  # (M, N) @ (K, N).T -> (M, K)
+            if share.w or share.dy:
+                c = cs[1]
+                a = qdy if qdy is not None else cast_to_fp8(dy, c.a_format, Granularity.TENSOR, c.rounding)
+                b = transposed((sw[0], sw[1])) if share.w else cast_to_fp8(sw[0].t(), c.b_format, Granularity.TENSOR,
+                                                                         c.rounding)
+                dx = mm_quantized(a, b, c, dtype).to(x_dtype)
+            else:
+                dx = _gemm(dy, sw[0].t(), dgrad, "dgrad", tag, fns[1]).to(x_dtype)
+        if ctx.needs_input_grad[1]:  # (N, M) @ (K, M).T -> (N, K)
+            if share.x or share.dy:
+                c = cs[2]
+                a = transposed(qdy) if qdy is not None else cast_to_fp8(dy.t(), c.a_format, Granularity.TENSOR,
+                                                                         c.rounding)
+                b = transposed((sx[0], sx[1])) if share.x else cast_to_fp8(sx[0].t(), c.b_format, Granularity.TENSOR,
+                                                                         c.rounding)
+                dw = mm_quantized(a, b, c, dtype).to(w_dtype)
+            else:
+                dw = _gemm(dy.t(), sx[0].t(), wgrad, "wgrad", tag, fns[2]).to(w_dtype)
         if b_dtype is not None and ctx.needs_input_grad[2]:
             db = dy.to(torch.float32).sum(0).to(b_dtype)  # (N,)
-        return dx, dw, db, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None, None
 
 
 class LokaLinear(nn.Linear):
@@ -164,6 +210,8 @@ class LokaLinear(nn.Linear):
             if be is not None and be.runtime_shape_check:
                 checks.append((r, be, ops.parse_choice(i)))
         self._shape_checks = tuple(checks)
+        self._choices = tuple(ops.parse_choice(i) for i in self._ids)
+        self._share = share_plan(*self._choices)
 
     def _fit_to_shape(self, m: int) -> tuple[tuple[str, str, str], tuple[GemmFn | None, ...]]:
         """Choices and call paths for ``m`` rows: bf16 for each GEMM whose backend cannot launch
@@ -191,6 +239,8 @@ class LokaLinear(nn.Linear):
         state = super().__getstate__()
         state.pop("_fns", None)  # closures and backend objects: resolved again on load
         state.pop("_shape_checks", None)
+        state.pop("_choices", None)
+        state.pop("_share", None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -236,9 +286,16 @@ class LokaLinear(nn.Linear):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])  # (M, K)
         (fwd, dgrad, wgrad), fns = (self._ids, self._fns) if not self._shape_checks else self._fit_to_shape(x2.shape[0])
+        share, cs = NO_SHARE, self._choices
         if ops.nonfinite_check_forced():
             fns = _NO_DIRECT
-        y = _LokaLinearFn.apply(x2, self.weight, self.bias, fwd, dgrad, wgrad, fns, self._tag, dtype)  # (M, N)
+        elif self._share.any and (SHARE_IN_EAGER or torch.compiler.is_compiling()):
+            # eager keeps the fused Triton quantization per GEMM; compiled, inductor fuses these casts
+            if (fwd, dgrad, wgrad) != self._ids:  # a shape fallback changed a choice
+                cs = tuple(ops.parse_choice(i) for i in (fwd, dgrad, wgrad))
+            share = share_plan(*cs) if cs is not self._choices else self._share
+        y = _LokaLinearFn.apply(x2, self.weight, self.bias, fwd, dgrad, wgrad, fns, self._tag, dtype,
+                                share, cs)  # (M, N)
         return y.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:

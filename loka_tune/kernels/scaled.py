@@ -23,12 +23,15 @@ K-contiguous, so a transposed view is quantized and transposed in one generated 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from loka_tune.config import Format, GemmChoice, Granularity, ScaleRounding
 from loka_tune.kernels.quant import _F32_MAX, FMAX, FP8_DTYPE
 
-__all__ = ["cast_to_fp8", "scaled_mm_gemm", "SCALED_MM_GRANULARITIES"]
+__all__ = ["cast_to_fp8", "scaled_mm_gemm", "SCALED_MM_GRANULARITIES", "SharePlan", "share_plan", "mm_quantized",
+           "transposed"]
 
 SCALED_MM_GRANULARITIES = frozenset({Granularity.TENSOR, Granularity.ROW})
 _EXP_MASK = 0x7F800000  # float32 exponent bits: clearing the mantissa rounds down to 2**e
@@ -89,3 +92,62 @@ def scaled_mm_gemm(a: torch.Tensor, b: torch.Tensor, choice: GemmChoice) -> torc
     out = torch._scaled_mm(qa, qb.t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype,
                            use_fast_accum=choice.fast_accum)  # (m, n)
     return out if out.dtype == a.dtype else out.to(a.dtype)
+
+
+# ------------------------------------------------------------------ quantize once, use twice
+@dataclass(frozen=True)
+class SharePlan:
+    """Which operands of a linear layer are quantized once and reused by two of its GEMMs.
+
+    With tensorwise scaling one scale covers a whole tensor, so a transpose of its FP8 copy is
+    the FP8 copy of its transpose (bit for bit): ``W`` quantized for fwd serves dgrad (as
+    ``W^T``), ``X`` quantized for fwd serves wgrad (``X^T``, saved for backward in FP8, half
+    the bytes of bf16), ``dY`` quantized for dgrad serves wgrad (``dY^T``). Torchao's
+    tensorwise training does the same. Each flag needs both GEMMs on ``torch_scaled_mm``,
+    tensorwise, with the operand in one format and one scale rounding.
+    """
+
+    x: bool = False
+    w: bool = False
+    dy: bool = False
+
+    @property
+    def any(self) -> bool:
+        return self.x or self.w or self.dy
+
+
+NO_SHARE = SharePlan()
+
+
+def _tensorwise(c: GemmChoice) -> bool:
+    return c.backend == "torch_scaled_mm" and c.granularity == Granularity.TENSOR
+
+
+def share_plan(fwd: GemmChoice, dgrad: GemmChoice, wgrad: GemmChoice) -> SharePlan:
+    """The :class:`SharePlan` of a layer's three choices (fwd ``(X, W)``, dgrad ``(dY, W^T)``,
+    wgrad ``(dY^T, X^T)``)."""
+    def same(c1: GemmChoice, f1: Format, c2: GemmChoice, f2: Format) -> bool:
+        return _tensorwise(c1) and _tensorwise(c2) and f1 == f2 and c1.rounding == c2.rounding
+
+    return SharePlan(
+        x=same(fwd, fwd.a_format, wgrad, wgrad.b_format),
+        w=same(fwd, fwd.b_format, dgrad, dgrad.b_format),
+        dy=same(dgrad, dgrad.a_format, wgrad, wgrad.a_format),
+    )
+
+
+def transposed(q: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tensorwise FP8 copy of ``x.T`` from that of ``x``: the data transposed K-contiguous
+    (a 1-byte copy), the same scale."""
+    data, inv_scale = q
+    return data.t().contiguous(), inv_scale
+
+
+def mm_quantized(qa: tuple[torch.Tensor, torch.Tensor], qb: tuple[torch.Tensor, torch.Tensor],
+                 choice: GemmChoice, out_dtype: torch.dtype) -> torch.Tensor:
+    """``a @ b.T`` of tensorwise operands already in FP8 (``(data, inv_scale)`` pairs, ``a``
+    ``(m, k)`` and ``b`` ``(n, k)`` K-contiguous), through ``torch._scaled_mm``."""
+    dt = out_dtype if out_dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.bfloat16
+    out = torch._scaled_mm(qa[0], qb[0].t(), scale_a=qa[1], scale_b=qb[1], out_dtype=dt,
+                           use_fast_accum=choice.fast_accum)  # (m, n)
+    return out if out.dtype == out_dtype else out.to(out_dtype)
