@@ -44,8 +44,8 @@ import numpy as np
 import torch
 from torch import nn
 
+import loka_tune.objectives.distributed as D
 from loka_tune.errors import ConfigError, DataError
-from loka_tune.objectives import distributed as D
 from loka_tune.objectives.distributed import DistEnv
 from loka_tune.objectives.metrics import auc, log_loss, normalized_entropy
 from loka_tune.objectives.optim import (
