@@ -224,4 +224,7 @@ def load_study(path: str | Path, *, cwd: Path | None = None) -> StudyConfig:
         doc = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path} is not valid TOML: {e}", key="(file)") from None
-    return parse_study(doc, base_dir=path.resolve().parent, source_path=path.resolve(), cwd=cwd)
+    try:
+        return parse_study(doc, base_dir=path.resolve().parent, source_path=path.resolve(), cwd=cwd)
+    except ConfigError as e:
+        raise e.in_file(path) from None
