@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
-__all__ = ["atomic_write_text"]
+__all__ = ["atomic_write_text", "cwd_importable"]
 
 
 def atomic_write_text(path: str | Path, text: str) -> Path:
@@ -17,3 +18,12 @@ def atomic_write_text(path: str | Path, text: str) -> Path:
     tmp.write_text(text)
     tmp.replace(path)
     return path
+
+
+def cwd_importable() -> None:
+    """Put the working directory on the import path (last, after the installed packages), as
+    ``python -m`` does: a user's ``module:function`` (model factory, data source) in the folder
+    ``loka-tune`` runs from imports without PYTHONPATH."""
+    cwd = os.getcwd()
+    if "" not in sys.path and cwd not in sys.path:
+        sys.path.append(cwd)

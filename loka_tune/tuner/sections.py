@@ -88,7 +88,9 @@ class ModelSection:
     """A built-in model (``name`` + ``preset`` + ``overrides``) or a user's ``module:function``.
 
     A user function is called as ``function(num_dense=..., cardinalities=..., **overrides)``
-    and returns an ``nn.Module`` with ``forward(dense, sparse) -> (B,) logits``.
+    (its own names for the first two are recognised, e.g. ``n_dense``, ``table_sizes``) and
+    returns an ``nn.Module`` with ``forward(dense, sparse) -> (B,) logits``
+    (:func:`loka_tune.tuner.build.call_model_factory`).
     """
 
     name: str
