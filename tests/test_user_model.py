@@ -129,3 +129,31 @@ def test_tune_stops_at_once_with_one_line(user_dir: Path, capsys: pytest.Capture
     assert err.startswith(f"loka-tune tune: error: {study}: model.name: ") and needle in err
     if fn != "nosuch":
         assert FACTORY_CONVENTION in err
+
+
+def test_the_readme_example_is_a_working_study(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """README "Tune your own model": its mymodel.py and mymodel.toml, saved in one folder, load,
+    build (from the working directory) and run a forward pass; the model's linears are swapped."""
+    import re
+
+    from loka_tune.applier import apply
+    from loka_tune.config import PrecisionConfig
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme[readme.index("## Tune your own model"):]
+    blocks = dict(re.findall(r"```(?:python|toml)\n# (mymodel\.\w+)\n(.*?)```", section, flags=re.S))
+    assert set(blocks) == {"mymodel.py", "mymodel.toml"}
+    module = f"mymodel_{tmp_path.name.replace('-', '_')}"  # a fresh module name per run
+    (tmp_path / f"{module}.py").write_text(blocks["mymodel.py"])
+    (tmp_path / "mymodel.toml").write_text(blocks["mymodel.toml"].replace('"mymodel:build"', f'"{module}:build"'))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    cfg = load_study(tmp_path / "mymodel.toml")
+    source = make_source(cfg)
+    model = make_model(cfg, source)
+    assert model.out.in_features == 512  # the override reached build()
+    batch = next(iter(source.batches("train", 8, seed=0)))
+    assert model(batch.dense, batch.sparse).shape == (8,)
+    s = apply(model, PrecisionConfig.from_sites({"mlp.2": "e4m3.row.emulated"}))
+    assert list(s.replaced) == ["mlp.2"]
+    assert model(batch.dense, batch.sparse).shape == (8,)
