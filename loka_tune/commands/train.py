@@ -198,14 +198,13 @@ def _recorded_spec(args: argparse.Namespace) -> dict[str, Any]:
 def _build(spec: dict[str, Any], source: Any) -> Any:
     from loka_tune.models import build_model
 
-    kw = {"num_dense": source.num_dense, "cardinalities": list(source.cardinalities)}
+    num_dense, cards = int(source.num_dense), list(source.cardinalities)
     if ":" in spec["model"]:  # a user's factory, recorded by a study of it
         from loka_tune.tuner.build import call_model_factory
 
-        return call_model_factory(spec["model"], kw["num_dense"], kw["cardinalities"], spec["overrides"],
-                                  key="--config")
-    overrides = {k: tuple(v) if isinstance(v, list) else v for k, v in spec["overrides"].items()}
-    return build_model(spec["model"], spec["preset"], **kw, **overrides)
+        return call_model_factory(spec["model"], num_dense, cards, spec["overrides"], key="--config")
+    overrides: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in spec["overrides"].items()}
+    return build_model(spec["model"], spec["preset"], num_dense=num_dense, cardinalities=cards, **overrides)
 
 
 def run(args: argparse.Namespace) -> int:
