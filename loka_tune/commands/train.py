@@ -187,12 +187,12 @@ def _recorded_spec(args: argparse.Namespace) -> dict[str, Any]:
     data, params = prov.get("data"), prov.get("data_params")
     if args.data is not None:  # the user's data: the recorded parameters were for the recorded source
         data, params = args.data, {}
-    elif not isinstance(data, str) or (data != "synthetic" and not isinstance(params, dict)):
-        raise ConfigError(f"{str(args.config)!r} records no data spec and parameters (exported by an older"
-                          " version?); give --data", key="--data")
+    elif not isinstance(data, str):
+        raise ConfigError(f"{str(args.config)!r} records no data spec (exported by an older version?);"
+                          " give --data", key="--data")
     return {"model": rec["name"], "preset": args.preset or rec.get("preset") or "tiny",
             "overrides": {**dict(rec.get("overrides") or {}), **overrides}, "data": data,
-            "data_params": dict(params or {}), "from": str(args.config)}
+            "data_params": dict(params) if isinstance(params, dict) else {}, "from": str(args.config)}
 
 
 def _build(spec: dict[str, Any], source: Any) -> Any:
