@@ -200,6 +200,4 @@ def read_plain(t: Table, name: str, kinds: tuple[type, ...], default: Any) -> An
 
 def rekeyed(e: ConfigError, prefix: str) -> ConfigError:
     """``e`` (raised by a config object that names its own field) with its key under ``prefix``."""
-    msg, own = str(e), f"{e.key}: "
-    return ConfigError(msg[len(own):] if e.key and msg.startswith(own) else msg,
-                       key=f"{prefix}.{e.key}" if e.key else prefix)
+    return ConfigError(e.message, key=f"{prefix}.{e.key}" if e.key else prefix, path=e.path)

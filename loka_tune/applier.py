@@ -22,11 +22,17 @@ arithmetic in one kernel, so it is never an error, ``strict`` or not. A model ap
 is first unfused (step 0), so applying again with another config just updates precisions
 (and fusion): ``apply`` is idempotent.
 
+All or nothing: on any error the model is restored to what it was before the call (its
+module tree, parameters, buffers and attributes, the Mods mark included), so a corrected config
+can be applied to the same model.
+
 Errors: a per-site rule that matches no layer -> :class:`ConfigError` naming the rule and
 listing real site names; an unknown backend name -> :class:`BackendError`; a choice its
 backend cannot run here (device, alignment, format, missing install) ->
-:class:`UnsupportedChoiceError` naming the site, or with ``strict=False`` that GEMM runs in
-bf16 and the summary records why.
+:class:`UnsupportedChoiceError` naming the site. With ``strict=False``, a rule that matches no
+layer is skipped (``ApplySummary.unmatched`` lists it and the summary says so), and a choice its
+backend cannot run here runs that GEMM in bf16 (``ApplySummary.fallbacks`` says why); an
+unknown backend name is an error either way (a typo, not a missing install).
 """
 
 from __future__ import annotations
@@ -60,7 +66,8 @@ class ApplySummary:
     ``fuse_epilogue``: whether the config asked for fused epilogues; then ``fused``: the
     (Linear, BlockNorm, Hard Swish) chains (container names; the site is ``<chain>.linear``)
     now running as one fused GEMM epilogue, ``fuse_skipped``: chain -> why it stays unfused,
-    ``fuse_note``: a remark (e.g. no chain found).
+    ``fuse_note``: a remark (e.g. no chain found). ``unmatched``: the per-site rules that matched no
+    layer and were skipped (``strict=False`` only).
     """
 
     replaced: dict[str, str] = field(default_factory=dict)
@@ -75,6 +82,7 @@ class ApplySummary:
     fused: list[str] = field(default_factory=list)
     fuse_skipped: dict[str, str] = field(default_factory=dict)
     fuse_note: str = ""
+    unmatched: list[str] = field(default_factory=list)
 
     @property
     def n_sites(self) -> int:
@@ -94,6 +102,7 @@ class ApplySummary:
             "fused": list(self.fused),
             "fuse_skipped": dict(self.fuse_skipped),
             "fuse_note": self.fuse_note,
+            "unmatched": list(self.unmatched),
         }
 
     def __str__(self) -> str:
@@ -121,6 +130,9 @@ class ApplySummary:
             if i == 0:
                 lines.append("  ".join("-" * w for w in widths))
         lines.append("GEMMs per choice: " + ", ".join(f"{c}: {n}" for c, n in sorted(self.counts.items())))
+        if self.unmatched:
+            lines.append(f"skipped {len(self.unmatched)} rule(s) that match no linear layer (strict=False): "
+                         + ", ".join(repr(r) for r in self.unmatched))
         if self.mods is not None:
             lines.append(str(self.mods))
         elif self.mods_note:
@@ -243,6 +255,29 @@ def _to_plain(lin: nn.Linear) -> nn.Linear:
     return plain
 
 
+_STATE_DICTS = ("_modules", "_parameters", "_buffers", "_forward_hooks", "_forward_pre_hooks")
+
+
+def _snapshot(model: nn.Module) -> list[tuple[nn.Module, dict[str, Any]]]:
+    """Every module's attributes, with its children / parameters / buffers / hooks dicts copied:
+    what the Mods, the swap and the fusion change (they replace entries, never tensor data)."""
+    snap = []
+    for m in model.modules():
+        d = dict(m.__dict__)
+        for k in _STATE_DICTS:
+            if isinstance(d.get(k), dict):
+                d[k] = type(d[k])(d[k])  # OrderedDict stays OrderedDict
+        snap.append((m, d))
+    return snap
+
+
+def _restore(snap: list[tuple[nn.Module, dict[str, Any]]]) -> None:
+    """Put every module of a :func:`_snapshot` back as it was."""
+    for m, d in snap:
+        m.__dict__.clear()
+        m.__dict__.update({k: type(v)(v) if k in _STATE_DICTS and isinstance(v, dict) else v for k, v in d.items()})
+
+
 def apply(
     model: nn.Module,
     config: PrecisionConfig | Mapping[str, Any] | str | Path,
@@ -251,12 +286,11 @@ def apply(
 ) -> ApplySummary:
     """Apply ``config`` (a PrecisionConfig, its dict form or a JSON path) to ``model`` in place.
 
-    See the module docstring for the steps and errors. Returns an :class:`ApplySummary`.
+    All or nothing: on any error the model is left as it was. ``strict=False`` skips per-site
+    rules that match no layer and runs in bf16 the GEMMs whose backend cannot run here; the
+    summary lists both. See the module docstring for the steps and errors. Returns an
+    :class:`ApplySummary`.
     """
-    from loka_tune.kernels.fused import FusedLinearBlockNormHardswish
-    from loka_tune.kernels.linear import LokaLinear, find_linears
-    from loka_tune.mods.fuse import fuse_epilogues, unfuse_epilogues
-
     cfg = as_config(config)
     if not isinstance(model, nn.Module):
         raise ConfigError(f"apply takes an nn.Module, got {type(model).__name__}", key="(model)")
@@ -266,6 +300,19 @@ def apply(
             " module (e.g. nn.Sequential(linear)) or use LokaLinear.from_linear(linear, precision)",
             key="(model)",
         )
+    snap = _snapshot(model)
+    try:
+        return _apply(model, cfg, strict)
+    except BaseException:
+        _restore(snap)
+        raise
+
+
+def _apply(model: nn.Module, cfg: PrecisionConfig, strict: bool) -> ApplySummary:
+    from loka_tune.kernels.fused import FusedLinearBlockNormHardswish
+    from loka_tune.kernels.linear import LokaLinear, find_linears
+    from loka_tune.mods.fuse import fuse_epilogues, unfuse_epilogues
+
     summary = ApplySummary(config_key=cfg.key(), fuse_epilogue=cfg.mods.fuse_epilogue)
     if any(isinstance(m, FusedLinearBlockNormHardswish) for m in model.modules()):
         unfuse_epilogues(model)  # a model applied before: back to plain chains, fused again below if asked
@@ -274,7 +321,9 @@ def apply(
     linears = find_linears(model)
     names = list(linears)
     unmatched = cfg.unmatched_rules(names)
-    if unmatched:
+    if unmatched and not strict:
+        summary.unmatched = list(unmatched)  # resolve() never picks them: they match nothing
+    elif unmatched:
         pat = unmatched[0]
         close = difflib.get_close_matches(pat.removeprefix("re:"), names, n=3, cutoff=0.5)
         some = close or names[:5]
@@ -283,7 +332,8 @@ def apply(
             + (f" ({len(unmatched) - 1} more rule(s) match nothing either: {unmatched[1:4]})" if len(unmatched) > 1 else "")
             + f"; the model has {len(names)} linear site(s), e.g. {some}"
             + (" (did you mean one of these?)" if close else "")
-            + ". Fix the name, use a 're:' pattern, or remove the rule (a config for another model?)",
+            + ". Fix the name, use a 're:' pattern, remove the rule (a config for another model?), or apply"
+            " with strict=False to skip rules that match nothing",
             key=f"sites.{pat}",
         )
 

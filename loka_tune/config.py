@@ -569,4 +569,8 @@ class PrecisionConfig:
 
     @classmethod
     def load(cls, path: str | Path) -> "PrecisionConfig":
-        return cls.from_json(read_text(path), source=str(Path(path)))
+        """Read a config file; an error in it names the file as well as the key."""
+        try:
+            return cls.from_json(read_text(path), source=str(Path(path)))
+        except ConfigError as e:
+            raise (e if e.key == "(file)" else e.in_file(path)) from None

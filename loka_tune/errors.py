@@ -25,12 +25,22 @@ class LokaError(Exception):
 class ConfigError(LokaError, ValueError):
     """A precision config, choice string or study file is malformed.
 
-    ``key`` names the offending field (dotted path) where one is known.
+    ``key`` names the offending field (dotted path) where one is known, ``path`` the file it is
+    in (a study or precision-config file): ``str(e)`` is ``"path: key: message"``.
     """
 
-    def __init__(self, message: str, *, key: str | None = None) -> None:
+    def __init__(self, message: str, *, key: str | None = None, path: str | None = None) -> None:
         self.key = key
-        super().__init__(f"{key}: {message}" if key else message)
+        self.path = path
+        self.message = message
+        where = "".join(f"{w}: " for w in (path, key) if w)
+        super().__init__(where + message)
+
+    def in_file(self, path: object) -> ConfigError:
+        """This error naming the file ``path`` (unchanged if it names a file already)."""
+        if self.path is not None:
+            return self
+        return ConfigError(self.message, key=self.key, path=str(path))
 
 
 class DataError(LokaError, ValueError):

@@ -284,6 +284,64 @@ def test_mods_run_first_and_once() -> None:
     assert s2.mods is None and "already applied" in s2.mods_note and "already applied" in str(s2)
 
 
+def _structure(model: nn.Module) -> list[tuple[str, str, bool, tuple[int, ...]]]:
+    """Every module's name, class, whether it has a bias, and its parameters' identities."""
+    return [(n, type(m).__name__, getattr(m, "bias", None) is not None,
+             tuple(id(p) for p in m.parameters(recurse=False))) for n, m in model.named_modules()]
+
+
+@pytest.mark.parametrize("bad", [
+    {"blocks.a.1": "e4m3.row.emulated"},  # a site name that matches nothing (found after the Mods ran)
+    {"token": "e4m3.row.fbgemm" if not torch.cuda.is_available() else "e4m3.row.nosuchbackend"},
+    {"token": "e4m3.row.nosuchbackend"},  # an unknown backend
+], ids=["unmatched-site", "unavailable-backend", "unknown-backend"])
+def test_apply_is_all_or_nothing(bad: dict[str, str]) -> None:
+    mods = ModsConfig(no_bias=True)
+    model = _toy()
+    before = _structure(model)
+    biased = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and m.bias is not None]
+    assert len(biased) == 6
+    with pytest.raises((ConfigError, BackendError)):
+        apply(model, PrecisionConfig.from_sites(bad, default="e4m3.row.emulated", mods=mods))
+    assert _structure(model) == before  # every bias still there, nothing swapped
+    assert all(type(m) is nn.Linear for m in model.modules() if isinstance(m, nn.Linear))
+    # the corrected config removes the biases and says so (the failed call left no "applied" mark)
+    s = apply(model, PrecisionConfig.from_sites({"token": "e4m3.row.emulated"}, mods=mods))
+    assert s.mods is not None and "no_bias" in s.mods and "no_bias" in str(s)
+    assert model.embed.bias is None and model.head.bias is not None
+
+
+def test_apply_restores_a_model_applied_before() -> None:
+    """A model applied with fused epilogues: a failing second apply leaves it fused (apply unfuses
+    before it checks the new config's site names)."""
+    from loka_tune.kernels.fused import FusedLinearBlockNormHardswish
+
+    torch.manual_seed(0)
+    model = build_model("wukong", "tiny", num_dense=13, cardinalities=[50] * 8, activation="silu")
+    mods = ModsConfig(blocknorm=8, hardswish=True, fuse_epilogue=True)
+    s = apply(model, PrecisionConfig.from_sites({"head": "bf16"}, default="e4m3.row.emulated", mods=mods))
+    assert s.fused
+    before = _structure(model)
+    precisions = {n: m.precision for n, m in model.named_modules() if isinstance(m, LokaLinear)}
+    with pytest.raises(ConfigError, match="'nope'"):
+        apply(model, PrecisionConfig.from_sites({"nope": "bf16"}, default="e4m3.row.emulated", mods=mods))
+    assert _structure(model) == before
+    assert sorted(n for n, m in model.named_modules() if isinstance(m, FusedLinearBlockNormHardswish)) == sorted(s.fused)
+    assert {n: m.precision for n, m in model.named_modules() if isinstance(m, LokaLinear)} == precisions
+
+
+def test_strict_false_skips_rules_that_match_nothing_and_says_so() -> None:
+    cfg = PrecisionConfig.from_sites({"blocks.a.1": "e4m3.row.emulated", "token": "e4m3.block.emulated"})
+    with pytest.raises(ConfigError, match="strict=False"):
+        apply(_toy(), cfg)
+    model = _toy()
+    s = apply(model, cfg, strict=False)
+    assert s.unmatched == ["blocks.a.1"] and s.to_dict()["unmatched"] == ["blocks.a.1"]
+    assert list(s.replaced) == ["token"] and isinstance(model.token, LokaLinear)
+    assert "skipped 1 rule(s) that match no linear layer (strict=False): 'blocks.a.1'" in str(s)
+    assert "skipped" not in str(apply(_toy(), PrecisionConfig.from_sites({"token": "e4m3.row.emulated"})))
+
+
 # ------------------------------------------------------------------ reference models
 @pytest.mark.parametrize("name", ["dlrm", "dcnv2", "wukong"])
 def test_reference_models(name: str) -> None:

@@ -243,6 +243,15 @@ def test_non_json_and_missing_files(tmp_path: Path) -> None:
     assert ei.value.key == "(file)" and "nope.json" in str(ei.value)
 
 
+def test_errors_in_a_config_file_name_the_file_and_the_key(tmp_path: Path) -> None:
+    f = tmp_path / "best.json"
+    f.write_text('{"schema_version": 1, "sites": {"top.0": "e4m3.rowwise.emulated"}}')
+    with pytest.raises(ConfigError) as ei:
+        PrecisionConfig.load(f)
+    assert ei.value.key == "sites.top.0" and ei.value.path == str(f)
+    assert str(ei.value).startswith(f"{f}: sites.top.0: ") and "'rowwise'" in str(ei.value)
+
+
 def test_mods_config() -> None:
     m = ModsConfig(no_bias=True, blocknorm=256, hardswish=True, pad=16)
     assert m.any and m.short_str() == "nobias+bn256+hswish+pad16"

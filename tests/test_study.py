@@ -136,6 +136,8 @@ MALFORMED = [
     ("[space]\nformats = \"e4m3\"\n", "space.formats", "list of strings"),
     ("[space]\nmods = [\"nobias\"]\n", "space.mods", "nobias"),
     ("[space]\nbackends = [\"Fancy Backend\"]\n", "space.backends", "Fancy Backend"),
+    ("[space]\nbackends = [\"emulated\", \"trtion\"]\n", "space.backends", "'trtion': not a backend; did you mean 'triton'?"),
+    ("[space]\nbackends = [\"cublas\"]\n", "space.backends", "did you mean 'torch_scaled_mm'? Known backends: bf16, emulated"),
     ("[space]\nformats = [\"mxfp8\"]\ngranularities = [\"row\"]\n", "space.granularities", "mx"),
     ("[probe]\nmax_error = -1\n", "probe.max_error", "-1"),
     ("[trials]\nn_trials = 0\n", "trials.n_trials", ">= 1"),
@@ -183,6 +185,14 @@ def test_invalid_toml_and_missing_file(tmp_path: Path) -> None:
         load_study(_write(tmp_path, "[model\nname="), cwd=tmp_path)
     with pytest.raises(ConfigError, match="no such study file"):
         load_study(tmp_path / "nope.toml")
+
+
+def test_errors_in_a_study_file_name_the_file_and_the_key(tmp_path: Path) -> None:
+    p = _write(tmp_path, MINIMAL + "[training]\nsteps = 0\n", "mine.toml")
+    with pytest.raises(ConfigError) as ei:
+        load_study(p, cwd=tmp_path)
+    assert ei.value.key == "training.steps" and ei.value.path == str(p)
+    assert str(ei.value).startswith(f"{p}: training.steps: ")
 
 
 def test_parse_study_rejects_non_mapping() -> None:

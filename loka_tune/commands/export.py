@@ -12,8 +12,12 @@ The config records where it came from (study, trial, metrics, device, versions, 
 speed was measured or modeled). Use it with `loka-tune train ... --config best.json` or, in your
 own training code, `loka_tune.apply(model, "best.json")`.
 
+--trial N exports trial N instead (any completed trial, feasible or not: `loka-tune report`
+lists them); its provenance says it was chosen ("trial_chosen": true).
+
 examples:
   loka-tune export studies/quickstart.toml --out best.json
+  loka-tune export studies/quickstart.toml --trial 3 --out trial3.json
   loka-tune export quickstart --storage sqlite:///runs/quickstart/optuna.db --out best.json
 """
 
@@ -22,6 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("study", help="a study file (.toml), or a study name with --storage")
     parser.add_argument("--storage", default=None, help="Optuna storage URL (sqlite:///... or postgresql://...)")
     parser.add_argument("--out", default="best.json", help="output JSON (default best.json)")
+    parser.add_argument("--trial", type=int, default=None, metavar="N",
+                        help="export completed trial N instead of the best feasible one")
 
 
 def open_existing(study_arg: str, storage: str | None):  # noqa: ANN201
@@ -54,11 +60,24 @@ def open_existing(study_arg: str, storage: str | None):  # noqa: ANN201
 
 
 def run(args: argparse.Namespace) -> int:
+    from loka_tune.commands._output import check_output, write_error
     from loka_tune.tuner.results import export_best
 
+    check_output(args.out, "--out")
     _cfg, study = open_existing(args.study, args.storage)
-    config = export_best(study, args.out)
+    config = export_best(study, trial=args.trial)
+    try:
+        config.save(args.out)
+    except OSError as e:
+        raise write_error(args.out, "--out", e) from None
     p = config.provenance
-    print(f"wrote {args.out}: trial {p['trial']} of {p['study']!r}, speed-up {p['speedup']:.3f}x"
-          f" ({p['speed_source']}), rel. log loss {p['rel_logloss_pct']:+.4f}% (budget {p['budget_pct']}%)")
+    feasible = p["rel_logloss_pct"] is not None and p["budget_pct"] is not None \
+        and p["rel_logloss_pct"] <= p["budget_pct"]
+    print(f"wrote {args.out}: trial {p['trial']} of {p['study']!r}, speed-up {_num(p['speedup'], '.3f')}x"
+          f" ({p['speed_source']}), rel. log loss {_num(p['rel_logloss_pct'], '+.4f')}% (budget {p['budget_pct']}%)"
+          + ("" if feasible else "; NOT feasible: over the loss budget"))
     return 0
+
+
+def _num(x: object, spec: str) -> str:
+    return "n/a" if not isinstance(x, (int, float)) else format(x, spec)

@@ -99,6 +99,7 @@ def _train_fn(args: argparse.Namespace) -> Callable[[Any, Any], Any]:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from loka_tune.commands._output import check_output, write_error
     from loka_tune.data import parse_data_spec
     from loka_tune.errors import ConfigError
     from loka_tune.models import build_model
@@ -111,6 +112,7 @@ def run(args: argparse.Namespace) -> int:
                    ("--batch-size", args.batch_size)):
         if v < 1:
             raise ConfigError(f"must be >= 1, got {v}", key=key)
+    check_output(args.out, "--out", is_dir=True)  # before training, not after
     cands = None if args.candidates is None else [c for c in args.candidates.split(",") if c.strip()]
     dists = [d.strip() for d in args.dists.split(",") if d.strip()]
 
@@ -118,7 +120,10 @@ def run(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     model = build_model(args.model, args.preset, num_dense=source.num_dense,
                         cardinalities=list(source.cardinalities), **dict(args.model_arg))
-    args.out.mkdir(parents=True, exist_ok=True)
+    try:
+        args.out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise write_error(args.out, "--out", e) from None
     if args.stats is not None:
         stats = ProbeStats.load(args.stats, model=model)
     else:

@@ -32,10 +32,15 @@ else with Adam (--lr-dense); bf16 autocast on CUDA, fp32 on CPU.
   avazu:PATH[?k=v]     Avazu CSV with its header, plain or .gz
   pkg.module:function  your own: function() returns a DataSource
 
+--config with a config exported by `loka-tune export` and no --model rebuilds the tuned model
+from the config's provenance (model, preset, overrides, data spec and parameters);
+--model-arg, --preset and --data still override what it recorded.
+
 Exit status: 0 ok, 1 the loss went non-finite, 2 a usage or input error.
 
 examples:
   loka-tune train --model dlrm --preset tiny --data synthetic --steps 300
+  loka-tune train --config best.json          # the model and data the study tuned
   loka-tune train --model wukong --preset tiny --data criteo:day_0.gz \\
       --steps 2000 --batch-size 1024 --config best.json --json metrics.json --no-progress
 
@@ -61,17 +66,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from loka_tune.models.registry import MODEL_NAMES, PRESETS
 
     g = parser.add_argument_group("model and data")
-    g.add_argument("--model", required=True, choices=MODEL_NAMES, help="reference model")
-    g.add_argument("--preset", default="tiny", choices=PRESETS, help="model size (default: tiny)")
+    g.add_argument("--model", choices=MODEL_NAMES,
+                   help="reference model (default: the one recorded in --config's provenance)")
+    g.add_argument("--preset", default=None, choices=PRESETS,
+                   help="model size (default: tiny, or the preset recorded in --config)")
     g.add_argument(
         "--model-arg", action="append", default=[], type=_model_arg, metavar="KEY=VALUE",
         help="override a preset hyperparameter, JSON value (e.g. embedding_dim=16, "
         "top_mlp=[64,32], norm=layernorm); repeatable",
     )
-    g.add_argument("--data", default="synthetic", metavar="SPEC",
-                   help="synthetic | criteo:PATH | avazu:PATH | module:function (default: synthetic)")
+    g.add_argument("--data", default=None, metavar="SPEC",
+                   help="synthetic | criteo:PATH | avazu:PATH | module:function (default: synthetic, or"
+                        " the data recorded in --config when it also gives the model)")
     g.add_argument("--config", type=Path, metavar="PRECISION.json",
-                   help="apply this precision config (loka-tune export) to the model before training")
+                   help="apply this precision config (loka-tune export) to the model before training;"
+                        " without --model, build the model it was tuned on")
 
     t = parser.add_argument_group("training")
     t.add_argument("--steps", type=int, default=None,
@@ -159,12 +168,55 @@ def default_schedule(source: Any, batch_size: int | None, steps: int | None) -> 
     return batch_size, steps
 
 
+def _recorded_spec(args: argparse.Namespace) -> dict[str, Any]:
+    """The model and data to build: the command line's, or (no --model) those recorded in the
+    provenance of --config, with --preset / --model-arg / --data on top."""
+    from loka_tune.errors import ConfigError
+
+    overrides = dict(args.model_arg)
+    if args.model is not None:
+        return {"model": args.model, "preset": args.preset or "tiny", "overrides": overrides,
+                "data": args.data or "synthetic", "data_params": {}, "from": None}
+    if args.config is None:
+        raise ConfigError("give --model (dlrm, dcnv2, wukong), or --config with a config exported by"
+                          " `loka-tune export` to train the model it was tuned on", key="--model")
+    from loka_tune.applier import load_config
+
+    prov = load_config(args.config).provenance
+    rec = prov.get("model")
+    if not isinstance(rec, dict) or not isinstance(rec.get("name"), str):
+        raise ConfigError(f"{str(args.config)!r} records no model in its provenance (it was not written by"
+                          " `loka-tune export`, or by an older version); give --model (and --model-arg, --data)",
+                          key="--model")
+    data, params = prov.get("data"), prov.get("data_params")
+    if args.data is not None:  # the user's data: the recorded parameters were for the recorded source
+        data, params = args.data, {}
+    elif not isinstance(data, str):
+        raise ConfigError(f"{str(args.config)!r} records no data spec (exported by an older version?);"
+                          " give --data", key="--data")
+    return {"model": rec["name"], "preset": args.preset or rec.get("preset") or "tiny",
+            "overrides": {**dict(rec.get("overrides") or {}), **overrides}, "data": data,
+            "data_params": dict(params) if isinstance(params, dict) else {}, "from": str(args.config)}
+
+
+def _build(spec: dict[str, Any], source: Any) -> Any:
+    from loka_tune.models import build_model
+
+    num_dense, cards = int(source.num_dense), list(source.cardinalities)
+    if ":" in spec["model"]:  # a user's factory, recorded by a study of it
+        from loka_tune.tuner.build import call_model_factory
+
+        return call_model_factory(spec["model"], num_dense, cards, spec["overrides"], key="--config")
+    overrides: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in spec["overrides"].items()}
+    return build_model(spec["model"], spec["preset"], num_dense=num_dense, cardinalities=cards, **overrides)
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from loka_tune.commands._output import check_output, write_error
     from loka_tune.data import parse_data_spec
     from loka_tune.errors import ConfigError
-    from loka_tune.models import build_model
     from loka_tune.objectives.distributed import dist_env, launch, strip_nproc
     from loka_tune.objectives.trainer import TrainConfig, resolve_device, train
 
@@ -172,7 +224,16 @@ def run(args: argparse.Namespace) -> int:
     if args.nproc < 1:
         raise ConfigError(f"got {args.nproc}; expected the number of processes (>= 1)", key="--nproc")
     main_rank = env is None or env.is_main
-    source = parse_data_spec(args.data)
+    if args.json is not None and main_rank:
+        check_output(args.json, "--json")
+    if args.config is not None and not args.config.is_file():
+        raise ConfigError(f"precision config {str(args.config)!r} not found: pass the JSON written by "
+                          "'loka-tune export'", key="--config")
+    spec = _recorded_spec(args)
+    if spec["from"] is not None and not args.no_progress and main_rank and not (args.nproc > 1 and env is None):
+        print(f"model from {spec['from']}: {spec['model']}/{spec['preset']} {spec['overrides'] or ''},"
+              f" data {spec['data']} {spec['data_params'] or ''}", file=sys.stderr)
+    source = parse_data_spec(spec["data"], **spec["data_params"])
     batch_size, steps = default_schedule(source, args.batch_size, args.steps)
     if args.nproc > 1 and env is None:  # this process launches the job and waits for it
         if batch_size % args.nproc:
@@ -194,17 +255,10 @@ def run(args: argparse.Namespace) -> int:
         sparse_optimizer=args.sparse_optimizer,
         cpu_threads=args.cpu_threads,
     )
-    if args.config is not None and not args.config.is_file():
-        raise ConfigError(f"precision config {str(args.config)!r} not found: pass the JSON written by "
-                          "'loka-tune export'", key="--config")
 
     torch.manual_seed(args.seed)  # deterministic model init
     replaced: dict[str, str] = {}
-    model = build_model(
-        args.model, args.preset,
-        num_dense=source.num_dense, cardinalities=list(source.cardinalities),
-        **dict(args.model_arg),
-    )
+    model = _build(spec, source)
     if args.config is not None:
         from loka_tune.applier import apply
 
@@ -220,16 +274,19 @@ def run(args: argparse.Namespace) -> int:
         return 0 if result.status == "ok" else 1
     d = {
         "nproc": env.world_size if env is not None else 1,
-        "model": args.model,
-        "preset": args.preset,
-        "model_args": {k: list(v) if isinstance(v, tuple) else v for k, v in args.model_arg},
-        "data": args.data,
+        "model": spec["model"],
+        "preset": spec["preset"],
+        "model_args": {k: list(v) if isinstance(v, tuple) else v for k, v in spec["overrides"].items()},
+        "data": spec["data"],
         "precision_config": str(args.config) if args.config is not None else None,
         "precision_replaced": replaced,  # site -> precision id of every LokaLinear
         **result.to_dict(),
     }
     print(format_table(d))
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(d, indent=2) + "\n")
+        try:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(d, indent=2) + "\n")
+        except OSError as e:
+            raise write_error(args.json, "--json", e, "the metrics are printed above") from None
     return 0 if result.status == "ok" else 1

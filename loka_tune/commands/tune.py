@@ -17,7 +17,11 @@ floor), the Probe during the first, the search space pruned by the probe, then O
 spent. Prints one line per trial to stderr; results live in the study's output dir
 (runs/<name>/: optuna.db, mlflow.db, plots).
 
-Resume: run the same command again; completed trials are kept and never re-run.
+Resume: run the same command again; completed trials are kept and never re-run. The stored
+study remembers the settings it was made with ([model], [data], [training], [objective],
+[space], [probe]); after an edit of those, tune stops and says what changed: --fresh starts
+over (deletes the stored study), --resume-anyway goes on with the stored baseline, space and
+trials. [trials] (e.g. a larger n_trials), [storage] and [tracking] may change freely.
 Several workers (one per GPU, or across machines) share one study through its storage:
   loka-tune tune study.toml --workers 4                       # 4 local processes (SQLite)
   loka-tune tune study.toml --storage postgresql://user:pw@db-host:5432/loka   # on each machine
@@ -44,6 +48,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run even if the loss budget is below the baseline's noise floor")
     parser.add_argument("--no-tracking", action="store_true", help="do not log to MLflow")
     parser.add_argument("--out-dir", default=None, help="the study's output dir (overrides [study] output_dir)")
+    again = parser.add_mutually_exclusive_group()
+    again.add_argument("--fresh", action="store_true",
+                       help="start the study over: delete its stored trials, baseline and space first")
+    again.add_argument("--resume-anyway", action="store_true",
+                       help="resume even though the study file's settings differ from the stored study's")
     parser.add_argument("--worker-index", type=int, default=0,
                         help="this worker's index (varies the sampler's seed between workers)")
 
@@ -68,14 +77,15 @@ def run(args: argparse.Namespace) -> int:
     cfg = _load(args)
     t0 = time.time()
     tracking = False if args.no_tracking else None
+    on_change = "fresh" if args.fresh else "resume" if args.resume_anyway else "stop"
     if args.workers == 1:
         study = run_study(cfg, device=args.device, storage_url=args.storage, n_trials=args.n_trials,
                           timeout_s=args.timeout, force=args.force, tracking=tracking,
-                          worker_index=args.worker_index)
+                          worker_index=args.worker_index, on_change=on_change)
     else:
         # prepare once here (baseline, probe, space, first trials), then N workers share the trials
         study = run_study(cfg, device=args.device, storage_url=args.storage, n_trials=0,
-                          force=args.force, tracking=tracking, progress=False)
+                          force=args.force, tracking=tracking, progress=False, on_change=on_change)
         cmd = [sys.executable, "-m", "loka_tune", "tune", args.study]
         for flag, v in (("--device", args.device), ("--storage", args.storage), ("--n-trials", args.n_trials),
                         ("--timeout", args.timeout), ("--out-dir", args.out_dir)):
@@ -83,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
                 cmd += [flag, str(v)]
         cmd += ["--force"] if args.force else []
         cmd += ["--no-tracking"] if args.no_tracking else []
+        cmd += ["--resume-anyway"] if args.resume_anyway else []  # --fresh: done once, above
         env = dict(os.environ)
         procs = []
         for i in range(args.workers):
@@ -93,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
         codes = [p.wait() for p in procs]
         if any(codes):
             print(f"loka-tune tune: worker exit codes {codes}", file=sys.stderr)
-        study = open_study(cfg, make_storage(cfg, args.storage))
+        study = open_study(cfg, make_storage(cfg, args.storage), on_change="resume" if args.resume_anyway else "stop")
     best = best_trial(study, raise_if_none=False)
     wall = time.time() - t0
     if best is None:

@@ -140,6 +140,9 @@ def _call(fn: Callable[..., Any], opts: dict[str, Any], spec: str, *args: Any) -
 
 
 def _user_factory(module_name: str, attr: str, kw: dict[str, Any], spec: str) -> DataSource:
+    from loka_tune._io import cwd_importable
+
+    cwd_importable()  # as `python -m` users expect: a module in the working directory imports
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:

@@ -7,14 +7,16 @@ baseline's init), on the study's device, with the trial's precision config appli
 from __future__ import annotations
 
 import importlib
+import inspect
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from loka_tune._io import cwd_importable
 from loka_tune.config import PrecisionConfig
 from loka_tune.errors import ConfigError
 from loka_tune.tuner.study import StudyConfig
@@ -22,7 +24,7 @@ from loka_tune.tuner.study import StudyConfig
 if TYPE_CHECKING:
     from loka_tune.objectives.trainer import OnStep, TrainConfig, TrainResult
 
-__all__ = ["import_function", "make_source", "make_model", "train_config", "resolve_device", "speed_source",
+__all__ = ["import_function", "call_model_factory", "make_source", "make_model", "train_config", "resolve_device", "speed_source",
            "trial_model"]
 
 
@@ -31,17 +33,90 @@ def _log(msg: str) -> None:
 
 
 def import_function(spec: str, *, key: str) -> Callable[..., Any]:
-    """``"package.module:function"`` -> the function, with errors naming ``key`` and the fix."""
+    """``"package.module:function"`` -> the function, with errors naming ``key`` and the fix. The
+    working directory is searched too (after the installed packages)."""
     mod_name, _, fn_name = spec.partition(":")
+    cwd_importable()
     try:
         mod = importlib.import_module(mod_name)
     except ImportError as e:
-        raise ConfigError(f"cannot import module {mod_name!r} of {spec!r} ({e}); is it on PYTHONPATH?",
-                          key=key) from None
+        raise ConfigError(f"cannot import module {mod_name!r} of {spec!r} ({e}); run from the folder that holds"
+                          " it or put that folder on PYTHONPATH", key=key) from None
     fn = getattr(mod, fn_name, None)
     if not callable(fn):
         raise ConfigError(f"module {mod_name!r} has no function {fn_name!r} (from {spec!r})", key=key)
     return fn
+
+
+#: the model factory's calling convention, quoted by every error about it
+FACTORY_CONVENTION = ("a model factory is called as function(num_dense=int, cardinalities=list[int], **overrides)"
+                      " and returns an nn.Module whose forward(dense, sparse) takes (B, num_dense) float and"
+                      " (B, len(cardinalities)) int64 tensors and returns (B,) logits")
+_DENSE_NAMES = ("num_dense", "n_dense", "dense_dim", "num_dense_features", "n_dense_features", "dense_features",
+                "dense_in", "in_dense")
+_CARD_NAMES = ("cardinalities", "cards", "cardinality", "table_sizes", "vocab_sizes", "num_embeddings",
+               "embedding_sizes", "sparse_cardinalities")
+
+
+def _factory_kwargs(fn: Callable[..., Any], spec: str, num_dense: int, cardinalities: list[int],
+                    overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """The keyword arguments to call ``fn`` with: ``num_dense`` and ``cardinalities`` under the
+    names its signature uses for them (``n_dense``, ``table_sizes``, ...), then ``overrides``."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin or C function: no signature to read
+        return {"num_dense": num_dense, "cardinalities": cardinalities, **overrides}
+    var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    named = [n for n, p in params.items()
+             if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
+
+    dense = next((n for n in _DENSE_NAMES if n in named), "num_dense" if var_kw else None)
+    cards = next((n for n in _CARD_NAMES if n in named), "cardinalities" if var_kw else None)
+    if dense is None or cards is None:
+        raise ConfigError(f"{spec}{inspect.signature(fn)} takes no {'num_dense' if dense is None else 'cardinalities'}"
+                          f" parameter: {FACTORY_CONVENTION}", key="model.name")
+    unknown = [k for k in overrides if k not in named and not var_kw]
+    if unknown:
+        raise ConfigError(f"{spec}{inspect.signature(fn)} takes no parameter {unknown[0]!r}; [model.overrides]"
+                          f" are passed as keyword arguments: {FACTORY_CONVENTION}", key=f"model.overrides.{unknown[0]}")
+    return {dense: num_dense, cards: cardinalities, **overrides}
+
+
+def _check_forward(model: nn.Module, spec: str) -> None:
+    """``model.forward`` takes ``(dense, sparse)``: two positional arguments."""
+    try:
+        inspect.signature(model.forward).bind(None, None)
+    except TypeError:
+        raise ConfigError(f"{spec} returned a {type(model).__name__} whose forward{inspect.signature(model.forward)}"
+                          f" does not take (dense, sparse): {FACTORY_CONVENTION}", key="model.name") from None
+    except ValueError:  # no signature to read: let the first batch tell
+        pass
+
+
+def _short(v: Any) -> str:
+    if isinstance(v, list) and len(v) > 4:
+        return f"[{', '.join(map(repr, v[:3]))}, ... ({len(v)} items)]"
+    return f"{v!r:.60}"
+
+
+def call_model_factory(spec: str, num_dense: int, cardinalities: list[int], overrides: Mapping[str, Any],
+                       *, key: str = "model.name") -> nn.Module:
+    """Build a user's model from ``"package.module:function"``: the function called by its
+    signature (:data:`FACTORY_CONVENTION`), its result checked. Every failure is one
+    :class:`ConfigError` line naming the factory and the convention."""
+    fn = import_function(spec, key=key)
+    kw = _factory_kwargs(fn, spec, num_dense, cardinalities, overrides)
+    try:
+        model = fn(**kw)
+    except Exception as e:  # the user's code: one line, not a traceback through the tuner
+        shown = ", ".join(f"{k}={_short(v)}" for k, v in kw.items())
+        raise ConfigError(f"{spec}({shown}) raised {type(e).__name__}: {e}. Call it so yourself to debug it;"
+                          f" {FACTORY_CONVENTION}", key=key) from e
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"{spec!r} returned {type(model).__name__}, not an nn.Module: {FACTORY_CONVENTION}",
+                          key=key)
+    _check_forward(model, spec)
+    return model
 
 
 def make_source(cfg: StudyConfig) -> Any:
@@ -62,16 +137,17 @@ def make_model(cfg: StudyConfig, source: Any, *, seed: int | None = None) -> nn.
     torch.manual_seed(cfg.training.seed if seed is None else seed)
     kw: dict[str, Any] = {"num_dense": int(source.num_dense), "cardinalities": list(source.cardinalities)}
     if cfg.model.is_function:
-        fn = import_function(cfg.model.name, key="model.name")
-        model = fn(**kw, **dict(cfg.model.overrides))
-    else:
-        from loka_tune.models import build_model
-
         try:
-            model = build_model(cfg.model.name, cfg.model.preset, **kw, **dict(cfg.model.overrides))
+            return call_model_factory(cfg.model.name, kw["num_dense"], kw["cardinalities"], cfg.model.overrides)
         except ConfigError as e:
-            raise ConfigError(str(e), key=f"model.overrides.{e.key}" if e.key not in (None, "model", "preset")
-                              else "model.name") from None
+            raise (e if cfg.source_path is None else e.in_file(cfg.source_path)) from e.__cause__
+    from loka_tune.models import build_model
+
+    try:
+        model = build_model(cfg.model.name, cfg.model.preset, **kw, **dict(cfg.model.overrides))
+    except ConfigError as e:
+        raise ConfigError(e.message, key=f"model.overrides.{e.key}" if e.key not in (None, "model", "preset")
+                          else "model.name") from None
     if not isinstance(model, nn.Module):
         raise ConfigError(f"{cfg.model.name!r} returned {type(model).__name__}, not an nn.Module", key="model.name")
     return model

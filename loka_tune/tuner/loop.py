@@ -48,14 +48,15 @@ __all__ = ["run_study"]
 def run_study(cfg: StudyConfig, *, device: str | None = None, storage_url: str | None = None,
               n_trials: int | None = None, timeout_s: float | None = None, force: bool = False,
               tracking: bool | None = None, worker_id: str | None = None, worker_index: int = 0,
-              progress: bool = True) -> Any:
+              progress: bool = True, on_change: str = "stop") -> Any:
     """Run (or join, or resume) the study: prepare it, then ask/evaluate/tell until the trial
-    budget is spent. Returns the Optuna study. Safe to run in several processes at once."""
+    budget is spent. Returns the Optuna study. Safe to run in several processes at once.
+    ``on_change``: what to do when the stored study has other settings (:func:`open_study`)."""
     import optuna
 
     dev = resolve_device(device or cfg.training.device)
     storage = make_storage(cfg, storage_url)
-    study = open_study(cfg, storage, worker_index=worker_index)
+    study = open_study(cfg, storage, worker_index=worker_index, on_change=on_change)
     n_total = n_trials if n_trials is not None else cfg.trials.n_trials
     timeout = timeout_s if timeout_s is not None else cfg.trials.timeout_s
     tracker = None

@@ -15,12 +15,15 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from loka_tune.tuner.results import TrialRecord, constraint
-from loka_tune.tuner.study import StudyConfig
+from loka_tune.errors import StudyError
+from loka_tune.tuner.build import _log
+from loka_tune.tuner.results import ATTR_STUDY, TrialRecord, constraint
+from loka_tune.tuner.study import StudyConfig, settings_changes, settings_of
 
 __all__ = ["make_storage", "make_sampler", "make_pruner", "open_study", "set_constraint"]
 
 CONSTRAINT_NAME = "rel_logloss_minus_budget_pct"
+ATTR_SETTINGS = "loka.settings"  # study user attr: the settings it was created with (StudyConfig.settings)
 
 
 def _retry_db(fn: Callable[[], Any], tries: int = 8) -> Any:
@@ -116,14 +119,54 @@ def make_sampler(cfg: StudyConfig, *, worker_index: int = 0) -> Any:
                                           multivariate=True, constant_liar=True, **kw)
 
 
+ON_CHANGE = ("stop", "fresh", "resume")
+
+
 def open_study(cfg: StudyConfig, storage: Any | None = None, *, study_name: str | None = None,
-               worker_index: int = 0) -> Any:
-    """Create or load the study (TPE with the loss constraint, the study's pruner)."""
+               worker_index: int = 0, on_change: str = "stop") -> Any:
+    """Create or load the study (TPE with the loss constraint, the study's pruner).
+
+    A stored study remembers its settings (:meth:`StudyConfig.settings`); when the study file's
+    differ, ``on_change`` decides: "stop" raises :class:`StudyError` listing the changes,
+    "resume" goes on with the stored baseline, space and trials (and says so), "fresh" deletes
+    the stored study (trials, baseline, space) and starts over, changed or not.
+    """
     import optuna
 
+    if on_change not in ON_CHANGE:
+        raise ValueError(f"on_change must be one of {ON_CHANGE}, got {on_change=}")
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     storage = storage or make_storage(cfg)
+    name = study_name or cfg.name
+    if on_change == "fresh" and name in {s.study_name for s in optuna.get_all_study_summaries(storage)}:
+        optuna.delete_study(study_name=name, storage=storage)
+        _log(f"[loka-tune] study {name!r}: deleted its stored trials, baseline and space (--fresh)")
     sampler = make_sampler(cfg, worker_index=worker_index)
-    return _retry_db(lambda: optuna.create_study(storage=storage, study_name=study_name or cfg.name,
-                                                 direction="minimize", sampler=sampler, pruner=make_pruner(cfg),
-                                                 load_if_exists=True))
+    study = _retry_db(lambda: optuna.create_study(storage=storage, study_name=name, direction="minimize",
+                                                  sampler=sampler, pruner=make_pruner(cfg), load_if_exists=True))
+    _check_settings(study, cfg, on_change)
+    return study
+
+
+def _check_settings(study: Any, cfg: StudyConfig, on_change: str) -> None:
+    """Store the study's settings when it has none; compare them with ``cfg``'s otherwise."""
+    attrs = study.user_attrs
+    stored = attrs.get(ATTR_SETTINGS)
+    if stored is None and ATTR_STUDY in attrs:  # a study stored before settings were: its summary has them
+        stored = settings_of(attrs[ATTR_STUDY])
+    new = cfg.settings()
+    changes = [] if stored is None else settings_changes(stored, new)
+    if not changes:
+        if ATTR_SETTINGS not in attrs:
+            study.set_user_attr(ATTR_SETTINGS, new)
+        return
+    shown = "; ".join(changes[:6]) + (f"; and {len(changes) - 6} more" if len(changes) > 6 else "")
+    if on_change == "resume":
+        _log(f"[loka-tune] study {study.study_name!r}: resuming despite changed settings ({shown}): its stored"
+             " baseline, space and trials are from the old ones")
+        return
+    raise StudyError(
+        f"study {study.study_name!r} is stored with other settings than the study file's ({shown}); its baseline,"
+        f" space and {len(study.trials)} trial(s) belong to the old ones. Run again with --fresh to start over"
+        " (deletes the stored study), with --resume-anyway to go on with the stored one, or give the edited"
+        " study another [study] name")

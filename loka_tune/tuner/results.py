@@ -161,14 +161,28 @@ def study_summary(study: Any) -> dict[str, Any]:
     return {"baseline": attrs.get(ATTR_BASELINE), "study": attrs.get(ATTR_STUDY)}
 
 
-def export_best(study: Any, out: str | Path | None = None) -> PrecisionConfig:
-    """The best feasible trial's PrecisionConfig with its provenance (written to ``out`` if given)."""
+def chosen_trial(study: Any, number: int) -> Any:
+    """Trial ``number`` of the study, if it completed (feasible or not); :class:`StudyError` otherwise."""
+    trials = study.get_trials(deepcopy=False)
+    t = next((t for t in trials if t.number == number), None)
+    if t is None:
+        raise StudyError(f"study {study.study_name!r} has no trial {number} (trials 0 to {len(trials) - 1});"
+                         " see `loka-tune report` for their numbers")
+    if t.state.name != "COMPLETE" or not TrialRecord.of(t).config:
+        raise StudyError(f"trial {number} of {study.study_name!r} is {t.state.name}, not COMPLETE: only a completed"
+                         " trial has measured metrics to export; choose another (`loka-tune report`)")
+    return t
+
+
+def export_best(study: Any, out: str | Path | None = None, *, trial: int | None = None) -> PrecisionConfig:
+    """The best feasible trial's PrecisionConfig with its provenance (written to ``out`` if given);
+    with ``trial``, that completed trial's instead (provenance ``trial_chosen``: true)."""
     import optuna
     import torch
 
     from loka_tune.version import __version__
 
-    t = best_trial(study)
+    t = best_trial(study) if trial is None else chosen_trial(study, trial)
     r = TrialRecord.of(t)
     config = PrecisionConfig.from_dict(r.config)
     bl = study.user_attrs.get(ATTR_BASELINE) or {}
@@ -193,11 +207,14 @@ def export_best(study: Any, out: str | Path | None = None) -> PrecisionConfig:
         "cost_batch_size": objective.get("cost_batch_size") or training.get("batch_size"),
         "model": st.get("model"),
         "data": (st.get("data") or {}).get("source"),
+        "data_params": (st.get("data") or {}).get("params"),  # with model + data: `train --config` rebuilds it
         "objective": objective.get("kind"),
         "versions": {"loka_tune": __version__, "torch": torch.__version__, "optuna": optuna.__version__,
                      "python": platform.python_version()},
         "exported_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
+    if trial is not None:
+        prov["trial_chosen"] = True
     config = config.with_provenance(**prov)
     if out is not None:
         config.save(out)

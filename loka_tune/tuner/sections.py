@@ -6,6 +6,7 @@ The layout of a whole study file, with every key, is in :mod:`loka_tune.tuner.st
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 from collections.abc import Mapping
@@ -87,7 +88,9 @@ class ModelSection:
     """A built-in model (``name`` + ``preset`` + ``overrides``) or a user's ``module:function``.
 
     A user function is called as ``function(num_dense=..., cardinalities=..., **overrides)``
-    and returns an ``nn.Module`` with ``forward(dense, sparse) -> (B,) logits``.
+    (its own names for the first two are recognised, e.g. ``n_dense``, ``table_sizes``) and
+    returns an ``nn.Module`` with ``forward(dense, sparse) -> (B,) logits``
+    (:func:`loka_tune.tuner.build.call_model_factory`).
     """
 
     name: str
@@ -284,9 +287,7 @@ class SpaceSection:
                            choices=tuple(g.value for g in Granularity if g != Granularity.NONE))
         backends = t.str_list("backends", d.backends)
         for b in backends:
-            if not re.match(r"^[a-z][a-z0-9_]*$", b):
-                raise ConfigError(f"got {b!r}; a backend name is lower-case letters, digits and '_'",
-                                  key="space.backends")
+            _check_backend_name(b)
         mods = t.str_list("mods", d.mods, choices=MOD_NAMES, allow_empty=True)
         if "fuse_epilogue" in mods and not {"blocknorm", "hardswish"} <= set(mods):
             raise ConfigError(f"got {list(mods)!r}: 'fuse_epilogue' fuses Linear -> BlockNorm -> Hard Swish chains,"
@@ -435,6 +436,29 @@ class TrackingSection:
         tracking = cls(enabled=enabled, uri=uri, experiment=experiment, plots=t.boolean("plots", d.plots))
         t.done()
         return tracking
+
+
+# names users reach for that are not backend names: the backend that runs that library's kernels
+_BACKEND_ALIASES = {"cublas": "torch_scaled_mm", "cublaslt": "torch_scaled_mm", "scaled_mm": "torch_scaled_mm",
+                    "cutlass": "torch_scaled_mm", "emulate": "emulated", "emulation": "emulated",
+                    "fbgemm_gpu": "fbgemm", "ao": "torchao"}
+
+
+def _check_backend_name(name: str) -> None:
+    """A backend name of ``[space] backends`` that the registry knows (installed or not: a backend
+    whose package is missing here is left out of the space later, with a warning)."""
+    from loka_tune.kernels.registry import list_backends
+
+    known = list_backends()
+    if name in known:
+        return
+    if not re.match(r"^[a-z][a-z0-9_]*$", name):
+        raise ConfigError(f"got {name!r}; a backend name is lower-case letters, digits and '_'"
+                          f" (known backends: {', '.join(known)})", key="space.backends")
+    guess = _BACKEND_ALIASES.get(name) or next(iter(difflib.get_close_matches(name, known, n=1, cutoff=0.6)), None)
+    hint = f"; did you mean {guess!r}?" if guess else ""
+    raise ConfigError(f"got {name!r}: not a backend{hint} Known backends: {', '.join(known)}",
+                      key="space.backends")
 
 
 def _resolve_path(p: str, base: Path | None) -> str:

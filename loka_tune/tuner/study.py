@@ -117,6 +117,8 @@ __all__ = [
     "TrackingSection",
     "load_study",
     "parse_study",
+    "settings_of",
+    "settings_changes",
     "MOD_NAMES",
 ]
 
@@ -164,6 +166,11 @@ class StudyConfig:
             tracking = replace(tracking, uri=TrackingSection.default_uri(out))
         return replace(self, study=replace(self.study, output_dir=out), storage=storage, tracking=tracking)
 
+    def settings(self) -> dict[str, Any]:
+        """The settings a study's baseline, space and trials depend on, flat (``"training.steps"``:
+        value), JSON values: what a resumed study must still have (:func:`settings_of`)."""
+        return settings_of(self.to_dict())
+
     def to_dict(self) -> dict[str, Any]:
         """A JSON-able summary (for MLflow params and provenance)."""
         d = asdict(self)
@@ -171,6 +178,27 @@ class StudyConfig:
         d["training"] = self.training.to_dict()
         d["source_path"] = None if self.source_path is None else str(self.source_path)
         return d
+
+
+#: the sections whose settings a study's stored baseline, space and trials depend on; [study]
+#: (name, output dir, sampler seed), [trials] (budget, pruner), [storage] and [tracking] may change
+#: between runs of one study
+SETTINGS_SECTIONS = ("model", "data", "training", "objective", "space", "probe")
+
+
+def settings_of(summary: Mapping[str, Any]) -> dict[str, Any]:
+    """The settings (see :meth:`StudyConfig.settings`) of a study summary (``StudyConfig.to_dict()``,
+    as stored in a study's attributes), flat and JSON-normalized (tuples as lists)."""
+    import json
+
+    flat = {f"{sec}.{k}": v for sec in SETTINGS_SECTIONS for k, v in (summary.get(sec) or {}).items()}
+    return json.loads(json.dumps(flat, sort_keys=True, default=str))
+
+
+def settings_changes(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
+    """``"key: old -> new"`` for each setting present in both with another value (a key only one
+    side has is a field another loka-tune version added or removed, at its default: not a change)."""
+    return [f"{k}: {old[k]!r} -> {new[k]!r}" for k in sorted(set(old) & set(new)) if old[k] != new[k]]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -224,4 +252,7 @@ def load_study(path: str | Path, *, cwd: Path | None = None) -> StudyConfig:
         doc = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path} is not valid TOML: {e}", key="(file)") from None
-    return parse_study(doc, base_dir=path.resolve().parent, source_path=path.resolve(), cwd=cwd)
+    try:
+        return parse_study(doc, base_dir=path.resolve().parent, source_path=path.resolve(), cwd=cwd)
+    except ConfigError as e:
+        raise e.in_file(path) from None
