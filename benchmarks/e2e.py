@@ -77,9 +77,11 @@ from loka_tune.objectives.trainer import TrainConfig, train  # noqa: E402
 
 VARIANTS = ("bf16", "bf16_mods", "config", "torchao_tensorwise", "torchao_rowwise", "torchao_tensorwise_filter",
             "torchao_rowwise_filter", "fbgemm_rowwise", "scaled_mm_rowwise", "triton_rowwise",
-            "scaled_mm_rowwise_filter")
+            "scaled_mm_rowwise_filter", "scaled_mm_tensorwise_filter")
 _UNIFORM = {"fbgemm_rowwise": "e4m3.row.fa.fbgemm", "scaled_mm_rowwise": "e4m3.row.fa.torch_scaled_mm",
-            "triton_rowwise": "e4m3.row.fa.triton", "scaled_mm_rowwise_filter": "e4m3.row.fa.torch_scaled_mm"}
+            "triton_rowwise": "e4m3.row.fa.triton", "scaled_mm_rowwise_filter": "e4m3.row.fa.torch_scaled_mm",
+            # LokaLinear's tensorwise path (operands quantized once when compiled) on torchao's tensorwise sites
+            "scaled_mm_tensorwise_filter": "e4m3.tensor.torch_scaled_mm"}
 _GPU_ONLY = {"torchao_tensorwise", "torchao_rowwise", "torchao_tensorwise_filter", "torchao_rowwise_filter",
              *_UNIFORM}
 
@@ -126,7 +128,8 @@ def prepare(name: str, model: nn.Module, config: PrecisionConfig, *, source: Any
     if name in _UNIFORM:
         if mods.any:
             apply(model, PrecisionConfig(mods=mods))
-        only = _torchao_filtered(model, "rowwise") if name.endswith("_filter") else None
+        recipe = "tensorwise" if "tensorwise" in name else "rowwise"
+        only = _torchao_filtered(model, recipe) if name.endswith("_filter") else None
         cfg, kept_bf16 = uniform_config(model, _UNIFORM[name], source, batch_size, device, only=only)
         s = apply(model, replace(cfg, mods=mods), strict=False)
         return {"fp8_sites": len(s.replaced), "fallbacks": len(s.fallbacks) + kept_bf16, "mods": mods.short_str()}
