@@ -42,6 +42,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from loka_tune.data.base import model_inputs
 from loka_tune.errors import ConfigError, DataError
 from loka_tune.objectives.metrics import auc, log_loss, normalized_entropy
 from loka_tune.objectives.optim import (
@@ -387,7 +388,7 @@ def evaluate(
             for i, batch in enumerate(source.batches("eval", batch_size, seed=seed, device=dev)):
                 if max_batches is not None and i >= max_batches:
                     break
-                out = model(batch.dense, batch.sparse)
+                out = model(*model_inputs(model, batch))
                 logits.append(out.detach().float().reshape(-1).cpu())
                 labels.append(batch.labels.detach().float().reshape(-1).cpu())
     finally:

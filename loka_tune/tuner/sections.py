@@ -87,7 +87,9 @@ class ModelSection:
     """A built-in model (``name`` + ``preset`` + ``overrides``) or a user's ``module:function``.
 
     A user function is called as ``function(num_dense=..., cardinalities=..., **overrides)``
-    and returns an ``nn.Module`` with ``forward(dense, sparse) -> (B,) logits``.
+    and returns an ``nn.Module`` with ``forward(dense, sparse) -> (B,) logits`` (a module that
+    sets ``takes_sequence = True`` is called ``forward(dense, sparse, seq, seq_mask)`` on data
+    with behaviour sequences: :func:`loka_tune.data.base.model_inputs`).
     """
 
     name: str
