@@ -55,10 +55,11 @@ __all__ = ["Interformer", "InterformerLayer", "Attention", "rotary"]
 def rotary(x: torch.Tensor) -> torch.Tensor:
     """Rotary position embedding of ``x`` (B, h, T, e) over positions 0..T-1 (e even); same dtype."""
     T, e = x.shape[-2], x.shape[-1]
-    inv = 1.0 / (10000.0 ** (torch.arange(0, e, 2, device=x.device, dtype=torch.float32) / e))  # (e/2,)
-    ang = torch.arange(T, device=x.device, dtype=torch.float32)[:, None] * inv  # (T, e/2)
+    dt = torch.promote_types(x.dtype, torch.float32)  # bf16 in, fp32 math; fp64 stays fp64
+    inv = 1.0 / (10000.0 ** (torch.arange(0, e, 2, device=x.device, dtype=dt) / e))  # (e/2,)
+    ang = torch.arange(T, device=x.device, dtype=dt)[:, None] * inv  # (T, e/2)
     cos, sin = ang.cos(), ang.sin()
-    x1, x2 = x.float()[..., 0::2], x.float()[..., 1::2]  # (B, h, T, e/2)
+    x1, x2 = x.to(dt)[..., 0::2], x.to(dt)[..., 1::2]  # (B, h, T, e/2)
     out = torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2)
     return out.to(x.dtype)
 
