@@ -202,3 +202,21 @@ def test_sequence_arm_learns_what_only_the_sequence_tells():
     with torch.no_grad():
         seen, blind = loss_of(test).item(), loss_of(test, with_seq=False).item()
     assert seen < 0.45 and seen < 0.75 * blind, (seen, blind)
+
+
+def test_fused_epilogue_covers_the_3d_ffn_and_matches_the_unfused_model():
+    from loka_tune import apply
+    from loka_tune.config import ModsConfig, PrecisionConfig, SitePrecision
+
+    def build():
+        return _model(embedding_dim=16, pffn_rank=16, seq_ffn=[32], interaction_mlp=[64], head_mlp=[32],
+                      activation="silu")
+
+    choice = SitePrecision.parse("e4m3.row.emulated")
+    fused, plain = build(), build()
+    summary = apply(fused, PrecisionConfig(default=choice, mods=ModsConfig(blocknorm=16, hardswish=True,
+                                                                           fuse_epilogue=True)))
+    apply(plain, PrecisionConfig(default=choice, mods=ModsConfig(blocknorm=16, hardswish=True)))
+    assert {"layers.0.ffn.0", "layers.1.ffn.0", "layers.0.interaction.0", "head_mlp.0"} <= set(summary.fused)
+    inputs = _inputs(4, 6)
+    torch.testing.assert_close(fused(*inputs), plain(*inputs), rtol=0, atol=1e-6)

@@ -273,14 +273,15 @@ class Interformer(RecModel):
         f = self.seq_feature
         ids = torch.where(mask, seq, torch.zeros_like(seq))  # padding reads row 0 of the table
         card = self.embeddings.cardinalities[f]
-        if ids.device.type == "cpu" and not torch.compiler.is_compiling():
-            bad = (ids < 0) | (ids >= card)
-            if bool(bad.any()):
-                r, j = (int(i) for i in bad.nonzero()[0])
-                raise DataError(
-                    f"sequence id {int(ids[r, j])} at row {r}, position {j} is outside sparse feature "
-                    f"{f}'s table of {card} rows: sequences hold ids of sparse feature seq_feature={f}"
-                )
+        bad = (ids < 0) | (ids >= card)  # (B, L)
+        if ids.device.type != "cpu" or torch.compiler.is_compiling():
+            torch._assert_async(~bad.any(), "sequence id out of range of its embedding table")  # no host sync
+        elif bool(bad.any()):
+            r, j = (int(i) for i in bad.nonzero()[0])
+            raise DataError(
+                f"sequence id {int(ids[r, j])} at row {r}, position {j} is outside sparse feature "
+                f"{f}'s table of {card} rows: sequences hold ids of sparse feature seq_feature={f}"
+            )
         emb = self.embeddings.table(ids + self.embeddings.starts[f])  # (B, L, d)
         return emb * mask[..., None].to(emb.dtype)
 
