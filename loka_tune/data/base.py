@@ -66,14 +66,17 @@ class Batch:
         )
 
 
-def model_inputs(model: Any, batch: Batch) -> tuple[torch.Tensor, ...]:
+def model_inputs(model: Any, batch: Any) -> tuple[torch.Tensor, ...]:
     """The positional arguments of ``model`` for ``batch``: ``(dense, sparse)``, or
     ``(dense, sparse, seq, seq_mask)`` when the model declares ``takes_sequence = True`` and
     the batch has sequences. Every caller (trainer, probe, site discovery, speed, harnesses)
     calls models through this, so a model opts in to sequences with one class attribute.
+    ``batch`` is a :class:`Batch` or anything with ``.dense`` / ``.sparse`` (and optionally
+    ``.seq`` / ``.seq_mask``).
     """
-    if batch.seq is not None and getattr(model, "takes_sequence", False):
-        if batch.seq_mask is None:
+    seq = getattr(batch, "seq", None)
+    if seq is not None and getattr(model, "takes_sequence", False):
+        if getattr(batch, "seq_mask", None) is None:
             raise DataError("a batch with seq needs seq_mask (True at real events): build it with both")
         return batch.dense, batch.sparse, batch.seq, batch.seq_mask
     return batch.dense, batch.sparse

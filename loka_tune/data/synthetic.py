@@ -201,7 +201,7 @@ class SyntheticCTR:
         tables = self._tables(dev)
         g = torch.Generator(device=dev).manual_seed(mix_seed(seed, "train"))
         while True:
-            dense, sparse, labels, _, seq, mask = _rows(tables, batch_size, g, dev)
+            dense, sparse, labels, _, seq, mask = _rows_seq(tables, batch_size, g, dev)
             yield Batch(dense, sparse, labels, seq, mask)
 
     def _eval_batches(self, batch_size: int, dev: torch.device) -> Iterator[Batch]:
@@ -209,7 +209,7 @@ class SyntheticCTR:
         if key not in self._eval:
             if "cpu" not in self._eval:
                 g = torch.Generator().manual_seed(mix_seed(self.teacher_seed, "eval"))
-                dense, sparse, labels, _, seq, mask = _rows(self._world, self.eval_examples, g, "cpu")
+                dense, sparse, labels, _, seq, mask = _rows_seq(self._world, self.eval_examples, g, "cpu")
                 self._eval["cpu"] = Batch(dense, sparse, labels, seq, mask)
             self._eval[key] = self._eval["cpu"].to(dev)
         ev = self._eval[key]
@@ -436,8 +436,12 @@ def _all_terms(t: dict, n: int, g: torch.Generator, dev: torch.device | str):
 
 
 def _rows(t: dict, n: int, g: torch.Generator, dev: torch.device | str):
-    """``n`` labelled rows: dense, sparse, labels (float32 0/1), click probabilities, and the
-    behaviour sequences and their mask (``None`` without sequences)."""
+    """``n`` labelled rows: dense, sparse, labels (float32 0/1) and click probabilities."""
+    return _rows_seq(t, n, g, dev)[:4]
+
+
+def _rows_seq(t: dict, n: int, g: torch.Generator, dev: torch.device | str):
+    """:func:`_rows`, then the behaviour sequences and their mask (``None`` without sequences)."""
     dense, sparse, seq, mask, terms = _all_terms(t, n, g, dev)
     logit = terms @ t["term_scale"] + t["bias"]  # (n,)
     p = torch.sigmoid(logit)
