@@ -91,6 +91,7 @@ def test_model_inputs_is_the_calling_convention():
     dlrm = build_model("dlrm", "tiny", num_dense=NUM_DENSE, cardinalities=CARDS)
     assert len(model_inputs(inter, with_seq)) == 4 and len(model_inputs(inter, plain)) == 2
     assert len(model_inputs(dlrm, with_seq)) == 2  # a model without a sequence arm never sees them
+    assert len(model_inputs(nn.DataParallel(inter), with_seq)) == 4  # wrappers (DDP too) are looked through
     torch.testing.assert_close(inter.forward_batch(with_seq), inter(dense, sparse, seq, mask), rtol=0, atol=0)
     torch.testing.assert_close(dlrm.forward_batch(with_seq), dlrm(dense, sparse), rtol=0, atol=0)
     with pytest.raises(DataError, match="seq_mask"):

@@ -75,7 +75,7 @@ def model_inputs(model: Any, batch: Any) -> tuple[torch.Tensor, ...]:
     ``.seq`` / ``.seq_mask``).
     """
     seq = getattr(batch, "seq", None)
-    if seq is not None and getattr(model, "takes_sequence", False):
+    if seq is not None and _takes_sequence(model):
         if getattr(batch, "seq_mask", None) is None:
             raise DataError("a batch with seq needs seq_mask (True at real events): build it with both")
         return batch.dense, batch.sparse, batch.seq, batch.seq_mask
@@ -108,3 +108,13 @@ class DataSource(Protocol):
         seed: int = 0,
         device: torch.device | str = "cpu",
     ) -> Iterator[Batch]: ...
+
+
+def _takes_sequence(model: Any) -> bool:
+    """``model.takes_sequence``, looking through DataParallel / DistributedDataParallel wrappers
+    (their ``.module``; ``torch.compile``'s wrapper forwards attributes itself)."""
+    from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+    while isinstance(model, (DataParallel, DistributedDataParallel)):
+        model = model.module
+    return bool(getattr(model, "takes_sequence", False))
