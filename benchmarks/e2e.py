@@ -72,6 +72,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from loka_tune.applier import apply  # noqa: E402
 from loka_tune.config import BF16, ModsConfig, PrecisionConfig, SitePrecision  # noqa: E402
+from loka_tune.data.base import model_inputs  # noqa: E402
 from loka_tune.objectives.compiled import CompileHealthError, strict_compile  # noqa: E402
 from loka_tune.objectives.trainer import TrainConfig, train  # noqa: E402
 
@@ -157,7 +158,7 @@ def uniform_config(model: nn.Module, choice_id: str, source: Any, batch_size: in
     choice = GemmChoice.parse(choice_id)
     backend = get_backend(choice.backend)
     b = next(iter(source.batches("train", 64, seed=0, device=device)))
-    sites = discover_sites(model, b.dense, b.sparse)
+    sites = discover_sites(model, *model_inputs(model, b))
     rules, kept = {}, 0
     for site in sites:
         if only is not None and site.name not in only:
@@ -217,7 +218,7 @@ def record_rows_per_example(model: nn.Module, source: Any, dev: torch.device) ->
     model.eval()
     try:
         with torch.no_grad():
-            model(b.dense, b.sparse)
+            model(*model_inputs(model, b))
     finally:
         model.train(was)
         for h in hooks:
@@ -235,6 +236,7 @@ def inference_latency(model: nn.Module, source: Any, batch: int, dev: torch.devi
     model.eval()
     fwd = torch.compile(model, dynamic=False) if compile_ else model  # one static graph per serving batch
     b = next(iter(source.batches("eval", batch, seed=0, device=dev)))
+    inputs = model_inputs(model, b)
     ctx = torch.autocast(dev.type, dtype=torch.bfloat16) if autocast else torch.autocast(dev.type, enabled=False)
     times = []
     with torch.no_grad(), ctx:
@@ -242,13 +244,13 @@ def inference_latency(model: nn.Module, source: Any, batch: int, dev: torch.devi
             if dev.type == "cuda":
                 e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 e0.record()
-                fwd(b.dense, b.sparse)
+                fwd(*inputs)
                 e1.record()
                 e1.synchronize()
                 dt = e0.elapsed_time(e1) / 1e3
             else:
                 t0 = time.perf_counter()
-                fwd(b.dense, b.sparse)
+                fwd(*inputs)
                 dt = time.perf_counter() - t0
             if i >= 5:
                 times.append(dt)
@@ -340,6 +342,7 @@ def table(summary: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--study", type=Path, required=True, help="study file: model, preset, data, learning rates")
+    ap.add_argument("--model", default=None, help="override the study's model (a registered name, e.g. interformer)")
     ap.add_argument("--preset", default=None, help="override the study's model preset")
     ap.add_argument("--batch", type=int, default=None, help="override the study's batch size")
     ap.add_argument("--steps", type=int, default=150)
@@ -380,6 +383,8 @@ def main(argv: list[str] | None = None) -> int:
 
     t_start = time.perf_counter()
     cfg = load_study(args.study)
+    if args.model:
+        cfg = replace(cfg, model=replace(cfg.model, name=args.model, overrides={}))
     if args.preset:
         cfg = replace(cfg, model=replace(cfg.model, preset=args.preset))
     dev = torch.device(resolve_device(args.device))

@@ -9,6 +9,12 @@ uniform policies (``benchmarks/train_step.py --variant``).
 
     python benchmarks/modeled_plan.py --model wukong --preset large --batch 8192 \
         --num-sparse 40 --mods nobias,bn256,hswish --out benchmarks/results/wukong_large_modeled_plan.json
+    python benchmarks/modeled_plan.py --model interformer --preset large --batch 4096 --seq-len 64 \
+        --num-sparse 40 --mods nobias,bn256,hswish --out benchmarks/results/interformer_large_modeled_plan.json
+
+``--seq-len L`` gives a sequence model (``takes_sequence``) a full behaviour sequence of L
+events, so its 3-D sites are priced at B x (summary tokens + L) rows: the rows its GEMMs run
+over whatever the mask (padded positions are computed too).
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=8192)
     ap.add_argument("--num-sparse", type=int, default=40)
     ap.add_argument("--num-dense", type=int, default=13)
+    ap.add_argument("--seq-len", type=int, default=0, help="behaviour-sequence length (sequence models)")
     ap.add_argument("--device", default="h200")
     ap.add_argument("--min-speedup", type=float, default=1.05)
     ap.add_argument("--mods", default="none", help="mods recorded in the plan (see train_step.py)")
@@ -69,7 +76,10 @@ def main() -> int:
     b0 = 4
     dense = torch.randn(b0, args.num_dense)
     sparse = torch.zeros(b0, args.num_sparse, dtype=torch.long)
-    sites = discover_sites(model, dense, sparse)
+    inputs: tuple[torch.Tensor, ...] = (dense, sparse)
+    if args.seq_len > 0 and getattr(model, "takes_sequence", False):
+        inputs += (torch.zeros(b0, args.seq_len, dtype=torch.long), torch.ones(b0, args.seq_len, dtype=torch.bool))
+    sites = discover_sites(model, *inputs)
     cands = candidates(tuple(g for g in args.granularities.split(",") if g))
     plan: dict[str, SitePrecision] = {}
     total_bf16 = total_plan = 0.0
@@ -91,6 +101,7 @@ def main() -> int:
     cfg = PrecisionConfig.from_sites(plan, mods=mods, provenance={
         "source": "benchmarks/modeled_plan.py", "speed": "modeled", "cost_device": args.device,
         "model": args.model, "preset": args.preset, "batch_size": args.batch, "granularities": args.granularities,
+        "seq_len": args.seq_len,
         "modeled_gemm_speedup": total_bf16 / total_plan})
     cfg.save(args.out)
     print(f"\n{len(plan)} of {len(sites)} sites get FP8 GEMMs; modeled GEMM-time speed-up"

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from loka_tune.data.base import model_inputs
 from loka_tune.data.synthetic import synthetic_for
 from loka_tune.models import build_model
 from loka_tune.probe import Probe
@@ -60,7 +61,7 @@ def main() -> int:
             torch.cuda.synchronize(dev)
         t0 = time.perf_counter()
         with ac:
-            logits = model(batch.dense, batch.sparse)
+            logits = model(*model_inputs(model, batch))
         loss = F.binary_cross_entropy_with_logits(logits.float(), batch.labels)
         opt.zero_grad(set_to_none=True)
         loss.backward()

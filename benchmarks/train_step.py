@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from loka_tune.data.base import model_inputs  # noqa: E402
 from loka_tune.data.synthetic import SyntheticCTR  # noqa: E402
 from loka_tune.models import build_model  # noqa: E402
 from loka_tune.objectives.trainer import TrainConfig, build_optimizers  # noqa: E402
@@ -65,7 +66,7 @@ def make_step(model, optimizers):
 
         mark()
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            logits = model(batch.dense, batch.sparse)  # (B,)
+            logits = model(*model_inputs(model, batch))  # (B,)
         loss = F.binary_cross_entropy_with_logits(logits.float(), batch.labels)
         mark()
         for opt in optimizers:

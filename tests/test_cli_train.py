@@ -103,8 +103,8 @@ def test_help_is_accurate(capsys):
         main(["train", "--help"])
     text = capsys.readouterr().out
     assert e.value.code == 0
-    for needle in ("--model {dlrm,dcnv2,wukong}", "--preset {tiny,paper,large}", "criteo:PATH",
-                   "avazu:PATH", "--lr-sparse", "--config", "--json", "--no-progress", "--cuda-graphs",
+    for needle in ("--model {dlrm,dcnv2,wukong,interformer}", "--preset {tiny,paper,large}", "criteo:PATH",
+                   "avazu:PATH", "amazon:PATH", "seq_len", "--lr-sparse", "--config", "--json", "--no-progress", "--cuda-graphs",
                    "examples:", "loka-tune train --model dlrm"):
         assert needle in text, needle
 
@@ -134,7 +134,7 @@ def test_precision_config_is_applied(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("dataset", ["criteo", "avazu"])
-@pytest.mark.parametrize("model", ["dlrm", "dcnv2", "wukong"])
+@pytest.mark.parametrize("model", ["dlrm", "dcnv2", "wukong", "interformer"])
 def test_real_sample_beats_the_click_rate(model, dataset, shared_data, tmp_path, capsys):
     """Acceptance: held-out NE < 1 on the real Criteo and Avazu samples after one epoch."""
     fname, opts = REAL_RUNS[dataset]
@@ -150,6 +150,19 @@ def test_real_sample_beats_the_click_rate(model, dataset, shared_data, tmp_path,
     assert math.isfinite(d["eval_ne"]) and d["eval_ne"] < 1.0, d["eval_ne"]
     assert d["eval_auc"] > 0.6
     assert d["steps_run"] <= 110  # about one epoch of the small sample, not 300 steps
+
+
+def test_interformer_trains_on_synthetic_sequences(tmp_path, capsys):
+    out = tmp_path / "o.json"
+    code, _, stderr = run_cli(
+        ["train", "--model", "interformer", "--data",
+         "synthetic:num_sparse=4,cardinality=500,eval_examples=1024,seq_len=8",
+         "--steps", "20", "--window", "10", "--no-progress", "--json", str(out)],
+        capsys,
+    )
+    assert code == 0, stderr
+    d = json.loads(out.read_text())
+    assert d["status"] == "ok" and d["model"] == "interformer" and math.isfinite(d["eval_logloss"])
 
 
 def test_default_schedule_is_one_epoch_on_small_files_and_300_steps_otherwise():

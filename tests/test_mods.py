@@ -603,7 +603,7 @@ def _batch(n: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(n, 13, generator=g), torch.randint(0, 50, (n, 8), generator=g)
 
 
-@pytest.mark.parametrize("name", ["dlrm", "dcnv2", "wukong"])
+@pytest.mark.parametrize("name", ["dlrm", "dcnv2", "wukong", "interformer"])
 def test_reference_models_each_pass(name: str) -> None:
     dense, sparse = _batch()
     model = _reference(name)
@@ -634,7 +634,7 @@ def test_reference_models_each_pass(name: str) -> None:
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None and not p.grad.is_sparse)
 
 
-@pytest.mark.parametrize("name", ["dlrm", "dcnv2", "wukong"])
+@pytest.mark.parametrize("name", ["dlrm", "dcnv2", "wukong", "interformer"])
 def test_reference_models_apply_mods_pad_exact_and_idempotent(name: str) -> None:
     dense, sparse = _batch()
     ref = _reference(name).double()

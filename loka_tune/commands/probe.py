@@ -42,7 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--model-arg", action="append", default=[], type=_model_arg, metavar="KEY=VALUE",
                    help="override a preset hyperparameter (JSON value); repeatable")
     g.add_argument("--data", default="synthetic", metavar="SPEC",
-                   help="synthetic | criteo:PATH | avazu:PATH | module:function (default: synthetic)")
+                   help="synthetic | synthetic:seq_len=32 (with behaviour sequences) | criteo:PATH | "
+                        "avazu:PATH | amazon:PATH (with sequences) | module:function (default: synthetic)")
     g.add_argument("--stats", type=Path, metavar="FILE",
                    help="re-analyse saved probe stats (.npz) instead of training")
 

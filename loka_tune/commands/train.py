@@ -41,6 +41,7 @@ Exit status: 0 ok, 1 the loss went non-finite, 2 a usage or input error.
 examples:
   loka-tune train --model dlrm --preset tiny --data synthetic --steps 300
   loka-tune train --config best.json          # the model and data the study tuned
+  loka-tune train --model interformer --preset tiny --data synthetic:seq_len=32
   loka-tune train --model wukong --preset tiny --data criteo:day_0.gz \\
       --steps 2000 --batch-size 1024 --config best.json --json metrics.json --no-progress
 
@@ -76,8 +77,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "top_mlp=[64,32], norm=layernorm); repeatable",
     )
     g.add_argument("--data", default=None, metavar="SPEC",
-                   help="synthetic | criteo:PATH | avazu:PATH | module:function (default: synthetic, or"
-                        " the data recorded in --config when it also gives the model)")
+                   help="synthetic | synthetic:seq_len=32 (with behaviour sequences) | criteo:PATH | avazu:PATH |"
+                        " amazon:PATH (with sequences) | module:function (default: synthetic, or the data recorded"
+                        " in --config when it also gives the model)")
     g.add_argument("--config", type=Path, metavar="PRECISION.json",
                    help="apply this precision config (loka-tune export) to the model before training;"
                         " without --model, build the model it was tuned on")

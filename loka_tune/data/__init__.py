@@ -1,10 +1,13 @@
-"""Data sources: synthetic CTR data with realistic distributions, Criteo and Avazu files.
+"""Data sources: synthetic CTR data with realistic distributions, Criteo, Avazu and Amazon files.
 
 Every source yields :class:`Batch` (dense float32 (B, num_dense), sparse int64
-(B, num_sparse), labels float32 (B,)) through ``batches(split, batch_size, seed, device)``;
-see :class:`DataSource`. :func:`parse_data_spec` builds one from a string such as
+(B, num_sparse), labels float32 (B,), and behaviour sequences ``seq`` / ``seq_mask`` (B, L)
+where the data has them: ``synthetic:seq_len=32``, ``amazon:PATH``) through
+``batches(split, batch_size, seed, device)``; see :class:`DataSource` and
+:func:`model_inputs`. :func:`parse_data_spec` builds one from a string such as
 ``"synthetic"``, ``"synthetic:base_rate=0.1,num_sparse=8,cardinality=1000"``,
-``"criteo:/data/train.txt"``, ``"avazu:/data/train.gz?eval_fraction=0.1"`` or
+``"criteo:/data/train.txt"``, ``"avazu:/data/train.gz?eval_fraction=0.1"``,
+``"amazon:/data/local_train_splitByUser?seq_len=50"`` or
 ``"my_pkg.my_module:make_source"``.
 """
 
@@ -16,8 +19,9 @@ import re
 from typing import Any, Callable
 
 from ..errors import ConfigError
+from .amazon import AmazonSource
 from .avazu import AvazuSource
-from .base import Batch, DataSource
+from .base import Batch, DataSource, model_inputs
 from .criteo import CriteoSource
 from .files import FileSource
 from .hashing import mix_seed, split_uniform, stable_id
@@ -31,6 +35,8 @@ __all__ = [
     "DEFAULT_CARDINALITIES",
     "CriteoSource",
     "AvazuSource",
+    "AmazonSource",
+    "model_inputs",
     "FileSource",
     "stable_id",
     "mix_seed",
@@ -42,7 +48,7 @@ __all__ = [
 SPEC_FORMS = (
     "'synthetic', 'synthetic:key=value,...' (keys: the SyntheticCTR arguments, plus "
     "num_sparse and cardinality for equal-size features; lists as 1000/2000/...), "
-    "'criteo:PATH', 'avazu:PATH' (options as 'PATH?key=value,...'), or "
+    "'criteo:PATH', 'avazu:PATH', 'amazon:PATH' (options as 'PATH?key=value,...'), or "
     "'package.module:function' (a function returning a DataSource)"
 )
 _FACTORY = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
@@ -62,14 +68,14 @@ def parse_data_spec(spec: str, **kw: Any) -> DataSource:
     if head == "synthetic":
         opts = {**kw, **_options(rest, spec)} if sep else dict(kw)
         return _build_synthetic(opts, spec)
-    if head in ("criteo", "avazu"):
+    if head in ("criteo", "avazu", "amazon"):
         path, _, opt_text = rest.rpartition("?") if "?" in rest else (rest, "", "")
         if not path:
             raise ConfigError(
                 f"data spec {spec!r} has no file path; write '{head}:PATH'; accepted forms: {SPEC_FORMS}",
                 key="data",
             )
-        cls = CriteoSource if head == "criteo" else AvazuSource
+        cls = {"criteo": CriteoSource, "avazu": AvazuSource, "amazon": AmazonSource}[head]
         opts = {**kw, **_options(opt_text, spec)}
         return _call(cls, opts, spec, path)
     if _FACTORY.match(spec):

@@ -1,7 +1,9 @@
 """The machinery shared by file-backed sources (Criteo, Avazu): reading, splitting, batching.
 
 A :class:`FileSource` reads a text file (plain or gzip, detected by its magic bytes) through a
-:class:`RowFormat` that turns one line into ``(label, dense values, sparse ids)``.
+:class:`RowFormat` that turns one line into ``(label, dense values, sparse ids)``, plus the
+row's behaviour sequence (item ids, oldest first) for a format with ``seq_len > 0``: those are
+kept as the last ``seq_len`` events, left-padded, and batches carry ``seq`` / ``seq_mask``.
 
 Reading, once, at construction: up to ``max_rows`` data rows are parsed and validated.
 
@@ -68,13 +70,16 @@ class RowFormat(Protocol):
     dense_names: tuple[str, ...]
     sparse_names: tuple[str, ...]
     cardinalities: tuple[int, ...]
+    # optional ``seq_len: int`` (read with getattr, 0 when absent): > 0 means parse() returns a
+    # 4th item, the row's behaviour sequence (ids, oldest first)
 
     def read_header(self, line: str, path: str) -> None:
         """Validate (and learn from) the header line; raise :class:`DataError` if unusable."""
         ...
 
-    def parse(self, line: str) -> tuple[float, list[float], list[int]]:
-        """``(label, dense, ids)`` of one data line (no line ending); raise :class:`RowError`."""
+    def parse(self, line: str) -> tuple:
+        """``(label, dense, ids)`` of one data line (no line ending), plus the list of sequence
+        ids when ``seq_len > 0``; raise :class:`RowError`."""
         ...
 
 
@@ -199,6 +204,11 @@ class FileSource:
         return self.fmt.cardinalities
 
     @property
+    def seq_len(self) -> int:
+        """Events kept per behaviour sequence (0: the format has none)."""
+        return int(getattr(self.fmt, "seq_len", 0))
+
+    @property
     def dense_names(self) -> tuple[str, ...]:
         return self.fmt.dense_names
 
@@ -229,7 +239,8 @@ class FileSource:
 
     def rows(self, split: str) -> dict[str, torch.Tensor]:
         """All rows of ``split`` on the CPU, in file order: ``line`` (1-based line numbers),
-        ``label``, ``dense``, ``sparse`` (int64). Only for in-memory sources."""
+        ``label``, ``dense``, ``sparse`` (int64), and for a sequence format ``seq`` (int64,
+        left-padded) and ``seq_count`` (events kept per row). Only for in-memory sources."""
         if self.streaming:
             raise DataError(
                 f"rows() needs the file in memory; it has more than max_rows={self.max_rows} rows "
@@ -239,7 +250,10 @@ class FileSource:
         if split not in ("train", "eval"):
             raise ConfigError(f"split must be 'train' or 'eval', got {split=!r}", key="split")
         t = self._tables["cpu"][split]
-        return {**t, "sparse": t["sparse"].long()}
+        out = {**t, "sparse": t["sparse"].long()}
+        if "seq" in t:
+            out["seq"] = t["seq"].long()
+        return out
 
     def __repr__(self) -> str:
         rows = "streaming" if self.streaming else f"train={self.num_train_rows}, eval={self.num_eval_rows}"
@@ -288,32 +302,47 @@ class FileSource:
         labels: list[float] = []
         dense: list[float] = []  # flat, num_dense per row
         sparse: list[int] = []  # flat, num_sparse per row
+        seqs: list[list[int]] = []  # per row: its sequence's ids (formats with seq_len > 0)
         parse = self.fmt.parse
+        with_seq = self.seq_len > 0
         for lineno, text in self._lines():
             try:
-                y, d, s = parse(text)
+                parsed = parse(text)
             except RowError as e:
                 self._bad_row(lineno, str(e))
                 continue
             lines.append(lineno)
-            labels.append(y)
-            dense.extend(d)
-            sparse.extend(s)
+            labels.append(parsed[0])
+            dense.extend(parsed[1])
+            sparse.extend(parsed[2])
+            if with_seq:
+                seqs.append(parsed[3])
             if len(lines) >= chunk_rows:
-                yield self._pack(lines, labels, dense, sparse)
-                lines, labels, dense, sparse = [], [], [], []
+                yield self._pack(lines, labels, dense, sparse, seqs)
+                lines, labels, dense, sparse, seqs = [], [], [], [], []
         if lines:
-            yield self._pack(lines, labels, dense, sparse)
+            yield self._pack(lines, labels, dense, sparse, seqs)
 
-    def _pack(self, lines, labels, dense, sparse) -> dict[str, np.ndarray]:
+    def _pack(self, lines, labels, dense, sparse, seqs) -> dict[str, np.ndarray]:
         n = len(lines)
         assert len(dense) == n * self.num_dense and len(sparse) == n * self.num_sparse
-        return {
+        out: dict[str, np.ndarray] = {
             "line": np.asarray(lines, dtype=np.int64),
             "label": np.asarray(labels, dtype=np.float32),
             "dense": np.asarray(dense, dtype=np.float32).reshape(n, self.num_dense),
             "sparse": np.asarray(sparse, dtype=np.int64).reshape(n, self.num_sparse),
         }
+        if self.seq_len > 0:
+            L = self.seq_len
+            seq = np.zeros((n, L), dtype=np.int64)  # left-padded with id 0: the most recent event last
+            count = np.zeros(n, dtype=np.int64)
+            for i, ids in enumerate(seqs):
+                kept = ids[-L:]  # the last L events (oldest first in the file)
+                if kept:
+                    seq[i, L - len(kept):] = kept
+                count[i] = len(kept)
+            out["seq"], out["seq_count"] = seq, count
+        return out
 
     def _bad_row(self, lineno: int, reason: str) -> None:
         if self.on_bad_row == "error":
@@ -385,7 +414,7 @@ class FileSource:
             n = min(n, self.max_eval_rows)
         for start in range(0, n, batch_size):
             sl = slice(start, min(start + batch_size, n))
-            yield Batch(t["dense"][sl], t["sparse"][sl].long(), t["label"][sl])
+            yield _batch(t, sl)
 
     # ------------------------------------------------------------------ streaming
     def _stream_train(self, batch_size: int, seed: int, dev: torch.device) -> Iterator[Batch]:
@@ -437,18 +466,30 @@ def _to_tensors(rows: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
     """numpy rows -> tensors; ids kept as int32 in memory (cast to int64 per batch)."""
     sparse = rows["sparse"]
     small = sparse.size == 0 or int(sparse.max()) < 2**31
-    return {
+    out = {
         "line": torch.from_numpy(np.ascontiguousarray(rows["line"])),
         "label": torch.from_numpy(np.ascontiguousarray(rows["label"])),
         "dense": torch.from_numpy(np.ascontiguousarray(rows["dense"])),
         "sparse": torch.from_numpy(np.ascontiguousarray(sparse.astype(np.int32) if small else sparse)),
     }
+    if "seq" in rows:
+        seq = rows["seq"]
+        small = seq.size == 0 or int(seq.max()) < 2**31
+        out["seq"] = torch.from_numpy(np.ascontiguousarray(seq.astype(np.int32) if small else seq))
+        out["seq_count"] = torch.from_numpy(np.ascontiguousarray(rows["seq_count"]))
+    return out
 
 
-def _batch(t: dict[str, torch.Tensor], idx: torch.Tensor | None) -> Batch:
-    if idx is None:
-        return Batch(t["dense"], t["sparse"].long(), t["label"])
-    return Batch(t["dense"][idx], t["sparse"][idx].long(), t["label"][idx])
+def _batch(t: dict[str, torch.Tensor], idx: torch.Tensor | slice | None) -> Batch:
+    def take(x: torch.Tensor) -> torch.Tensor:
+        return x if idx is None else x[idx]
+
+    if "seq" not in t:
+        return Batch(take(t["dense"]), take(t["sparse"]).long(), take(t["label"]))
+    seq, count = take(t["seq"]).long(), take(t["seq_count"])
+    L = seq.shape[1]
+    mask = torch.arange(L, device=seq.device)[None, :] >= (L - count)[:, None]  # (B, L) left-padded
+    return Batch(take(t["dense"]), take(t["sparse"]).long(), take(t["label"]), seq, mask)
 
 
 def resolve_hash_sizes(

@@ -22,6 +22,18 @@ they are the same world for train and eval and for every run):
   teacher itself reaches a normalized entropy (NE) of about 0.74, near the ~0.78 of good
   models on Criteo: there is real signal to learn, and a ceiling a short run cannot pass.
 
+Behaviour sequences (``seq_len`` > 0; off by default, so existing streams are unchanged):
+each row gets the user's recent events as ids of sparse feature 0 (the target item's id space),
+at most ``seq_len`` of them, oldest to newest, left-padded with a mask (see
+:class:`~loka_tune.data.base.Batch`). Lengths are heavy-tailed as user activity is: 5% of
+users have no events (cold start), the rest a log-normal count (median ``seq_len / 4``, sigma 1)
+capped at ``seq_len``, so a pile-up sits at the cap as in truncated real logs. Each event is
+the target item itself with probability 0.15 (users revisit what they like) and otherwise a
+Zipf draw from feature 0's popularity. The teacher gains a fifth logit term: the dot product
+of the target item's teacher embedding with the mean teacher embedding of the user's events
+(zero for a cold user), so the click depends on the sequence's content and a model that reads
+the sequence can do better than one that cannot.
+
 Streams: train rows come from a ``torch.Generator`` on the target device seeded from
 ``(seed, "train")``, so a GPU run generates its own data without host work; the same seed
 on the same device type gives identical batches (CPU and CUDA generators produce different
@@ -61,6 +73,12 @@ _MEASURE_ROWS = 1 << 16  # independent rows used to measure `base_rate`
 _TEACHER_HIDDEN = 8  # width of the teacher's small dense MLP
 # relative std of the teacher's terms: first-order, pairwise (FM), dense linear, dense MLP
 _TERM_WEIGHTS = (0.6, 1.0, 0.4, 0.4)
+_SEQ_TERM_WEIGHT = 1.0  # relative std of the fifth term (user sequence x target item), when on
+_SEQ_COLD = 0.05  # share of users with no events
+_SEQ_MEDIAN_FRAC = 0.25  # median length / seq_len of the other users (log-normal)
+_SEQ_SIGMA = 1.0  # log-normal sigma of the lengths: heavy-tailed user activity
+_SEQ_REPEAT = 0.15  # probability that an event is the target item itself
+_MAX_SEQ_LEN = 4096  # a bound that keeps the (rows x seq_len) draws in memory
 
 
 class SyntheticCTR:
@@ -84,6 +102,7 @@ class SyntheticCTR:
         name: str = "synthetic",
         teacher_dim: int = 4,
         teacher_logit_std: float = 1.5,
+        seq_len: int = 0,
     ) -> None:
         if isinstance(cardinalities, int):
             cardinalities = (cardinalities,)
@@ -107,6 +126,11 @@ class SyntheticCTR:
         _check(eval_examples >= 1, "eval_examples", f"must be >= 1, got {eval_examples=}")
         _check(teacher_dim >= 1, "teacher_dim", f"must be >= 1, got {teacher_dim=}")
         _check(teacher_logit_std >= 0.0, "teacher_logit_std", f"must be >= 0, got {teacher_logit_std=}")
+        _check(
+            isinstance(seq_len, int) and not isinstance(seq_len, bool) and 0 <= seq_len <= _MAX_SEQ_LEN,
+            "seq_len",
+            f"must be an int in [0, {_MAX_SEQ_LEN}] (0: no behaviour sequences), got {seq_len=!r}",
+        )
 
         self.name = name
         self.num_dense = int(num_dense)
@@ -116,12 +140,14 @@ class SyntheticCTR:
         self.missing_rate = float(missing_rate)
         self.teacher_seed = int(teacher_seed)
         self.eval_examples = int(eval_examples)
+        self.seq_len = int(seq_len)
         self.dense_names = tuple(f"I{j + 1}" for j in range(self.num_dense))
         self.sparse_names = tuple(f"C{f + 1}" for f in range(len(cardinalities)))
         self._world = _build_world(
             self.num_dense, cardinalities, self.zipf_exponent, self.teacher_seed, teacher_dim
         )
         self._world["missing_rate"] = torch.tensor(self.missing_rate)
+        self._world["seq_len"] = self.seq_len
         _calibrate(self._world, self.teacher_seed, self.target_base_rate, teacher_logit_std)
         self._on_device: dict[str, dict] = {"cpu": self._world}
         self._eval: dict[str, Batch] = {}
@@ -137,7 +163,7 @@ class SyntheticCTR:
         """Mean click probability measured on an independent CPU sample of 65,536 rows."""
         if self._base_rate is None:
             g = torch.Generator().manual_seed(mix_seed(self.teacher_seed, "measure"))
-            _, _, _, p = _rows(self._world, _MEASURE_ROWS, g, "cpu")
+            p = _rows(self._world, _MEASURE_ROWS, g, "cpu")[3]
             self._base_rate = float(p.mean())
         return self._base_rate
 
@@ -160,7 +186,8 @@ class SyntheticCTR:
             f"SyntheticCTR(name={self.name!r}, num_dense={self.num_dense}, "
             f"num_sparse={self.num_sparse}, base_rate={self.target_base_rate}, "
             f"zipf_exponent={self.zipf_exponent}, missing_rate={self.missing_rate}, "
-            f"teacher_seed={self.teacher_seed}, eval_examples={self.eval_examples})"
+            f"teacher_seed={self.teacher_seed}, eval_examples={self.eval_examples}"
+            + (f", seq_len={self.seq_len})" if self.seq_len else ")")
         )
 
     # ------------------------------------------------------------------ internals
@@ -174,21 +201,20 @@ class SyntheticCTR:
         tables = self._tables(dev)
         g = torch.Generator(device=dev).manual_seed(mix_seed(seed, "train"))
         while True:
-            dense, sparse, labels, _ = _rows(tables, batch_size, g, dev)
-            yield Batch(dense, sparse, labels)
+            dense, sparse, labels, _, seq, mask = _rows_seq(tables, batch_size, g, dev)
+            yield Batch(dense, sparse, labels, seq, mask)
 
     def _eval_batches(self, batch_size: int, dev: torch.device) -> Iterator[Batch]:
         key = str(dev)
         if key not in self._eval:
             if "cpu" not in self._eval:
                 g = torch.Generator().manual_seed(mix_seed(self.teacher_seed, "eval"))
-                dense, sparse, labels, _ = _rows(self._world, self.eval_examples, g, "cpu")
-                self._eval["cpu"] = Batch(dense, sparse, labels)
+                dense, sparse, labels, _, seq, mask = _rows_seq(self._world, self.eval_examples, g, "cpu")
+                self._eval["cpu"] = Batch(dense, sparse, labels, seq, mask)
             self._eval[key] = self._eval["cpu"].to(dev)
         ev = self._eval[key]
         for start in range(0, self.eval_examples, batch_size):
-            end = min(start + batch_size, self.eval_examples)
-            yield Batch(ev.dense[start:end], ev.sparse[start:end], ev.labels[start:end])
+            yield ev.rows(start, min(start + batch_size, self.eval_examples))
 
 
 def synthetic_for(num_sparse: int, cardinality: int, num_dense: int = 13, **kwargs: object) -> SyntheticCTR:
@@ -350,6 +376,39 @@ def _sample(t: dict, n: int, g: torch.Generator, dev: torch.device | str):
     return dense, sparse, rows
 
 
+def _sample_seq(t: dict, n: int, g: torch.Generator, dev: torch.device | str, target: torch.Tensor,
+                target_row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Behaviour sequences of ``n`` users: ids (n, L) int64, mask (n, L) bool, teacher rows (n, L).
+
+    ``target`` / ``target_row``: each row's feature-0 id and teacher row (what a repeat event is).
+    """
+    L = t["seq_len"]
+    plan, cdf, perm = t["plans"][0], t["cdfs"][0], t["perms"][0]
+    cold = torch.rand(n, generator=g, device=dev) < _SEQ_COLD
+    z = torch.randn(n, generator=g, device=dev)
+    length = torch.exp(math.log(L * _SEQ_MEDIAN_FRAC) + _SEQ_SIGMA * z).ceil().clamp(1, L).long()  # (n,)
+    length = torch.where(cold, torch.zeros_like(length), length)
+    u = torch.rand(n * L, generator=g, dtype=torch.float64, device=dev)
+    r = plan.ranks(cdf, u).view(n, L)  # Zipf ranks of feature 0
+    ids = perm[r] if perm is not None else (r * plan.mult + plan.add) % plan.card
+    rows = r if plan.card <= _TEACHER_ROWS else r % _TEACHER_ROWS  # feature 0 starts at teacher row 0
+    repeat = torch.rand((n, L), generator=g, device=dev) < _SEQ_REPEAT
+    ids = torch.where(repeat, target[:, None], ids)
+    rows = torch.where(repeat, target_row[:, None], rows)
+    mask = torch.arange(L, device=dev)[None, :] >= (L - length)[:, None]  # (n, L) left-padded
+    zero = torch.zeros_like(ids)
+    return torch.where(mask, ids, zero), mask, torch.where(mask, rows, zero)
+
+
+def _seq_term(t: dict, rows: torch.Tensor, seq_rows: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(n,): the target item's teacher embedding . the mean embedding of the user's events."""
+    k = t["v_dense"].shape[1]
+    count = mask.sum(1, keepdim=True).clamp_min(1)  # (n, 1)
+    w = mask.float() / count  # (n, L): the mean over real events; padding weighs 0
+    hist = F.embedding_bag(seq_rows, t["packed"], mode="sum", per_sample_weights=w)[:, :k]  # (n, k)
+    return (hist * t["packed"][rows[:, 0], :k]).sum(1)
+
+
 def _terms(t: dict, dense: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """The teacher's four raw logit terms, (n, 4) float32."""
     k = t["v_dense"].shape[1]
@@ -365,13 +424,29 @@ def _terms(t: dict, dense: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return torch.stack([first, fm, lin, mlp], 1)
 
 
+def _all_terms(t: dict, n: int, g: torch.Generator, dev: torch.device | str):
+    """Sampled rows and their raw teacher terms: dense, sparse, seq, mask, terms (n, 4 or 5)."""
+    dense, sparse, rows = _sample(t, n, g, dev)
+    terms = _terms(t, dense, rows)
+    if not t["seq_len"]:
+        return dense, sparse, None, None, terms
+    seq, mask, seq_rows = _sample_seq(t, n, g, dev, sparse[:, 0], rows[:, 0])
+    terms = torch.cat([terms, _seq_term(t, rows, seq_rows, mask)[:, None]], 1)
+    return dense, sparse, seq, mask, terms
+
+
 def _rows(t: dict, n: int, g: torch.Generator, dev: torch.device | str):
     """``n`` labelled rows: dense, sparse, labels (float32 0/1) and click probabilities."""
-    dense, sparse, rows = _sample(t, n, g, dev)
-    logit = _terms(t, dense, rows) @ t["term_scale"] + t["bias"]  # (n,)
+    return _rows_seq(t, n, g, dev)[:4]
+
+
+def _rows_seq(t: dict, n: int, g: torch.Generator, dev: torch.device | str):
+    """:func:`_rows`, then the behaviour sequences and their mask (``None`` without sequences)."""
+    dense, sparse, seq, mask, terms = _all_terms(t, n, g, dev)
+    logit = terms @ t["term_scale"] + t["bias"]  # (n,)
     p = torch.sigmoid(logit)
     labels = (torch.rand(n, generator=g, device=dev) < p).float()
-    return dense, sparse, labels, p
+    return dense, sparse, labels, p, seq, mask
 
 
 def _calibrate(t: dict, teacher_seed: int, base_rate: float, logit_std: float) -> None:
@@ -382,9 +457,15 @@ def _calibrate(t: dict, teacher_seed: int, base_rate: float, logit_std: float) -
     t["dense_mean"] = dense.mean(0) if D else torch.zeros(0)
     t["dense_std"] = dense.std(0).clamp_min(1e-6) if D else torch.ones(0)
     terms = _terms(t, dense, rows).double()  # (n, 4)
+    term_weights: tuple[float, ...] = _TERM_WEIGHTS
+    if t["seq_len"]:  # after the draws above, so sources without sequences are unchanged
+        # ids are not needed here: the teacher row stands in for the target id
+        _, mask, seq_rows = _sample_seq(t, _CALIBRATION_ROWS, g, "cpu", rows[:, 0], rows[:, 0])
+        terms = torch.cat([terms, _seq_term(t, rows, seq_rows, mask).double()[:, None]], 1)  # (n, 5)
+        term_weights = (*_TERM_WEIGHTS, _SEQ_TERM_WEIGHT)
     std = terms.std(0)
     active = std > 1e-9  # e.g. no dense features: those terms are constant and dropped
-    weights = torch.tensor(_TERM_WEIGHTS, dtype=torch.float64) * active
+    weights = torch.tensor(term_weights, dtype=torch.float64) * active
     weights = weights * (logit_std / weights.norm().clamp_min(1e-12))  # ~independent terms
     scale = torch.where(active, weights / std.clamp_min(1e-12), torch.zeros_like(std))
     z = terms @ scale

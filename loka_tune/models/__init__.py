@@ -1,4 +1,4 @@
-"""Reference large recommendation models in plain torch: DLRM, DCNv2, Wukong.
+"""Reference large recommendation models in plain torch: DLRM, DCNv2, Wukong, Interformer.
 
 Models know nothing of FP8: every weight GEMM is an ``nn.Linear`` that precision configs
 swap later. Build one with :func:`build_model`; presets ``tiny`` / ``paper`` / ``large``
@@ -37,6 +37,7 @@ __all__ = [
     "DLRM",
     "DCNv2",
     "Wukong",
+    "Interformer",
 ]
 
 _LAZY = {
@@ -44,6 +45,7 @@ _LAZY = {
     "DLRM": "loka_tune.models.dlrm",
     "DCNv2": "loka_tune.models.dcnv2",
     "Wukong": "loka_tune.models.wukong",
+    "Interformer": "loka_tune.models.interformer",
 }
 
 

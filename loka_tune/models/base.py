@@ -77,10 +77,14 @@ class RecModel(nn.Module):
     ``forward(dense (B, num_dense) float, sparse (B, n_sparse) int64) -> (B,) logits``.
     ``prediction_head`` is the fully qualified name of the final ``nn.Linear`` (out 1), which
     the No Bias pass and the precision configs leave alone. ``hparams`` holds the resolved
-    architecture hyperparameters (what a preset plus overrides gave).
+    architecture hyperparameters (what a preset plus overrides gave). A model with a
+    behaviour-sequence arm sets ``takes_sequence = True`` and takes
+    ``forward(dense, sparse, seq=None, seq_mask=None)`` (see
+    :func:`loka_tune.data.base.model_inputs`, the one calling convention).
     """
 
     prediction_head: str = "head"
+    takes_sequence: bool = False
 
     def __init__(self, num_dense: int, cardinalities: Sequence[int]) -> None:
         super().__init__()
@@ -106,8 +110,10 @@ class RecModel(nn.Module):
             )
 
     def forward_batch(self, batch: Any) -> torch.Tensor:
-        """Logits (B,) for a :class:`loka_tune.data.base.Batch` (anything with .dense / .sparse)."""
-        return self(batch.dense, batch.sparse)
+        """Logits (B,) for a :class:`loka_tune.data.base.Batch`, called as :func:`model_inputs` says."""
+        from loka_tune.data.base import model_inputs
+
+        return self(*model_inputs(self, batch))
 
 
 class MLPBlock(nn.Module):

@@ -26,7 +26,7 @@ __all__ = [
     "model_names",
 ]
 
-MODEL_NAMES = ("dlrm", "dcnv2", "wukong")  # the built-in models
+MODEL_NAMES = ("dlrm", "dcnv2", "wukong", "interformer")  # the built-in models
 PRESETS = ("tiny", "paper", "large")  # the built-in presets of every built-in model
 
 # tiny: CPU tests train in seconds (widths 8-32, one or two layers).
@@ -137,6 +137,68 @@ _BUILTIN_PRESETS: dict[str, dict[str, dict[str, Any]]] = {
             dense_mlp=(2048, 2048),
             dense_embeddings=4,  # dense features get several rows in production models
             head_mlp=(4096, 2048),  # input (nF + nL) d = 16384
+            norm="layernorm",
+            activation="silu",
+            bias=True,
+        ),
+    },
+    "interformer": {
+        "tiny": dict(
+            embedding_dim=8,
+            num_layers=2,
+            num_heads=2,  # head width 4 (even, for the rotary embedding)
+            num_cls=2,
+            num_pma=2,
+            num_recent=2,
+            x_summary=4,
+            pffn_rank=8,
+            seq_ffn=(16,),
+            interaction_mlp=(32,),
+            dense_mlp=(16,),
+            dense_embeddings=1,
+            head_mlp=(32,),
+            seq_feature=0,
+            norm="layernorm",  # a Transformer's residual streams are normalized
+            activation="relu",
+            bias=True,
+        ),
+        "paper": dict(
+            # the public-benchmark scale of the paper (Amazon / TaobaoAd / KuaiVideo runs: small
+            # tokens, a few layers and summary tokens); the authors' code is not public, so the
+            # widths below are our reading, not a copy of theirs
+            embedding_dim=32,
+            num_layers=3,
+            num_heads=2,
+            num_cls=4,
+            num_pma=2,
+            num_recent=2,
+            x_summary=4,
+            pffn_rank=32,
+            seq_ffn=(128,),  # 4 d, the usual Transformer FFN ratio
+            interaction_mlp=(256, 256),
+            dense_mlp=(256,),
+            dense_embeddings=1,
+            head_mlp=(256, 128),
+            seq_feature=0,
+            norm="layernorm",
+            activation="relu",
+            bias=True,
+        ),
+        "large": dict(
+            embedding_dim=256,  # 3-D GEMMs of (B T) x 256 x 256..1024 in the sequence arch
+            num_layers=3,
+            num_heads=4,
+            num_cls=8,
+            num_pma=8,
+            num_recent=8,  # N = n + 24 rows in the interaction: 68 at 40 sparse + 4 dense rows
+            x_summary=8,  # k d = 2048: the generated PFFN weight is 2048 x 256 r
+            pffn_rank=32,
+            seq_ffn=(1024,),
+            interaction_mlp=(2048, 2048),  # input N d + N(N-1)/2: ~19.7k at 40 sparse + 4 dense rows
+            dense_mlp=(2048, 2048),
+            dense_embeddings=4,
+            head_mlp=(4096, 2048),  # input 40 x 256 = 10240
+            seq_feature=0,
             norm="layernorm",
             activation="silu",
             bias=True,
@@ -283,5 +345,11 @@ def _wukong(*, num_dense: int, cardinalities: Sequence[int], **hparams: Any) -> 
     return Wukong(num_dense, cardinalities, **hparams)
 
 
-for _name, _factory in (("dlrm", _dlrm), ("dcnv2", _dcnv2), ("wukong", _wukong)):
+def _interformer(*, num_dense: int, cardinalities: Sequence[int], **hparams: Any) -> Any:
+    from loka_tune.models.interformer import Interformer
+
+    return Interformer(num_dense, cardinalities, **hparams)
+
+
+for _name, _factory in (("dlrm", _dlrm), ("dcnv2", _dcnv2), ("wukong", _wukong), ("interformer", _interformer)):
     register_model(_name, presets=_BUILTIN_PRESETS[_name])(_factory)

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from loka_tune.config import BF16, ROLES, GemmRole
+from loka_tune.data.base import model_inputs
 from loka_tune.objectives.step import autocast_context, autocast_for
 from loka_tune.space.sites import discover_sites
 
@@ -40,7 +41,7 @@ def modeled_gemm_seconds(model: nn.Module, batch: Any, *, batch_size: int, cost_
     from loka_tune.kernels.linear import find_linears
 
     lin = find_linears(model)
-    sites = discover_sites(model, batch.dense, batch.sparse, linears=lin)
+    sites = discover_sites(model, *model_inputs(model, batch), linears=lin)
     total = 0.0
     for s in sites:
         prec = getattr(lin[s.name], "precision", None)
@@ -54,11 +55,12 @@ def modeled_gemm_seconds(model: nn.Module, batch: Any, *, batch_size: int, cost_
 @torch.no_grad()
 def measure_forward_seconds(model: nn.Module, batch: Any, *, reps: int = 20, warmup: int = 5,
                             autocast: str = "auto") -> float:
-    """Median seconds of ``model(dense, sparse)`` in eval mode (CUDA events on a GPU), under the
+    """Median seconds of the model's forward (``model_inputs``) in eval mode (CUDA events on a GPU), under the
     trainer's autocast rule for ``autocast`` ("auto": bf16 on CUDA, fp32 on the CPU; pass the
     study's ``training.autocast``): the bf16 baseline is then timed in bf16, as it trains."""
     was = model.training
     model.eval()
+    inputs = model_inputs(model, batch)
     on_cuda = batch.dense.is_cuda
     dev = batch.dense.device
     times = []
@@ -68,14 +70,14 @@ def measure_forward_seconds(model: nn.Module, batch: Any, *, reps: int = 20, war
                 a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 a.record()
                 with autocast_context(dev, autocast_for(autocast, dev)):
-                    model(batch.dense, batch.sparse)
+                    model(*inputs)
                 b.record()
                 torch.cuda.synchronize()
                 dt = a.elapsed_time(b) / 1e3
             else:
                 t0 = time.perf_counter()
                 with autocast_context(dev, autocast_for(autocast, dev)):
-                    model(batch.dense, batch.sparse)
+                    model(*inputs)
                 dt = time.perf_counter() - t0
             if i >= warmup:
                 times.append(dt)

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from loka_tune.data.base import model_inputs
 from loka_tune.errors import ConfigError, DataError
 
 __all__ = ["TrainStep", "autocast_for"]
@@ -70,9 +71,14 @@ class TrainStep:
         self._warm = 0
         self._stream: torch.cuda.Stream | None = None
 
-    def _run(self, dense: torch.Tensor, sparse: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def _tensors(self, batch: Any) -> tuple[torch.Tensor, ...]:
+        """The model's inputs (:func:`~loka_tune.data.base.model_inputs`), then the labels."""
+        return (*model_inputs(self.model, batch), batch.labels)
+
+    def _run(self, *tensors: torch.Tensor) -> torch.Tensor:
+        *inputs, labels = tensors  # the model's inputs, then the labels
         with autocast_context(self.device, self.dtype):
-            logits = self.fwd(dense, sparse)  # (B,)
+            logits = self.fwd(*inputs)  # (B,)
         loss = F.binary_cross_entropy_with_logits(logits.float().reshape(-1), labels.float().reshape(-1))
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
@@ -83,7 +89,7 @@ class TrainStep:
 
     def __call__(self, batch: Any) -> torch.Tensor:
         if not self.cuda_graphs:
-            return self._run(batch.dense, batch.sparse, batch.labels)
+            return self._run(*self._tensors(batch))
         if self.graph is None:
             if self._warm < self.graph_warmup:
                 self._warm += 1
@@ -101,12 +107,12 @@ class TrainStep:
         s = self._stream
         s.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(s):
-            loss = self._run(batch.dense, batch.sparse, batch.labels)
+            loss = self._run(*self._tensors(batch))
         torch.cuda.current_stream(self.device).wait_stream(s)
         return loss
 
     def _capture(self, batch: Any) -> None:
-        self._static = tuple(t.clone() for t in (batch.dense, batch.sparse, batch.labels))
+        self._static = tuple(t.clone() for t in self._tensors(batch))
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)  # the captured backward allocates the grads in the graph's pool
         torch.cuda.synchronize(self.device)
@@ -116,7 +122,13 @@ class TrainStep:
         self.graph = graph  # capture recorded the step without running it: the caller replays it
 
     def _copy_in(self, batch: Any) -> None:
-        for dst, src in zip(self._static, (batch.dense, batch.sparse, batch.labels)):
+        tensors = self._tensors(batch)
+        if len(tensors) != len(self._static):
+            raise DataError(
+                f"a batch with {len(tensors)} tensors reached a CUDA-graph step captured for "
+                f"{len(self._static)}: every batch must carry sequences, or none (turn cuda_graphs off)"
+            )
+        for dst, src in zip(self._static, tensors):
             if dst.shape != src.shape:
                 raise DataError(
                     f"a batch of shape {tuple(src.shape)} reached a CUDA-graph step captured for "

@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 import loka_tune.objectives.distributed as D
+from loka_tune.data.base import model_inputs
 from loka_tune.errors import ConfigError, DataError
 from loka_tune.objectives.distributed import DistEnv
 from loka_tune.objectives.metrics import auc, log_loss, normalized_entropy
@@ -393,7 +394,7 @@ def evaluate(
             if max_batches is not None:  # a RankSource yields every world_size-th batch of the split
                 batches = itertools.islice(batches, D.rank_share(max_batches, _env))
             for batch in batches:
-                out = model(batch.dense, batch.sparse)
+                out = model(*model_inputs(model, batch))
                 logits.append(out.detach().float().reshape(-1).cpu())
                 labels.append(batch.labels.detach().float().reshape(-1).cpu())
     finally:

@@ -69,9 +69,12 @@ def _linears(model: nn.Module) -> dict[str, nn.Linear]:
 
 
 @torch.no_grad()
-def discover_sites(model: nn.Module, dense: torch.Tensor, sparse: torch.Tensor, *,
+def discover_sites(model: nn.Module, *inputs: torch.Tensor,
                    linears: Mapping[str, nn.Linear] | None = None) -> list[Site]:
-    """Run ``model(dense, sparse)`` once with hooks and return every linear site it used, in module order.
+    """Run ``model(*inputs)`` once with hooks and return every linear site it used, in module order.
+
+    ``inputs`` are the model's positional inputs, batch-major: ``dense, sparse`` (and
+    ``seq, seq_mask`` for a sequence model; pass ``*model_inputs(model, batch)``).
 
     ``linears`` defaults to :func:`loka_tune.kernels.linear.find_linears` (eligible sites).
     A linear the forward pass never calls is left out (it has no GEMM to tune). The model's
@@ -80,7 +83,9 @@ def discover_sites(model: nn.Module, dense: torch.Tensor, sparse: torch.Tensor, 
     lin = dict(linears) if linears is not None else _linears(model)
     if not lin:
         raise StudyError(f"the model {type(model).__name__} has no eligible nn.Linear layers: nothing to tune")
-    batch = int(dense.shape[0]) if dense.dim() > 0 else int(sparse.shape[0])
+    if len(inputs) < 2:
+        raise StudyError(f"discover_sites needs the model's inputs (dense, sparse, ...), got {len(inputs)} tensor(s)")
+    batch = int(inputs[0].shape[0]) if inputs[0].dim() > 0 else int(inputs[1].shape[0])
     rows: dict[str, int] = {}
     handles = []
 
@@ -96,7 +101,7 @@ def discover_sites(model: nn.Module, dense: torch.Tensor, sparse: torch.Tensor, 
     was_training = model.training
     model.eval()
     try:
-        model(dense, sparse)
+        model(*inputs)
     finally:
         model.train(was_training)
         for h in handles:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from loka_tune.config import ROLES, GemmChoice
+from loka_tune.data.base import model_inputs
 from loka_tune.errors import UnsupportedChoiceError
 from loka_tune.space.candidates import (
     BF16_ID,
@@ -169,7 +170,8 @@ def prepare_study(cfg: StudyConfig, study: Any, *, device: str, force: bool = Fa
     check_budget(cfg, baseline, force=force)
 
     # sites on a fresh (unapplied) model, candidates, eligibility
-    sites = discover_sites(make_model(cfg, source), batch.dense, batch.sparse)
+    model = make_model(cfg, source)
+    sites = discover_sites(model, *model_inputs(model, batch))
     candidates = enumerate_candidates(cfg.space.backends, cfg.space.formats, cfg.space.granularities,
                                       cfg.space.roundings, device=device)
     space = build_space(sites, candidates, batch_size=cfg.training.batch_size, align=cfg.space.align,

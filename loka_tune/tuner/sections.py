@@ -90,7 +90,9 @@ class ModelSection:
     A user function is called as ``function(num_dense=..., cardinalities=..., **overrides)``
     (its own names for the first two are recognised, e.g. ``n_dense``, ``table_sizes``) and
     returns an ``nn.Module`` with ``forward(dense, sparse) -> (B,) logits``
-    (:func:`loka_tune.tuner.build.call_model_factory`).
+    (:func:`loka_tune.tuner.build.call_model_factory`; a module that sets
+    ``takes_sequence = True`` is called ``forward(dense, sparse, seq, seq_mask)`` on data with
+    behaviour sequences: :func:`loka_tune.data.base.model_inputs`).
     """
 
     name: str
