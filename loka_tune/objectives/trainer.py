@@ -441,6 +441,7 @@ def train(
     *,
     on_step: OnStep | None = None,
     progress: bool | ProgressFn = True,
+    after_step: Callable[[int], None] | None = None,
 ) -> TrainResult:
     """Train ``model`` in place for ``cfg.steps`` steps on ``source`` and evaluate it.
 
@@ -453,6 +454,7 @@ def train(
 
     ``progress``: True = a tqdm bar on stderr with the running loss; False = silent; a
     callable ``progress(step, running_loss)`` is called every ``cfg.log_every`` steps instead.
+    ``after_step(steps_done)`` is called after every step (e.g. ``Probe.step`` of a manual probe).
 
     A non-finite training loss (or non-finite eval logits) ends the run with status
     "nonfinite" instead of raising. Errors in the model or the data source still raise.
@@ -469,7 +471,7 @@ def train(
         emb, dense = split_parameters(model)
         step = TrainStep(model, build_optimizers(model, cfg), device=dev, dtype=dtype, compile=cfg.compile,
                          cuda_graphs=cfg.cuda_graphs)
-        run = _run_steps(step, source, cfg, dev, on_step, progress, f"train {type(model).__name__}")
+        run = _run_steps(step, source, cfg, dev, on_step, progress, f"train {type(model).__name__}", after_step)
         ev = {"logloss": math.nan, "ne": math.nan, "auc": math.nan, "count": 0, "ctr": math.nan}
         if run.status == "ok":
             ev = evaluate(model, source, batch_size=cfg.eval_batch_size or cfg.batch_size, device=dev,
@@ -497,7 +499,7 @@ def train(
 
 
 def _run_steps(step: TrainStep, source: Any, cfg: TrainConfig, dev: torch.device, on_step: OnStep | None,
-               progress: bool | ProgressFn, desc: str) -> _Run:
+               progress: bool | ProgressFn, desc: str, after_step: Callable[[int], None] | None = None) -> _Run:
     """The step loop: time each step, pull losses to the host at sync points, fire callbacks."""
     on_cuda = dev.type == "cuda"
     bar, progress_fn = _make_progress(progress, cfg.steps, desc)
@@ -530,6 +532,8 @@ def _run_steps(step: TrainStep, source: Any, cfg: TrainConfig, dev: torch.device
             else:
                 run.times.append(time.perf_counter() - t0)
             run.steps_run = i + 1
+            if after_step is not None:
+                after_step(run.steps_run)
             if profiler is not None and run.steps_run == cfg.steps:
                 run.profile, run.profiled, profiler = profiler.stop(), cfg.profile_steps, None
             if _sync_point(run, loss_buf, cfg, on_cuda, bar, progress_fn, on_step):

@@ -13,7 +13,7 @@ import shutil
 import time
 from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +50,7 @@ class StudyContext:
     speed: str
     tracker: Any = None
     batch: Any = None  # one training batch on the CPU (site shapes for the cost model)
+    references: dict[str, float] = field(default_factory=dict)  # bf16 + Mods seconds (trial.reference_seconds)
 
 
 def no_fp8_reason(space: SearchSpace, cfg: StudyConfig) -> str:
@@ -82,7 +83,7 @@ def _probe_report(cfg: StudyConfig, stats: Any, candidates: Mapping[str, list[Ge
             if c not in flat:
                 flat.append(c)
     # speed at the batch the objective is priced at (cost_batch_size, default the training batch)
-    scale = cfg.cost_batch_size / cfg.training.batch_size
+    scale = cfg.cost_batch_size / cfg.batch_size
     report = measure(stats, flat, samples=cfg.probe.samples, device=device, cost_device=cfg.objective.cost_device,
                      speed_row_scale=scale)
     report.save(out)
@@ -165,14 +166,16 @@ def prepare_study(cfg: StudyConfig, study: Any, *, device: str, force: bool = Fa
     t0 = time.perf_counter()
     prep = out / f".prepare-{os.getpid()}"  # private: two workers racing to prepare never share a file
     prep.mkdir(parents=True, exist_ok=True)
-    baseline, stats, _model = run_baseline(cfg, source, device, force=force, probe_out=prep / "probe_stats.json")
+    curves: dict[int, tuple[float, ...]] = {}
+    baseline, stats, _model = run_baseline(cfg, source, device, force=force, probe_out=prep / "probe_stats.json",
+                                           on_run=lambda seed, res: curves.__setitem__(seed, res.step_losses))
     check_budget(cfg, baseline, force=force)
 
     # sites on a fresh (unapplied) model, candidates, eligibility
     sites = discover_sites(make_model(cfg, source), batch.dense, batch.sparse)
     candidates = enumerate_candidates(cfg.space.backends, cfg.space.formats, cfg.space.granularities,
                                       cfg.space.roundings, device=device)
-    space = build_space(sites, candidates, batch_size=cfg.training.batch_size, align=cfg.space.align,
+    space = build_space(sites, candidates, batch_size=cfg.batch_size, align=cfg.space.align,
                         min_dim=cfg.space.min_dim, device=device, per_role=cfg.space.per_role,
                         mods=mods_dims(cfg.space.mods, blocknorm_sizes=cfg.space.blocknorm_sizes,
                                        pad_multiples=cfg.space.pad_multiples))
@@ -201,5 +204,6 @@ def prepare_study(cfg: StudyConfig, study: Any, *, device: str, force: bool = Fa
     for label, params in _starts(cfg, space, report):
         study.enqueue_trial(params, user_attrs={"seeded": label}, skip_if_exists=True)
     if tracker is not None:
-        tracker.log_baseline(baseline, space, out / "probe_report.json" if report is not None else None)
+        tracker.log_baseline(baseline, space, out / "probe_report.json" if report is not None else None,
+                             curves=curves)
     return ctx
