@@ -333,9 +333,10 @@ def speed_vs_loss_layout(rows: Sequence[Mapping[str, Any]], budget_pct: float, *
     """What :func:`plot_speed_vs_loss` draws, as data: the points (trial, loss, speed-up,
     feasible), the exported trial, the Pareto front, the noise-floor band and axis limits that
     fit the points, the budget line and the band (with a 8% margin)."""
-    pts = [(int(r["trial"]), float(r["rel_logloss_pct"]), float(r["speedup"]), bool(r["feasible"])) for r in rows
+    pts = [(int(r.get("trial", i)), float(r["rel_logloss_pct"]), float(r["speedup"]), bool(r["feasible"]))
+           for i, r in enumerate(rows)
            if r.get("state") == "COMPLETE" and _finite(r.get("rel_logloss_pct")) and _finite(r.get("speedup"))]
-    exp_n = next((r["trial"] for r in rows if r.get("exported")), None)
+    exp_n = next((r.get("trial") for r in rows if r.get("exported")), None)
     exported = next(((p[0], p[1], p[2]) for p in pts if p[0] == exp_n), None)
     front = pareto_front([(p[1], p[2]) for p in pts])
     floor = abs(noise_floor_pct) if _finite(noise_floor_pct) else 0.0
