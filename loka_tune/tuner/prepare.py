@@ -31,7 +31,7 @@ from loka_tune.space.encode import distributions, mods_dims, params_from_config,
 from loka_tune.space.sites import Site, discover_sites
 from loka_tune.tuner.baseline import Baseline, check_budget, price_baseline, run_baseline
 from loka_tune.tuner.build import _first_batch, _log, make_model, make_source, speed_source
-from loka_tune.tuner.results import ATTR_BASELINE, ATTR_SPACE, ATTR_STUDY
+from loka_tune.tuner.results import ATTR_BASELINE, ATTR_PREPARE_S, ATTR_SPACE, ATTR_STUDY
 from loka_tune.tuner.study import StudyConfig
 
 __all__ = ["StudyContext", "prepare_study", "no_fp8_reason"]
@@ -84,9 +84,13 @@ def _probe_report(cfg: StudyConfig, stats: Any, candidates: Mapping[str, list[Ge
                 flat.append(c)
     # speed at the batch the objective is priced at (cost_batch_size, default the training batch)
     scale = cfg.cost_batch_size / cfg.batch_size
+    t0 = time.perf_counter()
+    _log(f"[loka-tune] probe: measuring {len(flat)} candidates x {len(stats.sites)} sites x 3 GEMMs"
+         f" ({cfg.probe.samples} draws each, {stats.collections} collections) ...")
     report = measure(stats, flat, samples=cfg.probe.samples, device=device, cost_device=cfg.objective.cost_device,
                      speed_row_scale=scale)
     report.save(out)
+    _log(f"[loka-tune] probe: {len(report.results)} results ({time.perf_counter() - t0:.1f}s)")
     return report
 
 
@@ -200,6 +204,7 @@ def prepare_study(cfg: StudyConfig, study: Any, *, device: str, force: bool = Fa
     study.set_user_attr(ATTR_SPACE, space.to_dict())
     study.set_user_attr(ATTR_STUDY, cfg.to_dict())
     study.set_user_attr(ATTR_BASELINE, baseline.to_dict())
+    study.set_user_attr(ATTR_PREPARE_S, time.perf_counter() - t0)  # baselines + probe + space (a receipt's prepare_s)
     ctx = StudyContext(cfg, study, source, baseline, space, device, speed, tracker, batch)
     for label, params in _starts(cfg, space, report):
         study.enqueue_trial(params, user_attrs={"seeded": label}, skip_if_exists=True)

@@ -19,7 +19,7 @@ from typing import Any
 from loka_tune.config import ModsConfig, PrecisionConfig
 from loka_tune.errors import LokaError, StudyError
 
-__all__ = ["ATTR_BASELINE", "ATTR_SPACE", "ATTR_STUDY", "ATTR_REFERENCE", "ATTR_CONFIRM", "STATES_DONE",
+__all__ = ["ATTR_BASELINE", "ATTR_SPACE", "ATTR_STUDY", "ATTR_REFERENCE", "ATTR_CONFIRM", "ATTR_PREPARE_S", "STATES_DONE",
            "TrialRecord", "constraint", "best_trial", "confirmation", "exported_trial", "leaderboard", "export_best",
            "study_summary"]
 
@@ -27,6 +27,7 @@ ATTR_BASELINE = "loka.baseline"  # study user attr: the Baseline JSON
 ATTR_SPACE = "loka.space"  # study user attr: the SearchSpace JSON
 ATTR_STUDY = "loka.study"  # study user attr: the StudyConfig summary
 ATTR_REFERENCE = "loka.reference."  # study user attrs: + Mods short_str -> measured bf16 + Mods step seconds
+ATTR_PREPARE_S = "loka.prepare_s"  # study user attr: seconds the preparation took (baselines, probe, space)
 ATTR_CONFIRM = "loka.confirmation"  # study user attr: the confirmation stage's result (tuner.confirm)
 STATES_DONE = ("COMPLETE", "PRUNED", "FAIL")
 INFEASIBLE = 1e9  # the constraint of an unknown (or non-finite) loss: Optuna wants a finite number
