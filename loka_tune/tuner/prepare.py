@@ -88,7 +88,8 @@ def _probe_report(cfg: StudyConfig, stats: Any, candidates: Mapping[str, list[Ge
     _log(f"[loka-tune] probe: measuring {len(flat)} candidates x {len(stats.sites)} sites x 3 GEMMs"
          f" ({cfg.probe.samples} draws each, {stats.collections} collections) ...")
     report = measure(stats, flat, samples=cfg.probe.samples, device=device, cost_device=cfg.objective.cost_device,
-                     speed_row_scale=scale)
+                     speed_row_scale=scale,
+                     **({"price_first": True, "min_speedup": cfg.probe.min_speedup} if cfg.probe.price_first else {}))
     report.save(out)
     _log(f"[loka-tune] probe: {len(report.results)} results ({time.perf_counter() - t0:.1f}s)")
     return report
@@ -108,7 +109,8 @@ def _prune(cfg: StudyConfig, space: SearchSpace, report: Any, speed: str) -> Sea
                 return 0.0
     primary = report.select(report.primary_dist) if hasattr(report, "select") else report
     return prune_by_probe(space, primary.results, max_error=cfg.probe.max_error,
-                          min_speedup=cfg.probe.min_speedup, speedup=speedup_fn)
+                          min_speedup=cfg.probe.min_speedup, speedup=speedup_fn,
+                          skipped=getattr(report, "skipped", ()))
 
 
 def _fastest_safe(sc: SiteChoices, role: str, choices: tuple[str, ...]) -> str:

@@ -59,6 +59,7 @@ Layout (every section but ``[model]`` and ``[data]`` is optional)::
     min_speedup = 1.0            # candidates not faster than bf16 by this factor are dropped
     samples = 32
     every = 10
+    price_first = false          # true: price every candidate's speed first, measure the error of the fast only
 
     [trials]
     n_trials = 20                # and/or
