@@ -80,8 +80,8 @@ def make_model(cfg: StudyConfig, source: Any, *, seed: int | None = None) -> nn.
 def train_config(cfg: StudyConfig, seed: int | None = None, *, device: str | None = None) -> TrainConfig:
     """The trainer's :class:`TrainConfig` for one short run of the study, in its production
     ``[regime]`` (compile, CUDA graphs, batch size, autocast: :mod:`loka_tune.tuner.regime`)."""
-    tcfg = cfg.training.to_train_config(seed, device=resolve_device(device or cfg.training.device))
-    return cfg.regime.apply(tcfg)
+    tcfg = cfg.training.to_train_config(seed, device=device)
+    return cfg.regime.apply(tcfg, resolve_device(tcfg.device))
 
 
 def resolve_device(device: str) -> str:

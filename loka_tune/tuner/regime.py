@@ -74,14 +74,16 @@ class RegimeSection:
             return device.startswith("cuda") or default
         return bool(self.compile)
 
-    def apply(self, tcfg: TrainConfig) -> TrainConfig:
-        """``tcfg`` (a resolved device) in the production regime."""
-        on_cuda = tcfg.device.startswith("cuda")
+    def apply(self, tcfg: TrainConfig, device: str | None = None) -> TrainConfig:
+        """``tcfg`` in the production regime; ``device``: where it runs (default ``tcfg.device``;
+        give the resolved one when that is "auto")."""
+        device = device or tcfg.device
+        on_cuda = device.startswith("cuda")
         if self.cuda_graphs and not on_cuda:
-            raise ConfigError(f"got cuda_graphs = true on device {tcfg.device!r}: CUDA graphs need a GPU; run"
+            raise ConfigError(f"got cuda_graphs = true on device {device!r}: CUDA graphs need a GPU; run"
                               " with --device cuda or set [regime] cuda_graphs = false", key="regime.cuda_graphs")
-        comp = self.compiled(tcfg.device, tcfg.compile)
-        out = replace(tcfg, compile=comp, cuda_graphs=self.cuda_graphs or (tcfg.cuda_graphs and on_cuda),
+        comp = self.compiled(device, tcfg.compile)
+        out = replace(tcfg, compile=comp, cuda_graphs=self.cuda_graphs or tcfg.cuda_graphs,
                       batch_size=self.batch_size or tcfg.batch_size, autocast=self.autocast or tcfg.autocast)
         if comp and out.warmup_steps < COMPILE_WARMUP:
             out = replace(out, warmup_steps=min(COMPILE_WARMUP, out.steps - 1))
