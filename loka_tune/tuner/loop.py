@@ -63,6 +63,10 @@ def run_study(cfg: StudyConfig, *, device: str | None = None, storage_url: str |
     tracker = None
     if tracking is not False and cfg.tracking.enabled is not False:
         tracker = Tracker.for_study(cfg, study, required=(cfg.tracking.enabled is True or tracking is True))
+    if cfg.regime.compiled(dev, cfg.training.compile):
+        # inductor's on-disk graph cache beside the study: every compiled run (and worker, and
+        # resume) of this model reuses what an earlier one compiled (unless the user chose a dir)
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cfg.output_dir / "inductor_cache"))
     ctx = prepare_study(cfg, study, device=dev, force=force, tracker=tracker)
     dists = distributions(ctx.space)
     budget = cfg.objective.budget_pct
