@@ -9,7 +9,10 @@ HELP = "print a study's leaderboard and write its plots (speed vs loss, best cho
 
 DESCRIPTION = """\
 STUDY is a study file (.toml) or a study name with --storage. Prints the trials (feasible
-ones first, fastest first) and writes speed_vs_loss.png and best_choice_map.png into --out-dir
+ones first, fastest first; speed-up vs bf16 and vs bf16 with the same Mods; '*' marks the
+trial `loka-tune export` writes), then the confirmation stage (claimed vs confirmed speed-up,
+relative log loss mean and sd over its seeds), and writes speed_vs_loss.png (trial labels,
+noise-floor band, Pareto front, exported trial) and best_choice_map.png into --out-dir
 (default: the study's output dir).
 
 examples:

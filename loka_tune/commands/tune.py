@@ -13,9 +13,11 @@ HELP = "search the fastest FP8 precision config under a loss budget (an Optuna s
 DESCRIPTION = """\
 Run a study file (see studies/quickstart.toml): bf16 baseline runs on 2-3 seeds (the noise
 floor), the Probe during the first, the search space pruned by the probe, then Optuna trials
-(each a fresh model + a precision config + a paired short run) until the trial budget is
-spent. Prints one line per trial to stderr; results live in the study's output dir
-(runs/<name>/: optuna.db, mlflow.db, plots).
+(each a fresh model + a precision config + a paired short run, timed in the study's
+[regime]: compiled on CUDA by default, at its production batch) until the trial budget is
+spent, then the confirmation stage ([confirm]: the best 3 feasible configs re-run on 2+
+seeds against bf16 with the same Mods). Prints progress and one line per trial to stderr;
+results live in the study's output dir (runs/<name>/: optuna.db, mlflow.db, plots).
 
 Resume: run the same command again; completed trials are kept and never re-run.
 Several workers (one per GPU, or across machines) share one study through its storage:
