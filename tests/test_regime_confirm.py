@@ -300,3 +300,11 @@ def test_baseline_progress_lines(capsys: pytest.CaptureFixture[str]) -> None:
         say(step, 0.5)
     err = capsys.readouterr().err
     assert [ln.split("step ")[1].split("/")[0] for ln in err.splitlines()] == ["10", "20", "30"]
+
+
+def test_price_first_is_a_probe_key(tmp_path: Path) -> None:
+    assert _cfg(tmp_path, "[probe]\nprice_first = true\n").probe.price_first is True
+    assert _cfg(tmp_path).probe.price_first is False  # off by default: the quickstart's report is unchanged
+    with pytest.raises(ConfigError, match="'yes'") as e:
+        _cfg(tmp_path, '[probe]\nprice_first = "yes"\n')
+    assert e.value.key == "probe.price_first"

@@ -87,9 +87,13 @@ def _probe_report(cfg: StudyConfig, stats: Any, candidates: Mapping[str, list[Ge
     t0 = time.perf_counter()
     _log(f"[loka-tune] probe: measuring {len(flat)} candidates x {len(stats.sites)} sites x 3 GEMMs"
          f" ({cfg.probe.samples} draws each, {stats.collections} collections) ...")
-    report = measure(stats, flat, samples=cfg.probe.samples, device=device, cost_device=cfg.objective.cost_device,
-                     speed_row_scale=scale,
-                     **({"price_first": True, "min_speedup": cfg.probe.min_speedup} if cfg.probe.price_first else {}))
+    if cfg.probe.price_first:  # error only for the candidates priced fast enough (the others: report.skipped)
+        report = measure(stats, flat, samples=cfg.probe.samples, device=device,
+                         cost_device=cfg.objective.cost_device, speed_row_scale=scale, price_first=True,
+                         min_speedup=cfg.probe.min_speedup)
+    else:
+        report = measure(stats, flat, samples=cfg.probe.samples, device=device,
+                         cost_device=cfg.objective.cost_device, speed_row_scale=scale)
     report.save(out)
     _log(f"[loka-tune] probe: {len(report.results)} results ({time.perf_counter() - t0:.1f}s)")
     return report
