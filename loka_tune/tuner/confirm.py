@@ -23,6 +23,7 @@ from typing import Any
 
 from loka_tune.config import PrecisionConfig
 from loka_tune.errors import BackendError, UnsupportedChoiceError
+from loka_tune.objectives.speed import measure_forward_seconds
 from loka_tune.tuner.baseline import modeled_seconds, time_reference
 from loka_tune.tuner.build import _first_batch, _log, _train, make_model, resolve_device, train_config
 from loka_tune.tuner.prepare import StudyContext
@@ -120,6 +121,9 @@ def _run_seed(ctx: StudyContext, config: PrecisionConfig, seed: int) -> dict[str
         on_cpu = resolve_device(ctx.device) == "cpu"
         batch = ctx.batch if on_cpu else _first_batch(ctx.source, cfg, ctx.device, max_rows=64)
         t, ref = modeled_seconds(model, batch, cfg, ctx.baseline), reference_seconds(ctx, config.mods)
+    elif cfg.objective.kind == "inference":  # a measured forward pass (the reference: bf16 + Mods' own)
+        t = measure_forward_seconds(model, _first_batch(ctx.source, cfg, ctx.device), autocast=cfg.training.autocast)
+        ref = reference_seconds(ctx, config.mods)
     else:  # paired: bf16 + the same Mods timed on the same seed, right beside the config's run
         t, ref = float(res.step_time_s), time_reference(cfg, ctx.source, ctx.device, config.mods, seed=seed)
     rel = relative_log_loss(res.eval_logloss, _bf16_logloss(ctx, seed)) * 100.0
