@@ -110,7 +110,7 @@ def test_speed_vs_loss_layout_marks_labels_band_front_and_fits_axes() -> None:
     from loka_tune.tuner.tracking import speed_vs_loss_layout
 
     rows = [{"trial": n, "state": "COMPLETE", "rel_logloss_pct": x, "speedup": y, "feasible": x <= 0.2,
-             "exported": n == 2}
+             "exported": n == 2, "speedup_vs_mods": y - 0.02 if n == 3 else None}
             for n, (x, y) in enumerate([(0.0, 1.0), (0.1, 1.1), (0.15, 1.2), (0.3, 1.3), (0.12, 1.05)])]
     rows.append({"trial": 5, "state": "PRUNED", "rel_logloss_pct": 9.0, "speedup": None, "feasible": False})
     lay = speed_vs_loss_layout(rows, 0.2, noise_floor_pct=0.05)
@@ -118,6 +118,7 @@ def test_speed_vs_loss_layout_marks_labels_band_front_and_fits_axes() -> None:
     assert lay["exported"] == (2, 0.15, 1.2)
     assert lay["front"] == [(0.0, 1.0), (0.1, 1.1), (0.15, 1.2), (0.3, 1.3)]
     assert lay["band"] == (-0.05, 0.05)
+    assert lay["vs_mods"] == [(3, 0.3, pytest.approx(1.28))]  # both speed-ups of a trial with Mods
     (x0, x1), (y0, y1) = lay["xlim"], lay["ylim"]
     # fitted: the points, the budget and the band inside, no more than a margin around them
     assert -0.1 < x0 < -0.05 and 0.3 < x1 < 0.35 and 0.95 < y0 < 1.0 and 1.3 < y1 < 1.35

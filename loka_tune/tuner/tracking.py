@@ -348,14 +348,19 @@ def speed_vs_loss_layout(rows: Sequence[Mapping[str, Any]], budget_pct: float, *
         pad = max((hi - lo) * 0.08, pad_min)
         return lo - pad, hi + pad
 
-    return {"points": pts, "exported": exported, "front": front, "band": (-floor, floor),
+    # the same trials' speed-up vs bf16 with their own Mods (FP8's share of the gain), where known
+    vs_mods = [(int(r.get("trial", i)), float(r["rel_logloss_pct"]), float(r["speedup_vs_mods"]))
+               for i, r in enumerate(rows) if r.get("state") == "COMPLETE" and _finite(r.get("rel_logloss_pct"))
+               and _finite(r.get("speedup")) and _finite(r.get("speedup_vs_mods"))]
+    ys += [p[2] for p in vs_mods]
+    return {"points": pts, "vs_mods": vs_mods, "exported": exported, "front": front, "band": (-floor, floor),
             "xlim": fit(xs, 0.01), "ylim": fit(ys, 0.005)}
 
 
 def plot_speed_vs_loss(rows: Sequence[Mapping[str, Any]], budget_pct: float, path: str | Path, *,
                        speed_source: str = "modeled", title: str = "", noise_floor_pct: float = 0.0) -> Path:
-    """Speed-up vs relative log loss of the completed trials (each labelled with its number), the
-    budget line, the noise-floor band (|relative log loss| between bf16 seeds), the Pareto front
+    """Speed-up vs relative log loss of the completed trials (each labelled with its number; filled:
+    vs bf16, hollow: vs bf16 with the trial's own Mods), the budget line, the noise-floor band (|relative log loss| between bf16 seeds), the Pareto front
     (drawn as a line through its points) and the exported trial (a star); axes fitted to them."""
     plt = _plt()
     lay = speed_vs_loss_layout(rows, budget_pct, noise_floor_pct=noise_floor_pct)
@@ -368,6 +373,9 @@ def plot_speed_vs_loss(rows: Sequence[Mapping[str, Any]], budget_pct: float, pat
         sel = [p for p in pts if p[3] == feas]
         if sel:
             ax.scatter([p[1] for p in sel], [p[2] for p in sel], c=color, s=22, label=label, alpha=0.8, zorder=3)
+    if lay["vs_mods"]:
+        ax.scatter([p[1] for p in lay["vs_mods"]], [p[2] for p in lay["vs_mods"]], s=22, facecolors="none",
+                   edgecolors="tab:blue", lw=0.8, label="same trial vs bf16 + its Mods", zorder=2)
     for n, x, y, _ in pts:
         ax.annotate(str(n), (x, y), textcoords="offset points", xytext=(3, 3), fontsize=6, color="dimgrey")
     front = lay["front"]
@@ -382,7 +390,7 @@ def plot_speed_vs_loss(rows: Sequence[Mapping[str, Any]], budget_pct: float, pat
     ax.set_xlim(*lay["xlim"])
     ax.set_ylim(*lay["ylim"])
     ax.set_xlabel("relative log loss vs bf16 baseline (%)")
-    ax.set_ylabel(f"speed-up over bf16 ({speed_source})")
+    ax.set_ylabel(f"speed-up ({speed_source}): filled vs bf16, hollow vs bf16 + same Mods")
     ax.set_title(title or "trials: speed vs loss")
     ax.legend(loc="best", fontsize=7)
     fig.tight_layout()
