@@ -390,7 +390,7 @@ def plot_speed_vs_loss(rows: Sequence[Mapping[str, Any]], budget_pct: float, pat
     ax.set_xlim(*lay["xlim"])
     ax.set_ylim(*lay["ylim"])
     ax.set_xlabel("relative log loss vs bf16 baseline (%)")
-    ax.set_ylabel(f"speed-up ({speed_source}): filled vs bf16, hollow vs bf16 + same Mods")
+    ax.set_ylabel(f"speed-up vs bf16 ({speed_source})")
     ax.set_title(title or "trials: speed vs loss")
     ax.legend(loc="best", fontsize=7)
     fig.tight_layout()
