@@ -6,12 +6,13 @@ Measures, for one model/preset at one batch size on synthetic data generated on 
   2. a breakdown of GPU kernel time by the aten op that launched it (torch.profiler, eager
      mode): dense linear GEMMs (mm/addmm/_scaled_mm), other GEMMs (bmm: interactions),
      embeddings, optimizer, everything else; and the time to generate one batch;
-  3. with ``--probe-every N``: the same loop with a ``loka_tune.Probe(model, every=N)``
-     attached for ``--probe-steps`` steps: its overhead on the mean step time against plain
+  3. with ``--probe-every N``: the same loop with a ``loka_tune.Probe(model, every=N,
+     step_on="manual")`` (``Probe.step()`` after each step, no hook between collections;
+     ``--probe-forward-hooks``: the forward-counting probe) attached for ``--probe-steps`` steps: its overhead on the mean step time against plain
      runs before and after it (their difference is the run-to-run noise), and directly: the
      extra time of each collection step over the median of the other steps of the same run,
-     divided by N median steps (the steady figure leaves out the first collection, which
-     also allocates the accumulators; both are printed).
+     divided by N median steps (the steady figure leaves out the first collection; both are
+     printed; the probe allocates its accumulators on its first step, not in a collection).
 
 Example (the BENCHMARKS.md entries):
     python benchmarks/train_step.py --model wukong --preset large --batch 8192 --steps 200 \
@@ -93,8 +94,9 @@ def phase_times(step, batches, steps: int) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in out.items()}
 
 
-def timed_loop(step, batches, steps: int) -> list[float]:
-    """Seconds of every step (CUDA events), data generation excluded."""
+def timed_loop(step, batches, steps: int, after=None) -> list[float]:
+    """Seconds of every step (CUDA events), data generation excluded; ``after()`` runs after
+    each step, outside its timing (a manual probe's step count)."""
     times = []
     for _ in range(steps):
         batch = next(batches)
@@ -104,6 +106,8 @@ def timed_loop(step, batches, steps: int) -> list[float]:
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
+        if after is not None:
+            after()
     return times
 
 
@@ -249,6 +253,9 @@ def main() -> int:
     ap.add_argument("--cardinality", type=int, default=100_000)
     ap.add_argument("--profile-steps", type=int, default=10)
     ap.add_argument("--probe-every", type=int, default=0, help="also measure the probe's overhead (0: skip)")
+    ap.add_argument("--probe-forward-hooks", action="store_true",
+                    help="count the probe's steps with root forward hooks (step_on='forward') instead of"
+                         " Probe.step() after each step (the default: hook-free steps between collections)")
     ap.add_argument("--probe-steps", type=int, default=400,
                     help="steps with the probe attached (at least 2 x --probe-every)")
     ap.add_argument("--variant", action="append", default=[],
@@ -315,8 +322,13 @@ def main() -> int:
         from loka_tune.probe import Probe
 
         every = args.probe_every
-        with Probe(model, every=every) as probe:
-            probed = timed_loop(step, batches, max(args.probe_steps, 2 * every))
+        # step_on="manual": no hook at all on the steps that do not collect (the hooks exist for
+        # the collection's forward only); --probe-forward-hooks: the forward-counting probe
+        mode = "forward" if args.probe_forward_hooks else "manual"
+        with Probe(model, every=every, step_on=mode) as probe:
+            probed = timed_loop(step, batches, max(args.probe_steps, 2 * every),
+                                after=probe.step if mode == "manual" else None)
+        result["probe_step_on"] = mode
         plain2 = timed_loop(step, batches, args.steps)
         result["probe"] = summarize(probed, args.warmup)
         result["plain_after"] = summarize(plain2, args.warmup)

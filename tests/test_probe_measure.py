@@ -342,3 +342,31 @@ def test_speed_row_scale_prices_the_production_batch(gauss_stats: ProbeStats) ->
     assert g[k].speedup > b[k].speedup  # FP8 pays off with more rows (cost model)
     with pytest.raises(ProbeError, match="speed_row_scale"):
         measure(gauss_stats, ["e4m3.row.emulated"], samples=1, speed_row_scale=0)
+
+
+def test_price_first_measures_only_the_fast_and_the_space_drops_the_rest(gauss_stats: ProbeStats) -> None:
+    """Issue 13's cheap preparation: speed is priced before any error is measured."""
+    from loka_tune.space.candidates import SearchSpace, SiteChoices, prune_by_probe
+    from loka_tune.space.sites import Site
+
+    class Priced:  # e4m3 rowwise 2x faster than bf16, e4m3 tensorwise slower
+        def seconds(self, choice, m, k, n, role):
+            return {"bf16": 1.0, "e4m3.row.emulated": 0.5}.get(choice.short_str(), 1.5), "modeled"
+
+    cands = ["e4m3.row.emulated", "e4m3.tensor.emulated"]
+    full = measure(gauss_stats, cands, samples=1, dists=("normal",), speed_model=Priced(), roles=["fwd"])
+    cheap = measure(gauss_stats, cands, samples=1, dists=("normal",), speed_model=Priced(), roles=["fwd"],
+                    price_first=True, min_speedup=1.0)
+    assert {r.choice for r in full.results} == {"bf16", *cands}
+    assert {r.choice for r in cheap.results} == {"bf16", "e4m3.row.emulated"}
+    slow = [s for s in cheap.skipped if s.choice == "e4m3.tensor.emulated"]
+    assert len(slow) == 1 and slow[0].reason.startswith("slow: speed-up 0.667")
+    fast = {r.choice: r.mere for r in cheap.results}
+    assert fast["e4m3.row.emulated"] == {r.choice: r.mere for r in full.results}["e4m3.row.emulated"]
+    space = SearchSpace((SiteChoices(Site("0", 16, 8, 256.0), {"fwd": ("bf16", *cands)}),))
+    pruned = prune_by_probe(space, cheap.results, max_error=10.0, min_speedup=1.0, skipped=cheap.skipped)
+    sc = pruned.sites[0]
+    assert sc.choices["fwd"] == ("bf16", "e4m3.row.emulated")
+    assert sc.dropped["fwd"]["e4m3.tensor.emulated"].startswith("slow:")
+    # without the skipped list an unmeasured candidate is kept (the old rule)
+    assert prune_by_probe(space, cheap.results, max_error=10.0).sites[0].choices["fwd"] == ("bf16", *cands)

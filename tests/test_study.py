@@ -275,7 +275,13 @@ def test_train_config_is_the_one_built_before_the_training_section_held_it(studi
                              seed=t.seed if seed is None else seed, eval_batches=t.eval_batches,
                              eval_batch_size=t.eval_batch_size, window=t.window, warmup_steps=t.warmup_steps,
                              device=device or t.device, autocast=t.autocast, compile=t.compile)
-        assert train_config(cfg, seed, device=device) == before
+        # ... then put in the study's production [regime] (issue 13): on a CPU, without a
+        # [regime] table, that changes nothing
+        from loka_tune.tuner.build import resolve_device
+
+        assert train_config(cfg, seed, device=device) == cfg.regime.apply(before, resolve_device(before.device))
+        if device == "cpu" and cfg.regime == type(cfg.regime)():
+            assert train_config(cfg, seed, device=device) == before
 
 
 def test_with_output_dir_moves_the_default_databases_only(tmp_path: Path) -> None:

@@ -9,7 +9,9 @@ HELP = "write the best feasible precision config of a study (JSON, with provenan
 DESCRIPTION = """\
 STUDY is a study file (its [storage] url and name are used) or, with --storage, a study name.
 The config records where it came from (study, trial, metrics, device, versions, whether the
-speed was measured or modeled). Use it with `loka-tune train ... --config best.json` or, in your
+speed was measured or modeled). When the study ran its confirmation stage ([confirm]), the
+exported config is the confirmed best, and its provenance holds the claimed and the confirmed
+speed-ups (vs bf16 with the same Mods) and the confirmed relative log loss with its spread. Use it with `loka-tune train ... --config best.json` or, in your
 own training code, `loka_tune.apply(model, "best.json")`.
 
 --trial N exports trial N instead (any completed trial, feasible or not: `loka-tune report`
@@ -28,6 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="best.json", help="output JSON (default best.json)")
     parser.add_argument("--trial", type=int, default=None, metavar="N",
                         help="export completed trial N instead of the best feasible one")
+    parser.add_argument("--unconfirmed", action="store_true",
+                        help="export the best trial of the search even where the confirmation stage chose another"
+                             " (or none)")
 
 
 def open_existing(study_arg: str, storage: str | None):  # noqa: ANN201
@@ -65,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
 
     check_output(args.out, "--out")
     _cfg, study = open_existing(args.study, args.storage)
-    config = export_best(study, trial=args.trial)
+    config = export_best(study, trial=args.trial, unconfirmed=args.unconfirmed)
     try:
         config.save(args.out)
     except OSError as e:
@@ -76,6 +81,13 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote {args.out}: trial {p['trial']} of {p['study']!r}, speed-up {_num(p['speedup'], '.3f')}x"
           f" ({p['speed_source']}), rel. log loss {_num(p['rel_logloss_pct'], '+.4f')}% (budget {p['budget_pct']}%)"
           + ("" if feasible else "; NOT feasible: over the loss budget"))
+    if p.get("confirmed"):
+        sd = p.get("confirmed_rel_logloss_sd_pct")
+        print(f"  confirmed on seeds {p['confirmed_seeds']}: {_num(p['confirmed_speedup'], '.3f')}x vs bf16 + same"
+              f" Mods (claimed {_num(p['claimed_speedup'], '.3f')}x), rel. log loss"
+              f" {_num(p['confirmed_rel_logloss_pct'], '+.4f')}%" + ("" if sd is None else f" (sd {sd:.4f})"))
+    else:
+        print("  not confirmed (the study ran no confirmation stage, the trial was chosen, or --unconfirmed)")
     return 0
 
 

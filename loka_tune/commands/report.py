@@ -9,7 +9,10 @@ HELP = "print a study's leaderboard and write its plots (speed vs loss, best cho
 
 DESCRIPTION = """\
 STUDY is a study file (.toml) or a study name with --storage. Prints the trials (feasible
-ones first, fastest first) and writes speed_vs_loss.png and best_choice_map.png into --out-dir
+ones first, fastest first; speed-up vs bf16 and vs bf16 with the same Mods; '*' marks the
+trial `loka-tune export` writes), then the confirmation stage (claimed vs confirmed speed-up,
+relative log loss mean and sd over its seeds), and writes speed_vs_loss.png (trial labels,
+noise-floor band, Pareto front, exported trial) and best_choice_map.png into --out-dir
 (default: the study's output dir).
 
 examples:
@@ -31,14 +34,41 @@ def format_leaderboard(rows: list[dict], *, limit: int | None = 20) -> str:
     def f(v, fmt: str) -> str:  # noqa: ANN001
         return "-" if v is None else format(v, fmt)
 
-    head = f"{'trial':>5} {'state':<8} {'feas':<4} {'step_s':>10} {'speedup':>8} {'relLL%':>9} {'NE':>7} {'AUC':>6}" \
-           f" {'fp8':>4} {'mods':<12} note"
+    head = f"  {'trial':>5} {'state':<8} {'feas':<4} {'step_s':>10} {'vs bf16':>8} {'vs Mods':>8} {'relLL%':>9}" \
+           f" {'NE':>7} {'AUC':>6} {'fp8':>4} {'mods':<12} note"
     lines = [head, "-" * len(head)]
     for r in rows[:limit] if limit else rows:
         note = r["reason"] or (f"cache of {r.get('cached_from')}" if r["cache_hit"] else r.get("seeded") or "")
-        lines.append(f"{r['trial']:>5} {r['state']:<8} {'yes' if r['feasible'] else 'no':<4}"
-                     f" {f(r['step_time_s'], '.4g'):>10} {f(r['speedup'], '.3f'):>8} {f(r['rel_logloss_pct'], '+.4f'):>9}"
+        mark = "* " if r.get("exported") else "  "
+        lines.append(f"{mark}{r['trial']:>5} {r['state']:<8} {'yes' if r['feasible'] else 'no':<4}"
+                     f" {f(r['step_time_s'], '.4g'):>10} {f(r['speedup'], '.3f'):>8}"
+                     f" {f(r.get('speedup_vs_mods'), '.3f'):>8} {f(r['rel_logloss_pct'], '+.4f'):>9}"
                      f" {f(r['eval_ne'], '.4f'):>7} {f(r['eval_auc'], '.4f'):>6} {r['fp8_gemms']:>4} {r['mods']:<12} {note}")
+    if any(r.get("exported") for r in rows):
+        lines.append("* = the trial `loka-tune export` writes; 'vs Mods' = speed-up over bf16 with the same Mods")
+    return "\n".join(lines)
+
+
+def format_confirmation(c: dict | None) -> str:
+    """The confirmation stage's table: claimed vs confirmed speed-up, loss mean and spread."""
+    if not c:
+        return "confirmation: not run ([confirm] enabled = false, or no feasible trial yet)"
+
+    def f(v, fmt: str) -> str:  # noqa: ANN001
+        return "-" if v is None else format(v, fmt)
+
+    reg = c.get("regime") or {}
+    lines = [f"confirmation on seeds {c.get('seeds')} ({'compiled' if reg.get('compile') else 'eager'},"
+             f" batch {reg.get('batch_size')}, speed {c.get('speed_source')}): vs bf16 + the same Mods",
+             f"  {'trial':>5} {'claimed':>8} {'confirmed':>9} {'relLL% mean':>11} {'sd':>7} {'feas':<4} note"]
+    for r in c.get("rows", []):
+        mark = "* " if r.get("trial") == c.get("chosen") else "  "
+        lines.append(f"{mark}{r['trial']:>5} {f(r.get('claimed_speedup_vs_mods'), '.3f'):>8}"
+                     f" {f(r.get('speedup_vs_mods'), '.3f'):>9} {f(r.get('rel_logloss_pct'), '+.4f'):>11}"
+                     f" {f(r.get('rel_logloss_sd_pct'), '.4f'):>7} {'yes' if r.get('feasible') else 'no':<4}"
+                     f" {r.get('reason', '')}")
+    lines.append("* = confirmed best (exported)" if c.get("chosen") is not None
+                 else "no confirmed config within the budget (export --unconfirmed takes the search's best)")
     return "\n".join(lines)
 
 
@@ -60,6 +90,9 @@ def run(args: argparse.Namespace) -> int:
           f" {(bl.get('eval_logloss') or [float('nan')])[0]:.5f}, noise floor {bl.get('noise_floor_pct', float('nan')):.4g}%,"
           f" budget {budget}%, speed {bl.get('speed_source')}")
     print(format_leaderboard(rows, limit=args.limit))
+    from loka_tune.tuner.results import confirmation
+
+    print(format_confirmation(confirmation(study)))
     if not args.no_plots and ATTR_SPACE in study.user_attrs:
         from loka_tune.tuner.tracking import write_plots
 

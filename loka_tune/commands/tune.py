@@ -13,9 +13,11 @@ HELP = "search the fastest FP8 precision config under a loss budget (an Optuna s
 DESCRIPTION = """\
 Run a study file (see studies/quickstart.toml): bf16 baseline runs on 2-3 seeds (the noise
 floor), the Probe during the first, the search space pruned by the probe, then Optuna trials
-(each a fresh model + a precision config + a paired short run) until the trial budget is
-spent. Prints one line per trial to stderr; results live in the study's output dir
-(runs/<name>/: optuna.db, mlflow.db, plots).
+(each a fresh model + a precision config + a paired short run, timed in the study's
+[regime]: compiled on CUDA by default, at its production batch) until the trial budget is
+spent, then the confirmation stage ([confirm]: the best 3 feasible configs re-run on 2+
+seeds against bf16 with the same Mods). Prints progress and one line per trial to stderr;
+results live in the study's output dir (runs/<name>/: optuna.db, mlflow.db, plots).
 
 Resume: run the same command again; completed trials are kept and never re-run. The stored
 study remembers the settings it was made with ([model], [data], [training], [objective],
@@ -67,7 +69,6 @@ def _load(args: argparse.Namespace):  # noqa: ANN202
 def run(args: argparse.Namespace) -> int:
     from loka_tune.errors import StudyError
     from loka_tune.tuner.loop import run_study
-    from loka_tune.tuner.optuna_setup import make_storage, open_study
     from loka_tune.tuner.results import best_trial
 
     if args.workers < 1:
@@ -85,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         # prepare once here (baseline, probe, space, first trials), then N workers share the trials
         study = run_study(cfg, device=args.device, storage_url=args.storage, n_trials=0,
-                          force=args.force, tracking=tracking, progress=False, on_change=on_change)
+                          force=args.force, tracking=tracking, progress=False, on_change=on_change, confirm=False)
         cmd = [sys.executable, "-m", "loka_tune", "tune", args.study]
         for flag, v in (("--device", args.device), ("--storage", args.storage), ("--n-trials", args.n_trials),
                         ("--timeout", args.timeout), ("--out-dir", args.out_dir)):
@@ -104,7 +105,10 @@ def run(args: argparse.Namespace) -> int:
         codes = [p.wait() for p in procs]
         if any(codes):
             print(f"loka-tune tune: worker exit codes {codes}", file=sys.stderr)
-        study = open_study(cfg, make_storage(cfg, args.storage), on_change="resume" if args.resume_anyway else "stop")
+        # the confirmation (and the plots) once every worker is done: a run of no new trial
+        study = run_study(cfg, device=args.device, storage_url=args.storage, n_trials=0,
+                          force=args.force, tracking=tracking, progress=False,
+                          on_change="resume" if args.resume_anyway else "stop")
     best = best_trial(study, raise_if_none=False)
     wall = time.time() - t0
     if best is None:
@@ -114,5 +118,13 @@ def run(args: argparse.Namespace) -> int:
     print(f"study {cfg.name!r}: best trial {best.number}: step {best.value:.6g}s ({a.get('speed_source')}),"
           f" speed-up {a.get('speedup'):.3f}x, rel. log loss {a.get('rel_logloss_pct'):+.4f}%"
           f" (budget {cfg.objective.budget_pct}%) [{wall:.0f}s]")
+    c = study.user_attrs.get("loka.confirmation")
+    if c and c.get("chosen") is not None:
+        row = next(r for r in c["rows"] if r["trial"] == c["chosen"])
+        print(f"confirmed: trial {row['trial']}, {row['speedup_vs_mods']:.3f}x vs bf16 + same Mods (claimed"
+              f" {row['claimed_speedup_vs_mods']:.3f}x), rel. log loss {row['rel_logloss_pct']:+.4f}% on seeds"
+              f" {c['seeds']}")
+    elif c:
+        print("confirmed: no candidate held its loss within the budget on every seed (see `loka-tune report`)")
     print(f"export it: loka-tune export {args.study} --out best.json")
     return 0

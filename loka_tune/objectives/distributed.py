@@ -40,7 +40,7 @@ from torch import nn
 from loka_tune.errors import ConfigError
 
 __all__ = ["DistEnv", "dist_env", "process_group", "local_rows", "RankSource", "gather_rows", "launch",
-           "strip_nproc", "rank_share"]
+           "strip_nproc", "rank_share", "join"]
 
 _ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 
@@ -82,6 +82,19 @@ def rank_device(env: DistEnv, device: torch.device) -> torch.device:
         raise ConfigError(f"LOCAL_RANK {env.local_rank} but this host has {torch.cuda.device_count()} GPU(s):"
                           " start at most one process per GPU (--nproc)", key="nproc")
     return torch.device("cuda", env.local_rank)
+
+
+def join(device: torch.device, batch_size: int, cuda_graphs: bool = False) -> tuple[DistEnv | None, torch.device]:
+    """This process's torchrun environment (None alone) and its device, with the run's settings
+    checked against the job: a global batch that splits evenly, no CUDA graphs."""
+    env = dist_env()
+    if env is None:
+        return None, device
+    check_batch(batch_size, env)
+    if cuda_graphs:
+        raise ConfigError(f"cuda_graphs with {env.world_size} processes is not supported: turn cuda_graphs off"
+                          " or train in one process", key="cuda_graphs")
+    return env, rank_device(env, device)
 
 
 @contextlib.contextmanager

@@ -450,6 +450,7 @@ def train(
     *,
     on_step: OnStep | None = None,
     progress: bool | ProgressFn = True,
+    after_step: Callable[[int], None] | None = None,
 ) -> TrainResult:
     """Train ``model`` in place for ``cfg.steps`` steps on ``source`` and evaluate it.
 
@@ -462,6 +463,7 @@ def train(
 
     ``progress``: True = a tqdm bar on stderr with the running loss; False = silent; a
     callable ``progress(step, running_loss)`` is called every ``cfg.log_every`` steps instead.
+    ``after_step(steps_done)`` is called after every step (e.g. ``Probe.step`` of a manual probe).
 
     A non-finite training loss (or non-finite eval logits) ends the run with status
     "nonfinite" instead of raising. Errors in the model or the data source still raise.
@@ -469,13 +471,7 @@ def train(
     cfg = cfg or TrainConfig()
     t_wall = time.perf_counter()
     dev = resolve_device(cfg.device)
-    env = D.dist_env()  # a torchrun job: data-parallel over its ranks (loka_tune.objectives.distributed)
-    if env is not None:
-        dev = D.rank_device(env, dev)
-        D.check_batch(cfg.batch_size, env)
-        if cfg.cuda_graphs:
-            raise ConfigError(f"cuda_graphs with {env.world_size} processes is not supported: turn cuda_graphs off"
-                              " or train in one process", key="cuda_graphs")
+    env, dev = D.join(dev, cfg.batch_size, cfg.cuda_graphs)  # under torchrun: data-parallel over its ranks
     dtype = autocast_for(cfg.autocast, dev)
     deterministic = (dev.type != "cuda") if cfg.deterministic == "auto" else bool(cfg.deterministic)
     group = D.process_group(env, dev) if env is not None else contextlib.nullcontext()
@@ -489,7 +485,7 @@ def train(
         step = TrainStep(ddp, build_optimizers(model, cfg), device=dev, dtype=dtype, compile=cfg.compile,
                          cuda_graphs=cfg.cuda_graphs)
         run = _run_steps(step, src, cfg, dev, on_step, progress if env is None or env.is_main else False,
-                         f"train {type(model).__name__}", env=env)
+                         f"train {type(model).__name__}", after_step, env=env)
         ev = {"logloss": math.nan, "ne": math.nan, "auc": math.nan, "count": 0, "ctr": math.nan}
         if run.status == "ok":
             ev = evaluate(model, src, batch_size=cfg.eval_batch_size or cfg.batch_size, device=dev,
@@ -517,7 +513,8 @@ def train(
 
 
 def _run_steps(step: TrainStep, source: Any, cfg: TrainConfig, dev: torch.device, on_step: OnStep | None,
-               progress: bool | ProgressFn, desc: str, *, env: DistEnv | None = None) -> _Run:
+               progress: bool | ProgressFn, desc: str, after_step: Callable[[int], None] | None = None, *,
+               env: DistEnv | None = None) -> _Run:
     """The step loop: time each step, pull losses to the host at sync points, fire callbacks."""
     on_cuda = dev.type == "cuda"
     bar, progress_fn = _make_progress(progress, cfg.steps, desc)
@@ -550,6 +547,8 @@ def _run_steps(step: TrainStep, source: Any, cfg: TrainConfig, dev: torch.device
             else:
                 run.times.append(time.perf_counter() - t0)
             run.steps_run = i + 1
+            if after_step is not None:
+                after_step(run.steps_run)
             if profiler is not None and run.steps_run == cfg.steps:
                 run.profile, run.profiled, profiler = profiler.stop(), cfg.profile_steps, None
             if _sync_point(run, loss_buf, cfg, on_cuda, bar, progress_fn, on_step, env):

@@ -6,8 +6,8 @@
 
 Step counting: with ``step_on="forward"`` (default) every forward call of ``model`` in
 training mode counts as one step; with ``step_on="manual"`` the training loop calls
-``p.step()`` once per optimizer step. When the count reaches a multiple of ``every`` (steps
-``every``, ``2 every``, ...) the next training forward is a *collection*: the probe then
+``p.step()`` after each optimizer step. Steps ``every``, ``2 every``, ... (counted from 1)
+are *collections*: in the training forward of such a step the probe
 
 - installs a forward hook on every site for that one forward (removed by a hook on the
   model's forward when it returns), which merges the site's input ``X`` rows into its
@@ -15,9 +15,13 @@ training mode counts as one step; with ``step_on="manual"`` the training loop ca
   site's output, which merges the output gradient ``dY`` during the backward pass;
 - folds every site's current weight into its matrix-normal model.
 
-Between collections the only cost is one forward pre-hook on the root module that
-increments a counter: no per-site hooks exist, so the overhead is nil on non-collection
-steps. A collection itself is kept cheap: float64 moments of the rows (a ``(d, d)`` GEMM per
+Between collections no per-site hook exists. With ``step_on="manual"`` no hook exists at all:
+:meth:`Probe.step` counts, and installs the root hooks only for the collection's forward
+(they remove themselves when it returns), so a step that does not collect runs the model
+untouched (a compiled model is not re-guarded, a hook-free module keeps its fast call path).
+With ``step_on="forward"`` one forward pre-hook and one forward hook on the root module count
+the steps. The accumulators are allocated on the first step (a warm-up step of any timed
+loop), so the first collection costs what the others do. A collection itself is kept cheap: float64 moments of the rows (a ``(d, d)`` GEMM per
 tensor up to 2048 features, a streaming Nystrom sketch (two GEMMs) above), the weight
 model by two float32 GEMMs (moment estimators), quantiles and kurtosis on subsamples, at
 most ``max_rows`` (65,536) rows per tensor (a random subset above). On a GPU the collection
@@ -74,19 +78,25 @@ class _StreamAcc:
         self.absq_sum: torch.Tensor | np.ndarray = np.zeros(len(QUANTILES))
         self.real: torch.Tensor | None = None
 
+    def allocate(self, device: torch.device, gen: torch.Generator) -> None:
+        """Create the accumulators on ``device`` (once; the probe does it on its first step, so
+        that the first collection costs what the others do)."""
+        if self.moments is not None:
+            return
+        self.moments = RunningMoments(
+            self.dim, max_full_dim=self.max_full_dim, sketch_rank=self.sketch_rank, device=device, generator=gen,
+        )
+        self.batches = torch.zeros((), dtype=torch.int64, device=device)
+        self.nonfinite = torch.zeros((), dtype=torch.int64, device=device)
+        self.amax = torch.zeros((), dtype=torch.float32, device=device)
+        self.absq_sum = torch.zeros(len(QUANTILES), dtype=torch.float64, device=device)
+
     def add(self, x: torch.Tensor, gen: torch.Generator, real_idx: torch.Tensor | None) -> None:
         """Merge rows ``x (rows, dim)``; a batch holding NaN/inf is not merged (and counted)."""
         x = x.detach()
         ok = torch.isfinite(x).all()
-        if self.moments is None:
-            self.moments = RunningMoments(
-                self.dim, max_full_dim=self.max_full_dim, sketch_rank=self.sketch_rank, device=x.device,
-                generator=gen,
-            )
-            self.batches = torch.zeros((), dtype=torch.int64, device=x.device)
-            self.nonfinite = torch.zeros((), dtype=torch.int64, device=x.device)
-            self.amax = torch.zeros((), dtype=torch.float32, device=x.device)
-            self.absq_sum = torch.zeros(len(QUANTILES), dtype=torch.float64, device=x.device)
+        self.allocate(x.device, gen)
+        assert self.moments is not None
         self.rows = x.shape[0]
         if real_idx is not None:  # the same rows of X and dY: taken before any subsampling
             self.real = torch.where(ok, x[real_idx.to(x.device, non_blocking=True)].float(), torch.nan)
@@ -151,7 +161,8 @@ class Probe:
         model: the model; its eligible linears (:func:`find_sites`) are the sites.
         every: collect once every ``every`` steps (default 100).
         step_on: ``"forward"`` (each training-mode forward of ``model`` is a step) or
-            ``"manual"`` (call :meth:`step` once per training step).
+            ``"manual"`` (call :meth:`step` after each training step: no hook at all on the
+            steps that do not collect).
         sites: optional names or ``re:<regex>`` patterns restricting the sites.
         keep_real: keep the last collected batch of each site (``real_rows`` random rows of X
             and the same rows of dY) for "real" replay.
@@ -220,6 +231,7 @@ class Probe:
         self.steps = 0  # training steps counted
         self.collections = 0
         self._due = False
+        self._attached = False
         self._root_handles: list[Any] = []
         self._site_handles: list[Any] = []
         self.profile = bool(profile)
@@ -234,16 +246,27 @@ class Probe:
         self.detach()
 
     def attach(self) -> "Probe":
-        """Install the root hooks (idempotent)."""
+        """Install the root hooks (idempotent; ``step_on="manual"``: only when a collection is due)."""
+        self._attached = True
+        if self.step_on == "manual" and (self.steps + 1) % self.every == 0:
+            self._due = True  # every=1: the first step collects
+        if self.step_on == "forward" or self._due:
+            self._arm()
+        return self
+
+    def _arm(self) -> None:
         if not self._root_handles:
             self._root_handles = [
                 self.model.register_forward_pre_hook(self._pre),
                 self.model.register_forward_hook(self._post),
             ]
-        return self
 
     def detach(self) -> None:
         """Remove every hook the probe installed; the collected statistics stay."""
+        self._attached = False
+        self._disarm()
+
+    def _disarm(self) -> None:
         self._remove_site_hooks()
         for h in self._root_handles:
             h.remove()
@@ -254,16 +277,36 @@ class Probe:
         return list(self._sites)
 
     def step(self) -> None:
-        """Count one training step (``step_on="manual"`` only)."""
+        """Count one training step, after it ran (``step_on="manual"`` only)."""
         if self.step_on != "manual":
             raise ProbeError("Probe.step() is for step_on='manual'; this probe counts forward calls")
         self.steps += 1
-        if self.steps % self.every == 0:
-            self._due = True
+        if self.steps == 1:
+            self._allocate()
+        if (self.steps + 1) % self.every == 0:  # the next step is step k * every: it collects
+            self.collect_next()
 
     def collect_next(self) -> None:
         """Make the next training-mode forward a collection, whatever the step count."""
         self._due = True
+        if self._attached:
+            self._arm()
+
+    def _allocate(self) -> None:
+        """Every site's accumulators, on its weight's device (see the module docstring)."""
+        for site in self._sites.values():
+            dev = site.mod.weight.device
+            site.x.allocate(dev, self._gen)
+            site.dy.allocate(dev, self._gen)
+            self._allocate_weight(site)
+
+    def _allocate_weight(self, site: _Site) -> None:
+        if site.w is None:
+            w = site.mod.weight
+            site.w = MatrixNormalEMA(
+                w.shape[0], w.shape[1], ema=self.weight_ema, flip_flop=self.weight_flip_flop,
+                max_full_dim=self.max_full_dim, device=w.device, generator=self._gen,
+            )
 
     # ------------------------------------------------------------------ hooks
     def _pre(self, module: nn.Module, args: Any) -> None:
@@ -272,6 +315,8 @@ class Probe:
             return
         if self.step_on == "forward":
             self.steps += 1
+            if self.steps == 1:
+                self._allocate()
             if self.steps % self.every == 0:
                 self._due = True
         if not self._due:
@@ -287,6 +332,8 @@ class Probe:
 
     def _post(self, module: nn.Module, args: Any, output: Any) -> None:
         self._remove_site_hooks()
+        if self.step_on == "manual" and module.training and not self._due:
+            self._disarm()  # the collection's forward is done: hook-free until the next one
 
     def _remove_site_hooks(self) -> None:
         for h in self._site_handles:
@@ -338,11 +385,8 @@ class Probe:
         if not bool(torch.isfinite(w).all()):
             site.w_nonfinite += 1  # reported by WeightStats.problem()
             return
-        if site.w is None:
-            site.w = MatrixNormalEMA(
-                w.shape[0], w.shape[1], ema=self.weight_ema, flip_flop=self.weight_flip_flop,
-                max_full_dim=self.max_full_dim, device=w.device, generator=self._gen,
-            )
+        self._allocate_weight(site)
+        assert site.w is not None
         site.w.update(w)
         aw = w.abs().flatten()
         site.w_amax = aw.max()

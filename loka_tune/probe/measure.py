@@ -142,6 +142,7 @@ def measure(
     num_threads: int | None = 1,
     e5m2_anywhere: bool = False,
     speed_row_scale: float = 1.0,
+    price_first: bool = False,
 ) -> ProbeReport:
     """Measure every candidate at every site and role of ``stats``; see the module docstring.
 
@@ -169,6 +170,10 @@ def measure(
         speed_row_scale: price speed at ``rows x speed_row_scale`` rows instead of the rows the
             probe saw (e.g. a study's ``cost_batch_size / batch_size``: speed at the production
             batch, errors from the short runs' statistics); results' ``m`` is the priced M.
+        price_first: price every candidate's speed first (cost model or timing cache: cheap)
+            and measure the error only of those at least ``min_speedup`` faster than bf16; the
+            others go to ``report.skipped`` with a reason starting ``"slow:"`` (which
+            :func:`~loka_tune.space.candidates.prune_by_probe` drops).
         e5m2_anywhere: also measure e5m2 for weights and activations (outside the search space,
             which keeps e5m2 for gradients): for calibration experiments that need choices
             with large errors (``benchmarks/probe_vs_loss.py --harsh``).
@@ -196,6 +201,8 @@ def measure(
         for name in it:
             site = stats.sites[name]
             valid = _valid_candidates(name, site, roles, cands, device, e5m2_anywhere, skipped)
+            if price_first:
+                valid = _fast_only(name, site, valid, speed, time_cache, speed_row_scale, min_speedup, skipped)
             meta_site = _site_meta(site)
             for di, dist in enumerate(dists):
                 if dist == "real" and (site.x.real is None or site.dy.real is None):
@@ -314,6 +321,28 @@ def _valid_candidates(name: str, site: SiteStats, roles: list[GemmRole], cands: 
             else:
                 skipped.append(SkippedCandidate(name, role.value, c.short_str(), why))
     return valid
+
+
+def _fast_only(name: str, site: SiteStats, valid: dict[GemmRole, list[GemmChoice]], speed: SpeedModel,
+               time_cache: dict[tuple[str, str, int, int, int], tuple[float, str]], speed_row_scale: float,
+               min_speedup: float, skipped: list[SkippedCandidate]) -> dict[GemmRole, list[GemmChoice]]:
+    """``valid`` without the candidates priced slower than ``min_speedup`` x bf16 (to ``skipped``)."""
+    priced_rows = max(1, round(site.rows * speed_row_scale))
+    out: dict[GemmRole, list[GemmChoice]] = {}
+    for role, cs in valid.items():
+        m, k, n = role.shape(priced_rows, site.in_features, site.out_features)
+        t_bf16 = _time(speed, time_cache, GemmChoice(), m, k, n, role)[0]
+        out[role] = []
+        for c in cs:
+            t = _time(speed, time_cache, c, m, k, n, role)[0]
+            spd = t_bf16 / t if t > 0 and math.isfinite(t) else math.nan
+            if _fast(spd, min_speedup):
+                out[role].append(c)
+            else:
+                skipped.append(SkippedCandidate(name, role.value, c.short_str(),
+                                                f"slow: speed-up {spd:.3g} < min_speedup {min_speedup} (priced"
+                                                " before measuring; error not measured)"))
+    return out
 
 
 def _results(

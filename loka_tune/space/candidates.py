@@ -204,7 +204,8 @@ def _get(r: Any, name: str) -> Any:
 
 
 def prune_by_probe(space: SearchSpace, results: Iterable[Any], *, max_error: float, min_speedup: float = 1.0,
-                   speedup: Callable[[Site, str, str], float] | None = None) -> SearchSpace:
+                   speedup: Callable[[Site, str, str], float] | None = None,
+                   skipped: Iterable[Any] = ()) -> SearchSpace:
     """Drop candidates the probe found unsafe (``mere > max_error``, or not finite) or slow.
 
     ``results``: the probe's ``CandidateResult`` objects (or dicts) with ``site``, ``role``,
@@ -212,11 +213,15 @@ def prune_by_probe(space: SearchSpace, results: Iterable[Any], *, max_error: flo
     given, replaces the probe's speed-up (e.g. the cost model at the batch size the study
     targets, when the probe timed another one). A candidate is slow when its speed-up is
     below ``min_speedup``. Candidates the probe did not measure are kept (only the speed
-    rule applies to them). bf16 is never dropped.
+    rule applies to them), except those in ``skipped`` (the probe's ``SkippedCandidate``s)
+    whose reason starts with ``"slow:"``: priced too slow before their error was measured
+    (``measure(price_first=True)``). bf16 is never dropped.
     """
     by_key: dict[tuple[str, str, str], Any] = {}
     for r in results:
         by_key[(_get(r, "site"), str(_get(r, "role")), str(_get(r, "choice")))] = r
+    slow = {(_get(s, "site"), str(_get(s, "role")), str(_get(s, "choice"))): str(_get(s, "reason"))
+            for s in skipped if str(_get(s, "reason")).startswith("slow:")}
     out = []
     for sc in space.sites:
         choices: dict[str, tuple[str, ...]] = {}
@@ -230,6 +235,9 @@ def prune_by_probe(space: SearchSpace, results: Iterable[Any], *, max_error: flo
                     keep.append(cid)
                     continue
                 res = by_key.get((sc.name, role, cid))
+                if res is None and (sc.name, role, cid) in slow:
+                    dropped.setdefault(role, {})[cid] = slow[(sc.name, role, cid)]
+                    continue
                 err = float(_get(res, "mere")) if res is not None else None
                 sp = speedup(sc.site, role, cid) if speedup is not None else (
                     float(_get(res, "speedup")) if res is not None else None)

@@ -154,8 +154,10 @@ def make_model(cfg: StudyConfig, source: Any, *, seed: int | None = None) -> nn.
 
 
 def train_config(cfg: StudyConfig, seed: int | None = None, *, device: str | None = None) -> TrainConfig:
-    """The trainer's :class:`TrainConfig` for one short run of the study."""
-    return cfg.training.to_train_config(seed, device=device)
+    """The trainer's :class:`TrainConfig` for one short run of the study, in its production
+    ``[regime]`` (compile, CUDA graphs, batch size, autocast: :mod:`loka_tune.tuner.regime`)."""
+    tcfg = cfg.training.to_train_config(seed, device=device)
+    return cfg.regime.apply(tcfg, resolve_device(tcfg.device))
 
 
 def resolve_device(device: str) -> str:
@@ -187,11 +189,18 @@ def trial_model(cfg: StudyConfig, source: Any, config: PrecisionConfig, *,
 
 
 def _first_batch(source: Any, cfg: StudyConfig, device: str = "cpu", *, max_rows: int | None = None) -> Any:
-    bs = cfg.training.batch_size if max_rows is None else min(max_rows, cfg.training.batch_size)
+    bs = cfg.batch_size if max_rows is None else min(max_rows, cfg.batch_size)
     return next(iter(source.batches("train", bs, seed=cfg.training.seed, device=device)))
 
 
-def _train(model: nn.Module, source: Any, tcfg: TrainConfig, on_step: OnStep | None = None) -> TrainResult:
+def _train(model: nn.Module, source: Any, tcfg: TrainConfig, on_step: OnStep | None = None,
+           after_step: Callable[[int], None] | None = None,
+           progress: Callable[[int, float], None] | bool = False) -> TrainResult:
     from loka_tune.objectives.trainer import train
 
-    return train(model, source, tcfg, on_step=on_step, progress=False)
+    if not tcfg.compile:
+        return train(model, source, tcfg, on_step=on_step, progress=progress, after_step=after_step)
+    from loka_tune.objectives.compiled import strict_compile
+
+    with strict_compile():  # a fresh dynamo per run (inductor's disk cache stays), no silent eager fallback
+        return train(model, source, tcfg, on_step=on_step, progress=progress, after_step=after_step)

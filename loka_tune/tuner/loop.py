@@ -48,10 +48,12 @@ __all__ = ["run_study"]
 def run_study(cfg: StudyConfig, *, device: str | None = None, storage_url: str | None = None,
               n_trials: int | None = None, timeout_s: float | None = None, force: bool = False,
               tracking: bool | None = None, worker_id: str | None = None, worker_index: int = 0,
-              progress: bool = True, on_change: str = "stop") -> Any:
+              progress: bool = True, on_change: str = "stop", confirm: bool | None = None) -> Any:
     """Run (or join, or resume) the study: prepare it, then ask/evaluate/tell until the trial
-    budget is spent. Returns the Optuna study. Safe to run in several processes at once.
-    ``on_change``: what to do when the stored study has other settings (:func:`open_study`)."""
+    budget is spent, then (``confirm``; default: worker 0 when ``[confirm] enabled``) confirm
+    the best configs (:mod:`loka_tune.tuner.confirm`). Returns the Optuna study. Safe to run in
+    several processes at once. ``on_change``: what to do when the stored study has other
+    settings (:func:`open_study`)."""
     import optuna
 
     dev = resolve_device(device or cfg.training.device)
@@ -62,6 +64,10 @@ def run_study(cfg: StudyConfig, *, device: str | None = None, storage_url: str |
     tracker = None
     if tracking is not False and cfg.tracking.enabled is not False:
         tracker = Tracker.for_study(cfg, study, required=(cfg.tracking.enabled is True or tracking is True))
+    if cfg.regime.compiled(dev, cfg.training.compile):
+        # inductor's on-disk graph cache beside the study: every compiled run (and worker, and
+        # resume) of this model reuses what an earlier one compiled (unless the user chose a dir)
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cfg.output_dir / "inductor_cache"))
     ctx = prepare_study(cfg, study, device=dev, force=force, tracker=tracker)
     dists = distributions(ctx.space)
     budget = cfg.objective.budget_pct
@@ -93,9 +99,14 @@ def run_study(cfg: StudyConfig, *, device: str | None = None, storage_url: str |
                  f" (raise [storage] grace_s above {cfg.storage.grace_s}s if this machine stalls); skipped")
             continue
         if tracker is not None:
-            tracker.log_trial(trial.number, end.params, end.config, end.attrs, end.state, ctx)
+            tracker.log_trial(trial.number, end.params, end.config, end.attrs, end.state, ctx,
+                              step_losses=end.step_losses)
         if progress:
             _log(_progress_line(ctx, trial.number, n_total, end.attrs, end.state))
+    if confirm if confirm is not None else (worker_index == 0 and cfg.confirm.enabled):
+        from loka_tune.tuner.confirm import confirm_best
+
+        confirm_best(ctx)
     if tracker is not None:
         tracker.finish(ctx)
     return study
@@ -109,6 +120,7 @@ class _TrialEnd:
     attrs: Mapping[str, Any]
     params: Mapping[str, Any]
     config: PrecisionConfig
+    step_losses: tuple[float, ...] = ()  # the evaluated run's training loss per step (none for a cache copy)
 
 
 def _one_trial(ctx: StudyContext, study: Any, trial: Any, worker: str, budget: float) -> _TrialEnd:
@@ -116,6 +128,7 @@ def _one_trial(ctx: StudyContext, study: Any, trial: Any, worker: str, budget: f
     from optuna.trial import TrialState
 
     grace = ctx.cfg.storage.grace_s
+    t0 = time.perf_counter()
     params = dict(trial.params)
     config = config_from_params(ctx.space, params)
     start = TrialRecord(config_key=config.key(), config=json.loads(config.to_json()), budget_pct=budget,
@@ -126,19 +139,20 @@ def _one_trial(ctx: StudyContext, study: Any, trial: Any, worker: str, budget: f
     if dup is not None and dup.state == TrialState.RUNNING:
         dup = _wait_for(study, dup.number, poll_s=1.0, limit_s=max(60.0, 4 * grace + 600), grace_s=grace)
     if dup is not None:
-        state, attrs = _tell_copy(study, trial, dup, budget)
-    else:
-        state, attrs = _tell_evaluated(ctx, study, trial, config, budget)
-    return _TrialEnd(state, attrs, params, config)
+        state, attrs = _tell_copy(study, trial, dup, budget, wall_s=time.perf_counter() - t0)
+        return _TrialEnd(state, attrs, params, config)
+    state, attrs, losses = _tell_evaluated(ctx, study, trial, config, budget)
+    return _TrialEnd(state, attrs, params, config, losses)
 
 
-def _tell_copy(study: Any, trial: Any, dup: Any, budget: float) -> tuple[str, dict[str, Any]]:
-    """The earlier trial ``dup``'s result (and its budget and speed source) as this trial's: a cache hit."""
+def _tell_copy(study: Any, trial: Any, dup: Any, budget: float, *, wall_s: float) -> tuple[str, dict[str, Any]]:
+    """The earlier trial ``dup``'s result (and its budget and speed source) as this trial's: a cache
+    hit, whose ``wall_s`` is its own (the lookup's), not the earlier run's."""
     from optuna.trial import TrialState
 
     earlier = TrialRecord.of(dup)
     attrs = {"budget_pct": earlier.budget_pct, "speed_source": earlier.speed_source,
-             **replace(earlier, cache_hit=True, cached_from=dup.number).result_attrs()}
+             **replace(earlier, cache_hit=True, cached_from=dup.number, wall_s=wall_s).result_attrs()}
     for k, v in attrs.items():
         trial.set_user_attr(k, v)
     set_constraint(trial, attrs["rel_logloss_pct"], budget)
@@ -150,7 +164,7 @@ def _tell_copy(study: Any, trial: Any, dup: Any, budget: float) -> tuple[str, di
 
 
 def _tell_evaluated(ctx: StudyContext, study: Any, trial: Any, config: PrecisionConfig,
-                    budget: float) -> tuple[str, dict[str, Any]]:
+                    budget: float) -> tuple[str, dict[str, Any], tuple[float, ...]]:
     """Evaluate ``config`` (the pruner watching its loss windows) and tell the study."""
     from optuna.trial import TrialState
 
@@ -167,10 +181,10 @@ def _tell_evaluated(ctx: StudyContext, study: Any, trial: Any, config: Precision
     set_constraint(trial, record.rel_logloss_pct, budget)
     if outcome.status == "ok":
         study.tell(trial, outcome.step_time_s)
-        return "COMPLETE", attrs
+        return "COMPLETE", attrs, outcome.step_losses
     state = TrialState.PRUNED if outcome.status == "pruned" else TrialState.FAIL
     study.tell(trial, state=state)
-    return state.name, attrs
+    return state.name, attrs, outcome.step_losses
 
 
 def _progress_line(ctx: StudyContext, number: int, n_total: int | None, attrs: Mapping[str, Any],
@@ -182,7 +196,8 @@ def _progress_line(ctx: StudyContext, number: int, n_total: int | None, attrs: M
     r = TrialRecord.from_attrs(attrs)
     rel, sp = r.rel_logloss_pct, r.speedup
     tag = " (cache)" if r.cache_hit else ""
-    what = (f"rel.LL {rel:+.4f}%  speed-up {sp:.3f}x" if state == "COMPLETE" and rel is not None and sp is not None
+    vs_mods = f" ({r.speedup_vs_mods:.3f}x vs bf16+Mods)" if r.speedup_vs_mods is not None else ""
+    what = (f"rel.LL {rel:+.4f}%  speed-up {sp:.3f}x{vs_mods}" if state == "COMPLETE" and rel is not None and sp is not None
             else f"{state.lower()}: {r.fail_reason or r.reason or ''}")
     of_total = f"/{n_total}" if n_total else ""
     return (f"[loka-tune] trial {number + 1}{of_total}  {what}{tag}  | best {best_s} ({ctx.speed})"

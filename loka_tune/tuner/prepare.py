@@ -13,7 +13,7 @@ import shutil
 import time
 from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +32,7 @@ from loka_tune.space.encode import distributions, mods_dims, params_from_config,
 from loka_tune.space.sites import Site, discover_sites
 from loka_tune.tuner.baseline import Baseline, check_budget, price_baseline, run_baseline
 from loka_tune.tuner.build import _first_batch, _log, make_model, make_source, speed_source
-from loka_tune.tuner.results import ATTR_BASELINE, ATTR_SPACE, ATTR_STUDY
+from loka_tune.tuner.results import ATTR_BASELINE, ATTR_PREPARE_S, ATTR_SPACE, ATTR_STUDY
 from loka_tune.tuner.study import StudyConfig
 
 __all__ = ["StudyContext", "prepare_study", "no_fp8_reason"]
@@ -51,6 +51,7 @@ class StudyContext:
     speed: str
     tracker: Any = None
     batch: Any = None  # one training batch on the CPU (site shapes for the cost model)
+    references: dict[str, float] = field(default_factory=dict)  # bf16 + Mods seconds (trial.reference_seconds)
 
 
 def no_fp8_reason(space: SearchSpace, cfg: StudyConfig) -> str:
@@ -83,10 +84,19 @@ def _probe_report(cfg: StudyConfig, stats: Any, candidates: Mapping[str, list[Ge
             if c not in flat:
                 flat.append(c)
     # speed at the batch the objective is priced at (cost_batch_size, default the training batch)
-    scale = cfg.cost_batch_size / cfg.training.batch_size
-    report = measure(stats, flat, samples=cfg.probe.samples, device=device, cost_device=cfg.objective.cost_device,
-                     speed_row_scale=scale)
+    scale = cfg.cost_batch_size / cfg.batch_size
+    t0 = time.perf_counter()
+    _log(f"[loka-tune] probe: measuring {len(flat)} candidates x {len(stats.sites)} sites x 3 GEMMs"
+         f" ({cfg.probe.samples} draws each, {stats.collections} collections) ...")
+    if cfg.probe.price_first:  # error only for the candidates priced fast enough (the others: report.skipped)
+        report = measure(stats, flat, samples=cfg.probe.samples, device=device,
+                         cost_device=cfg.objective.cost_device, speed_row_scale=scale, price_first=True,
+                         min_speedup=cfg.probe.min_speedup)
+    else:
+        report = measure(stats, flat, samples=cfg.probe.samples, device=device,
+                         cost_device=cfg.objective.cost_device, speed_row_scale=scale)
     report.save(out)
+    _log(f"[loka-tune] probe: {len(report.results)} results ({time.perf_counter() - t0:.1f}s)")
     return report
 
 
@@ -104,7 +114,8 @@ def _prune(cfg: StudyConfig, space: SearchSpace, report: Any, speed: str) -> Sea
                 return 0.0
     primary = report.select(report.primary_dist) if hasattr(report, "select") else report
     return prune_by_probe(space, primary.results, max_error=cfg.probe.max_error,
-                          min_speedup=cfg.probe.min_speedup, speedup=speedup_fn)
+                          min_speedup=cfg.probe.min_speedup, speedup=speedup_fn,
+                          skipped=getattr(report, "skipped", ()))
 
 
 def _fastest_safe(sc: SiteChoices, role: str, choices: tuple[str, ...]) -> str:
@@ -166,7 +177,9 @@ def prepare_study(cfg: StudyConfig, study: Any, *, device: str, force: bool = Fa
     t0 = time.perf_counter()
     prep = out / f".prepare-{os.getpid()}"  # private: two workers racing to prepare never share a file
     prep.mkdir(parents=True, exist_ok=True)
-    baseline, stats, _model = run_baseline(cfg, source, device, force=force, probe_out=prep / "probe_stats.json")
+    curves: dict[int, tuple[float, ...]] = {}
+    baseline, stats, _model = run_baseline(cfg, source, device, force=force, probe_out=prep / "probe_stats.json",
+                                           on_run=lambda seed, res: curves.__setitem__(seed, res.step_losses))
     check_budget(cfg, baseline, force=force)
 
     # sites on a fresh (unapplied) model, candidates, eligibility
@@ -174,7 +187,7 @@ def prepare_study(cfg: StudyConfig, study: Any, *, device: str, force: bool = Fa
     sites = discover_sites(model, *model_inputs(model, batch))
     candidates = enumerate_candidates(cfg.space.backends, cfg.space.formats, cfg.space.granularities,
                                       cfg.space.roundings, device=device)
-    space = build_space(sites, candidates, batch_size=cfg.training.batch_size, align=cfg.space.align,
+    space = build_space(sites, candidates, batch_size=cfg.batch_size, align=cfg.space.align,
                         min_dim=cfg.space.min_dim, device=device, per_role=cfg.space.per_role,
                         mods=mods_dims(cfg.space.mods, blocknorm_sizes=cfg.space.blocknorm_sizes,
                                        pad_multiples=cfg.space.pad_multiples))
@@ -199,9 +212,11 @@ def prepare_study(cfg: StudyConfig, study: Any, *, device: str, force: bool = Fa
     study.set_user_attr(ATTR_SPACE, space.to_dict())
     study.set_user_attr(ATTR_STUDY, cfg.to_dict())
     study.set_user_attr(ATTR_BASELINE, baseline.to_dict())
+    study.set_user_attr(ATTR_PREPARE_S, time.perf_counter() - t0)  # baselines + probe + space (a receipt's prepare_s)
     ctx = StudyContext(cfg, study, source, baseline, space, device, speed, tracker, batch)
     for label, params in _starts(cfg, space, report):
         study.enqueue_trial(params, user_attrs={"seeded": label}, skip_if_exists=True)
     if tracker is not None:
-        tracker.log_baseline(baseline, space, out / "probe_report.json" if report is not None else None)
+        tracker.log_baseline(baseline, space, out / "probe_report.json" if report is not None else None,
+                             curves=curves)
     return ctx

@@ -19,12 +19,16 @@ from typing import Any
 from loka_tune.config import ModsConfig, PrecisionConfig
 from loka_tune.errors import LokaError, StudyError
 
-__all__ = ["ATTR_BASELINE", "ATTR_SPACE", "ATTR_STUDY", "STATES_DONE", "TrialRecord", "constraint",
-           "best_trial", "leaderboard", "export_best", "study_summary"]
+__all__ = ["ATTR_BASELINE", "ATTR_SPACE", "ATTR_STUDY", "ATTR_REFERENCE", "ATTR_CONFIRM", "ATTR_PREPARE_S", "STATES_DONE",
+           "TrialRecord", "constraint", "best_trial", "confirmation", "exported_trial", "leaderboard", "export_best",
+           "study_summary"]
 
 ATTR_BASELINE = "loka.baseline"  # study user attr: the Baseline JSON
 ATTR_SPACE = "loka.space"  # study user attr: the SearchSpace JSON
 ATTR_STUDY = "loka.study"  # study user attr: the StudyConfig summary
+ATTR_REFERENCE = "loka.reference."  # study user attrs: + Mods short_str -> measured bf16 + Mods step seconds
+ATTR_PREPARE_S = "loka.prepare_s"  # study user attr: seconds the preparation took (baselines, probe, space)
+ATTR_CONFIRM = "loka.confirmation"  # study user attr: the confirmation stage's result (tuner.confirm)
 STATES_DONE = ("COMPLETE", "PRUNED", "FAIL")
 INFEASIBLE = 1e9  # the constraint of an unknown (or non-finite) loss: Optuna wants a finite number
 
@@ -70,6 +74,8 @@ class TrialRecord:
     eval_ne: float | None = None
     eval_auc: float | None = None
     measured_step_time_s: float | None = None
+    mods_step_time_s: float | None = None
+    speedup_vs_mods: float | None = None
     reason: str | None = None
     steps_run: int | None = None
     wall_s: float | None = None
@@ -124,8 +130,32 @@ def best_trial(study: Any, *, raise_if_none: bool = True) -> Any:
     return min(ok, key=lambda t: (t.value, TrialRecord.of(t).rel_logloss_pct or 0.0, t.number))
 
 
+def confirmation(study: Any) -> dict[str, Any] | None:
+    """The confirmation stage's stored result (:mod:`loka_tune.tuner.confirm`), or None."""
+    c = study.user_attrs.get(ATTR_CONFIRM)
+    return dict(c) if c else None
+
+
+def exported_trial(study: Any, *, unconfirmed: bool = False) -> Any:
+    """The trial ``export_best`` exports: the confirmed best when the study was confirmed (a
+    :class:`StudyError` when no candidate held up, unless ``unconfirmed``), else the best trial."""
+    c = confirmation(study)
+    if c is None or unconfirmed:
+        return best_trial(study)
+    if c.get("chosen") is None:
+        raise StudyError(f"study {study.study_name!r}: none of the confirmed configs (trials {c.get('trials')}) kept"
+                         f" its mean relative log loss within the budget on seeds {c.get('seeds')}; run more"
+                         " trials, raise objective.budget_pct, or export the unconfirmed best (--unconfirmed)")
+    return next(t for t in study.get_trials(deepcopy=False) if t.number == c["chosen"])
+
+
 def leaderboard(study: Any, *, limit: int | None = None) -> list[dict[str, Any]]:
-    """Finished trials, feasible ones first by step time, then the rest by relative log loss."""
+    """Finished trials, feasible ones first by step time, then the rest by relative log loss;
+    ``exported`` marks the trial ``export_best`` would write."""
+    try:
+        exported = exported_trial(study).number
+    except StudyError:
+        exported = None
     rows = []
     for t in study.get_trials(deepcopy=False):
         if t.state.name not in STATES_DONE:
@@ -133,7 +163,8 @@ def leaderboard(study: Any, *, limit: int | None = None) -> list[dict[str, Any]]
         r = TrialRecord.of(t)
         n_fp8 = sum(1 for s in (r.config.get("sites") or {}).values() for v in s.values() if not v.startswith("bf16"))
         rows.append({"trial": t.number, "state": t.state.name, "feasible": bool(r.feasible),
-                     "step_time_s": t.value, "speedup": r.speedup, "rel_logloss_pct": r.rel_logloss_pct,
+                     "step_time_s": t.value, "speedup": r.speedup, "speedup_vs_mods": r.speedup_vs_mods,
+                     "rel_logloss_pct": r.rel_logloss_pct, "exported": t.number == exported,
                      "eval_ne": r.eval_ne, "eval_auc": r.eval_auc, "cache_hit": bool(r.cache_hit),
                      "fp8_gemms": n_fp8, "mods": (r.config.get("mods") and _mods_str(r.config["mods"])) or "none",
                      "reason": r.fail_reason or "", "seeded": "" if r.seeded is None else r.seeded,
@@ -174,15 +205,20 @@ def chosen_trial(study: Any, number: int) -> Any:
     return t
 
 
-def export_best(study: Any, out: str | Path | None = None, *, trial: int | None = None) -> PrecisionConfig:
-    """The best feasible trial's PrecisionConfig with its provenance (written to ``out`` if given);
-    with ``trial``, that completed trial's instead (provenance ``trial_chosen``: true)."""
+def export_best(study: Any, out: str | Path | None = None, *, trial: int | None = None,
+                unconfirmed: bool = False) -> PrecisionConfig:
+    """The study's answer as a PrecisionConfig with its provenance (written to ``out`` if given):
+    the confirmed best when the study ran its confirmation stage, else the best feasible trial
+    (see :func:`exported_trial`); with ``trial``, that completed trial's instead (provenance
+    ``trial_chosen``: true). The provenance records the trial's claimed speed-ups (vs bf16 and
+    vs bf16 with the same Mods), the confirmed ones and the confirmed relative log loss with its
+    spread over the confirmation seeds (None where not confirmed)."""
     import optuna
     import torch
 
     from loka_tune.version import __version__
 
-    t = best_trial(study) if trial is None else chosen_trial(study, trial)
+    t = exported_trial(study, unconfirmed=unconfirmed) if trial is None else chosen_trial(study, trial)
     r = TrialRecord.of(t)
     config = PrecisionConfig.from_dict(r.config)
     bl = study.user_attrs.get(ATTR_BASELINE) or {}
@@ -209,6 +245,8 @@ def export_best(study: Any, out: str | Path | None = None, *, trial: int | None 
         "data": (st.get("data") or {}).get("source"),
         "data_params": (st.get("data") or {}).get("params"),  # with model + data: `train --config` rebuilds it
         "objective": objective.get("kind"),
+        "regime": st.get("regime"),
+        **_confirmed_provenance(study, t.number, r),
         "versions": {"loka_tune": __version__, "torch": torch.__version__, "optuna": optuna.__version__,
                      "python": platform.python_version()},
         "exported_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -219,3 +257,18 @@ def export_best(study: Any, out: str | Path | None = None, *, trial: int | None 
     if out is not None:
         config.save(out)
     return config
+
+
+def _confirmed_provenance(study: Any, number: int, r: TrialRecord) -> dict[str, Any]:
+    """The claimed and confirmed speed-ups and loss of trial ``number`` (confirmed: None if it was not)."""
+    c = confirmation(study) or {}
+    row = next((x for x in c.get("rows", []) if x.get("trial") == number), None)
+    out: dict[str, Any] = {"claimed_speedup": r.speedup_vs_mods, "claimed_speedup_vs_bf16": r.speedup,
+                           "confirmed": row is not None and bool(row.get("feasible"))}
+    keys = {"confirmed_speedup": "speedup_vs_mods", "confirmed_speedup_vs_bf16": "speedup",
+            "confirmed_step_time_s": "step_time_s", "confirmed_rel_logloss_pct": "rel_logloss_pct",
+            "confirmed_rel_logloss_sd_pct": "rel_logloss_sd_pct"}
+    out.update({k: (row or {}).get(v) for k, v in keys.items()})
+    out["confirmed_seeds"] = c.get("seeds") if row is not None else None
+    out["confirmed_regime"] = c.get("regime") if row is not None else None
+    return out

@@ -328,6 +328,7 @@ class ProbeSection:
     min_speedup: float = 1.0
     samples: int = 32
     every: int = 10
+    price_first: bool = False  # price speed first, measure error only for the fast (measure(price_first=))
 
     @classmethod
     def from_table(cls, t: Table, where: Where) -> ProbeSection:
@@ -338,6 +339,7 @@ class ProbeSection:
             min_speedup=t.number("min_speedup", d.min_speedup, minimum=0.0),  # 0: keep every speed
             samples=t.integer("samples", d.samples, minimum=1),
             every=t.integer("every", d.every, minimum=1),
+            price_first=t.boolean("price_first", d.price_first),
         )
         t.done()
         return probe

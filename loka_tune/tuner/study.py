@@ -59,6 +59,7 @@ Layout (every section but ``[model]`` and ``[data]`` is optional)::
     min_speedup = 1.0            # candidates not faster than bf16 by this factor are dropped
     samples = 32
     every = 10
+    price_first = false          # true: price every candidate's speed first, measure the error of the fast only
 
     [trials]
     n_trials = 20                # and/or
@@ -75,6 +76,17 @@ Layout (every section but ``[model]`` and ``[data]`` is optional)::
     enabled = "auto"             # true, false or "auto" (on when mlflow imports)
     uri = ""                     # default sqlite:///<output_dir>/mlflow.db; or http://server:5000
     experiment = "loka-tune"
+
+    [regime]                     # how the config will train in production: every timed run uses it
+    compile = "auto"             # "auto" (compiled on CUDA, eager on a CPU), true or false
+    cuda_graphs = false          # one CUDA graph per step (CUDA only)
+    batch_size = 0               # the production batch (0: training.batch_size)
+    autocast = ""                # "" = training.autocast
+
+    [confirm]                    # after the search: the best n_best feasible configs re-run on 2+ seeds
+    enabled = true
+    n_best = 3
+    seeds = []                   # default: training.seeds
 """
 
 from __future__ import annotations
@@ -88,6 +100,7 @@ from typing import Any
 
 from loka_tune._toml import Table
 from loka_tune.errors import ConfigError
+from loka_tune.tuner.regime import ConfirmSection, RegimeSection
 from loka_tune.tuner.sections import (
     MOD_NAMES,
     DataSection,
@@ -137,6 +150,8 @@ class StudyConfig:
     trials: TrialsSection
     storage: StorageSection
     tracking: TrackingSection
+    regime: RegimeSection = RegimeSection()
+    confirm: ConfirmSection = ConfirmSection()
     source_path: Path | None = None
 
     @property
@@ -148,8 +163,13 @@ class StudyConfig:
         return self.study.output_dir
 
     @property
+    def batch_size(self) -> int:
+        """The production batch size the study's runs use (``[regime]``, else ``[training]``)."""
+        return self.regime.batch_size or self.training.batch_size
+
+    @property
     def cost_batch_size(self) -> int:
-        return self.objective.cost_batch_size or self.training.batch_size
+        return self.objective.cost_batch_size or self.batch_size
 
     def with_overrides(self, **sections: Any) -> StudyConfig:
         """A copy with whole sections replaced (``with_overrides(trials=TrialsSection(...))``)."""
@@ -207,7 +227,7 @@ def settings_changes(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str
 _SECTIONS: dict[str, Any] = {
     "study": StudySection, "model": ModelSection, "data": DataSection, "training": TrainingSection,
     "objective": ObjectiveSection, "space": SpaceSection, "probe": ProbeSection, "trials": TrialsSection,
-    "storage": StorageSection, "tracking": TrackingSection,
+    "storage": StorageSection, "tracking": TrackingSection, "regime": RegimeSection, "confirm": ConfirmSection,
 }
 _REQUIRED = {  # sections without defaults: what the message says to add
     "model": "missing section; add [model] with name = \"dlrm\" (or \"package.module:function\")",

@@ -33,9 +33,10 @@ from typing import Any, TypeVar
 
 from loka_tune.config import ROLES, PrecisionConfig
 from loka_tune.errors import StudyError
-from loka_tune.tuner.results import TrialRecord, best_trial, leaderboard
+from loka_tune.tuner.results import ATTR_BASELINE, TrialRecord, best_trial, confirmation, leaderboard
 
-__all__ = ["Tracker", "retry", "write_plots", "plot_speed_vs_loss", "plot_choice_map", "pareto_front", "site_params"]
+__all__ = ["Tracker", "retry", "write_plots", "plot_speed_vs_loss", "speed_vs_loss_layout", "plot_choice_map",
+           "pareto_front", "site_params"]
 
 ATTR_PARENT = "loka.mlflow_parent_run"
 T = TypeVar("T")
@@ -157,6 +158,15 @@ class Tracker:
         for i in range(0, len(items), 100):
             retry(self.client.log_batch, run_id, params=items[i:i + 100])
 
+    def _log_curve(self, run_id: str, key: str, values: Sequence[float]) -> None:
+        """A per-step metric (``key`` at steps 1..n): a training loss curve, in batches of 1000."""
+        from mlflow.entities import Metric
+
+        ts = int(time.time() * 1000)
+        items = [Metric(key, float(v), ts, i + 1) for i, v in enumerate(values) if _finite(v)]
+        for i in range(0, len(items), 1000):
+            retry(self.client.log_batch, run_id, metrics=items[i:i + 1000])
+
     def _log_metrics(self, run_id: str, metrics: Mapping[str, Any], step: int = 0) -> None:
         from mlflow.entities import Metric
 
@@ -173,8 +183,10 @@ class Tracker:
             retry(self.client.log_batch, run_id, tags=items)
 
     # ------------------------------------------------------------------ study level
-    def log_baseline(self, baseline: Any, space: Any, probe_report: Path | None) -> None:
-        """The baseline's numbers and the probe report on the parent run."""
+    def log_baseline(self, baseline: Any, space: Any, probe_report: Path | None, *,
+                     curves: Mapping[int, Sequence[float]] | None = None) -> None:
+        """The baseline's numbers, its seeds' per-step training losses (``baseline_train_loss.seed<N>``)
+        and the probe report on the parent run."""
         assert self.parent_run_id is not None
         self._site_names = list(space.site_names)
         self._log_metrics(self.parent_run_id, {
@@ -182,13 +194,18 @@ class Tracker:
             "noise_floor_pct": baseline.noise_floor_pct, "baseline_step_time_s": baseline.step_time_s,
             "n_sites": len(space.sites), "n_fp8_candidates": space.n_fp8_candidates()})
         self._set_tags(self.parent_run_id, {"speed_source": baseline.speed_source, "device": baseline.device})
+        for seed, losses in (curves or {}).items():
+            self._log_curve(self.parent_run_id, f"baseline_train_loss.seed{seed}", losses)
         retry(self.client.log_text, self.parent_run_id, json.dumps(space.to_dict(), indent=1), "search_space.json")
         if probe_report is not None and Path(probe_report).is_file():
             retry(self.client.log_artifact, self.parent_run_id, str(probe_report))
 
     def log_trial(self, number: int, params: Mapping[str, Any], config: PrecisionConfig, attrs: Mapping[str, Any],
-                  state: str, ctx: Any) -> str:
-        """One nested run for trial ``number`` (``attrs``: what its end wrote); returns its run id."""
+                  state: str, ctx: Any, *, step_losses: Sequence[float] = ()) -> str:
+        """One nested run for trial ``number`` (``attrs``: what its end wrote; ``step_losses``: its
+        training loss per step, logged as the step metric ``train_loss``); returns its run id. The
+        run spans the trial's real duration (``wall_s``: a cache copy's is its lookup's, and its
+        ``cache_hit`` tag says so)."""
         assert self.parent_run_id is not None
         names = list(ctx.space.site_names)
         a = TrialRecord.from_attrs(attrs)
@@ -196,7 +213,11 @@ class Tracker:
                 "state": state, "feasible": bool(a.feasible), "pruned": state == "PRUNED",
                 "cache_hit": bool(a.cache_hit), "speed_source": a.speed_source or ctx.speed,
                 "fail_reason": a.fail_reason or None, "seeded": a.seeded or None, "cached_from": a.cached_from}
-        run = retry(self.client.create_run, self.experiment_id, run_name=f"trial-{number:04d}",
+        end_ms = int(time.time() * 1000)
+        start_ms = end_ms - int(1000 * (a.wall_s or 0.0))
+        name = f"trial-{number:04d}" + (f"-cache-of-{a.cached_from:04d}" if a.cache_hit and a.cached_from is not None
+                                         else "")
+        run = retry(self.client.create_run, self.experiment_id, run_name=name, start_time=start_ms,
                     tags={k: str(v) for k, v in tags.items() if v is not None})
         rid = run.info.run_id
         p: dict[str, Any] = dict(site_params(config, names))
@@ -205,12 +226,14 @@ class Tracker:
         self._log_params(rid, p)
         err = _probe_error(config, ctx.space)
         self._log_metrics(rid, {
-            "step_time_s": a.step_time_s, "speedup": a.speedup, "rel_logloss_pct": a.rel_logloss_pct,
+            "step_time_s": a.step_time_s, "speedup": a.speedup, "speedup_vs_mods": a.speedup_vs_mods,
+            "mods_step_time_s": a.mods_step_time_s, "rel_logloss_pct": a.rel_logloss_pct,
             "eval_logloss": a.eval_logloss, "eval_ne": a.eval_ne, "eval_auc": a.eval_auc, "probe_error": err,
             "measured_step_time_s": a.measured_step_time_s, "wall_s": a.wall_s, "n_fp8_gemms": p["n_fp8_gemms"]})
+        self._log_curve(rid, "train_loss", step_losses)
         retry(self.client.log_text, rid, config.to_json(), "precision_config.json")
         status = {"COMPLETE": "FINISHED", "PRUNED": "KILLED"}.get(state, "FAILED")
-        retry(self.client.set_terminated, rid, status)
+        retry(self.client.set_terminated, rid, status, end_time=max(end_ms, start_ms))
         return rid
 
     def finish(self, ctx: Any) -> None:
@@ -225,13 +248,31 @@ class Tracker:
         if best is not None:
             b = TrialRecord.of(best)
             self._log_metrics(self.parent_run_id, {"best_speedup": b.speedup, "best_step_time_s": best.value,
+                                                   "best_speedup_vs_mods": b.speedup_vs_mods,
                                                    "best_rel_logloss_pct": b.rel_logloss_pct})
             self._set_tags(self.parent_run_id, {"best_trial": best.number})
+        self._log_confirmation(confirmation(ctx.study))
         if self.plots:
             for path in write_plots(ctx.study, ctx.space, out, budget_pct=ctx.cfg.objective.budget_pct,
-                                    speed_source=ctx.speed):
+                                    speed_source=ctx.speed, noise_floor_pct=ctx.baseline.noise_floor_pct):
                 retry(self.client.log_artifact, self.parent_run_id, str(path))
         retry(self.client.set_terminated, self.parent_run_id, "FINISHED")
+
+
+    def _log_confirmation(self, c: Mapping[str, Any] | None) -> None:
+        """The confirmation stage on the parent run: the chosen config's confirmed numbers, the table."""
+        assert self.parent_run_id is not None
+        if not c:
+            return
+        retry(self.client.log_text, self.parent_run_id, json.dumps(c, indent=1), "confirmation.json")
+        row = next((r for r in c.get("rows", []) if r.get("trial") == c.get("chosen")), None)
+        self._set_tags(self.parent_run_id, {"confirmed_trial": c.get("chosen", "none") if row else "none"})
+        if row is not None:
+            self._log_metrics(self.parent_run_id, {
+                "confirmed_speedup_vs_mods": row.get("speedup_vs_mods"), "confirmed_speedup": row.get("speedup"),
+                "claimed_speedup_vs_mods": row.get("claimed_speedup_vs_mods"),
+                "confirmed_rel_logloss_pct": row.get("rel_logloss_pct"),
+                "confirmed_rel_logloss_sd_pct": row.get("rel_logloss_sd_pct")})
 
 
 def _probe_error(config: PrecisionConfig, space: Any) -> float | None:
@@ -287,27 +328,71 @@ def _plt() -> Any:
     return plt
 
 
-def plot_speed_vs_loss(rows: Sequence[Mapping[str, Any]], budget_pct: float, path: str | Path, *,
-                       speed_source: str = "modeled", title: str = "") -> Path:
-    """Speed-up vs relative log loss of the completed trials, the budget line and the Pareto front."""
-    plt = _plt()
-    pts = [(r["rel_logloss_pct"], r["speedup"], r["feasible"]) for r in rows
+def speed_vs_loss_layout(rows: Sequence[Mapping[str, Any]], budget_pct: float, *,
+                         noise_floor_pct: float = 0.0) -> dict[str, Any]:
+    """What :func:`plot_speed_vs_loss` draws, as data: the points (trial, loss, speed-up,
+    feasible), the exported trial, the Pareto front, the noise-floor band and axis limits that
+    fit the points, the budget line and the band (with a 8% margin)."""
+    pts = [(int(r.get("trial", i)), float(r["rel_logloss_pct"]), float(r["speedup"]), bool(r["feasible"]))
+           for i, r in enumerate(rows)
            if r.get("state") == "COMPLETE" and _finite(r.get("rel_logloss_pct")) and _finite(r.get("speedup"))]
-    fig, ax = plt.subplots(figsize=(6.4, 4.4))
-    if pts:
-        for feas, color, label in ((True, "tab:green", "feasible"), (False, "tab:red", "over budget")):
-            xs = [p[0] for p in pts if p[2] == feas]
-            ys = [p[1] for p in pts if p[2] == feas]
-            if xs:
-                ax.scatter(xs, ys, c=color, s=22, label=label, alpha=0.8)
-        front = pareto_front([(p[0], p[1]) for p in pts])
-        ax.step([p[0] for p in front], [p[1] for p in front], where="post", color="k", lw=1, label="Pareto front")
+    exp_n = next((r.get("trial") for r in rows if r.get("exported")), None)
+    exported = next(((p[0], p[1], p[2]) for p in pts if p[0] == exp_n), None)
+    front = pareto_front([(p[1], p[2]) for p in pts])
+    floor = abs(noise_floor_pct) if _finite(noise_floor_pct) else 0.0
+    xs = [p[1] for p in pts] + [budget_pct, -floor, floor]
+    ys = [p[2] for p in pts] + [1.0]
+
+    def fit(v: list[float], pad_min: float) -> tuple[float, float]:
+        lo, hi = min(v), max(v)
+        pad = max((hi - lo) * 0.08, pad_min)
+        return lo - pad, hi + pad
+
+    # the same trials' speed-up vs bf16 with their own Mods (FP8's share of the gain), where known
+    vs_mods = [(int(r.get("trial", i)), float(r["rel_logloss_pct"]), float(r["speedup_vs_mods"]))
+               for i, r in enumerate(rows) if r.get("state") == "COMPLETE" and _finite(r.get("rel_logloss_pct"))
+               and _finite(r.get("speedup")) and _finite(r.get("speedup_vs_mods"))]
+    ys += [p[2] for p in vs_mods]
+    return {"points": pts, "vs_mods": vs_mods, "exported": exported, "front": front, "band": (-floor, floor),
+            "xlim": fit(xs, 0.01), "ylim": fit(ys, 0.005)}
+
+
+def plot_speed_vs_loss(rows: Sequence[Mapping[str, Any]], budget_pct: float, path: str | Path, *,
+                       speed_source: str = "modeled", title: str = "", noise_floor_pct: float = 0.0) -> Path:
+    """Speed-up vs relative log loss of the completed trials (each labelled with its number; filled:
+    vs bf16, hollow: vs bf16 with the trial's own Mods), the budget line, the noise-floor band (|relative log loss| between bf16 seeds), the Pareto front
+    (drawn as a line through its points) and the exported trial (a star); axes fitted to them."""
+    plt = _plt()
+    lay = speed_vs_loss_layout(rows, budget_pct, noise_floor_pct=noise_floor_pct)
+    pts = lay["points"]
+    fig, ax = plt.subplots(figsize=(6.8, 4.6))
+    lo, hi = lay["band"]
+    if hi > 0:
+        ax.axvspan(lo, hi, color="grey", alpha=0.15, label=f"noise floor +-{hi:.3g}%")
+    for feas, color, label in ((True, "tab:green", "feasible"), (False, "tab:red", "over budget")):
+        sel = [p for p in pts if p[3] == feas]
+        if sel:
+            ax.scatter([p[1] for p in sel], [p[2] for p in sel], c=color, s=22, label=label, alpha=0.8, zorder=3)
+    if lay["vs_mods"]:
+        ax.scatter([p[1] for p in lay["vs_mods"]], [p[2] for p in lay["vs_mods"]], s=22, facecolors="none",
+                   edgecolors="tab:blue", lw=0.8, label="same trial vs bf16 + its Mods", zorder=2)
+    for n, x, y, _ in pts:
+        ax.annotate(str(n), (x, y), textcoords="offset points", xytext=(3, 3), fontsize=6, color="dimgrey")
+    front = lay["front"]
+    if front:
+        ax.plot([p[0] for p in front], [p[1] for p in front], "k-", marker="o", mfc="none", ms=7, lw=1,
+                drawstyle="steps-post", label="Pareto front", zorder=2)
+    if lay["exported"] is not None:
+        n, x, y = lay["exported"]
+        ax.scatter([x], [y], marker="*", s=220, c="gold", edgecolors="k", zorder=4, label=f"exported (trial {n})")
     ax.axvline(budget_pct, color="tab:orange", ls="--", label=f"budget {budget_pct:g}%")
     ax.axhline(1.0, color="grey", lw=0.6)
+    ax.set_xlim(*lay["xlim"])
+    ax.set_ylim(*lay["ylim"])
     ax.set_xlabel("relative log loss vs bf16 baseline (%)")
-    ax.set_ylabel(f"speed-up over bf16 ({speed_source})")
+    ax.set_ylabel(f"speed-up vs bf16 ({speed_source})")
     ax.set_title(title or "trials: speed vs loss")
-    ax.legend(loc="best", fontsize=8)
+    ax.legend(loc="best", fontsize=7)
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=110)
@@ -341,13 +426,17 @@ def plot_choice_map(config: PrecisionConfig, site_names: Sequence[str], path: st
     return path
 
 
-def write_plots(study: Any, space: Any, out_dir: str | Path, *, budget_pct: float, speed_source: str) -> list[Path]:
-    """Both plots of a study into ``out_dir`` (the choice map only when a feasible trial exists)."""
+def write_plots(study: Any, space: Any, out_dir: str | Path, *, budget_pct: float, speed_source: str,
+                noise_floor_pct: float | None = None) -> list[Path]:
+    """Both plots of a study into ``out_dir`` (the choice map only when a feasible trial exists);
+    the noise floor defaults to the stored baseline's."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     rows = leaderboard(study)
+    if noise_floor_pct is None:
+        noise_floor_pct = float((study.user_attrs.get(ATTR_BASELINE) or {}).get("noise_floor_pct") or 0.0)
     paths = [plot_speed_vs_loss(rows, budget_pct, out / "speed_vs_loss.png", speed_source=speed_source,
-                                title=f"{study.study_name}: {len(rows)} trials")]
+                                title=f"{study.study_name}: {len(rows)} trials", noise_floor_pct=noise_floor_pct)]
     best = best_trial(study, raise_if_none=False)
     if best is not None:
         r = TrialRecord.of(best)

@@ -9,20 +9,20 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
-from loka_tune.config import PrecisionConfig
+from loka_tune.config import ModsConfig, PrecisionConfig
 from loka_tune.errors import BackendError, UnsupportedChoiceError
 from loka_tune.objectives.speed import measure_forward_seconds
-from loka_tune.tuner.baseline import modeled_seconds
+from loka_tune.tuner.baseline import modeled_seconds, time_reference
 from loka_tune.tuner.build import _first_batch, _train, resolve_device, train_config, trial_model
 from loka_tune.tuner.prepare import StudyContext
-from loka_tune.tuner.results import constraint
+from loka_tune.tuner.results import ATTR_REFERENCE, constraint
 
-__all__ = ["TrialOutcome", "evaluate_config"]
+__all__ = ["TrialOutcome", "evaluate_config", "reference_seconds"]
 
 
 @dataclass
@@ -37,16 +37,56 @@ class TrialOutcome:
     eval_ne: float = math.nan
     eval_auc: float = math.nan
     measured_step_time_s: float = math.nan
+    mods_step_time_s: float = math.nan
+    speedup_vs_mods: float = math.nan
     reason: str = ""
     steps_run: int = 0
     wall_s: float = 0.0
+    step_losses: tuple[float, ...] = field(default=(), repr=False)  # the run's training loss per step (MLflow)
 
     def feasible(self, budget_pct: float) -> bool:
         return self.status == "ok" and constraint(self.rel_logloss_pct, budget_pct) <= 0
 
     def attrs(self) -> dict[str, Any]:
         """As trial attributes: non-finite floats become None."""
-        return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in asdict(self).items()}
+        return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in asdict(self).items()
+                if k != "step_losses"}
+
+
+def reference_seconds(ctx: StudyContext, mods: ModsConfig) -> float:
+    """Step (or forward) seconds of bf16 with ``mods``, in the objective's terms: the reference
+    of a trial's ``speedup_vs_mods``, so FP8 is never credited with the Mods' gain.
+
+    No Mods: the baseline's. Modeled: the cost model on a bf16 + Mods model. Measured: one
+    timing run in the study's regime per Mods set, shared by every trial (and worker) through
+    the study's user attribute ``loka.reference.<mods>``.
+    """
+    bl = ctx.baseline
+    if mods == ModsConfig():
+        return float(bl.step_time_s)
+    key = ATTR_REFERENCE + mods.short_str()
+    if key in ctx.references:
+        return ctx.references[key]
+    stored = ctx.study.user_attrs.get(key) if ctx.study is not None else None
+    if stored is not None:
+        ctx.references[key] = float(stored)
+        return float(stored)
+    cfg = ctx.cfg
+    if ctx.speed == "modeled" or cfg.objective.kind == "inference":
+        model, _ = trial_model(cfg, ctx.source, PrecisionConfig(mods=mods), device=ctx.device)
+        if ctx.speed == "modeled":
+            on_cpu = resolve_device(ctx.device) == "cpu"
+            batch = ctx.batch if on_cpu else _first_batch(ctx.source, cfg, ctx.device, max_rows=64)
+            t = modeled_seconds(model, batch, cfg, bl)
+        else:
+            t = measure_forward_seconds(model, _first_batch(ctx.source, cfg, ctx.device),
+                                        autocast=cfg.training.autocast)
+    else:
+        t = time_reference(cfg, ctx.source, ctx.device, mods)
+    ctx.references[key] = float(t)
+    if ctx.study is not None and ctx.speed != "modeled":  # modeled is cheap and deterministic: not stored
+        ctx.study.set_user_attr(key, float(t))
+    return float(t)
 
 
 def evaluate_config(ctx: StudyContext, config: PrecisionConfig, *,
@@ -91,13 +131,13 @@ def evaluate_config(ctx: StudyContext, config: PrecisionConfig, *,
     wall = time.perf_counter() - t0
     if res.status == "nonfinite":
         return TrialOutcome("failed", reason=f"non-finite loss at step {res.nonfinite_step}",
-                            steps_run=res.steps_run, wall_s=wall)
+                            steps_run=res.steps_run, wall_s=wall, step_losses=tuple(res.step_losses))
     if res.status == "pruned":
         last = res.loss_curve[-1] if res.loss_curve else math.nan
         base = base_curve.get(res.curve_steps[-1]) if res.curve_steps else None
         rel = (last - base) / base * 100 if base else math.nan
         return TrialOutcome("pruned", rel_logloss_pct=rel, steps_run=res.steps_run, wall_s=wall,
-                            reason="windowed loss hopeless vs the baseline")
+                            reason="windowed loss hopeless vs the baseline", step_losses=tuple(res.step_losses))
     if modeled is not None:
         t = modeled
     elif cfg.objective.kind == "inference":
@@ -105,7 +145,9 @@ def evaluate_config(ctx: StudyContext, config: PrecisionConfig, *,
     else:
         t = float(res.step_time_s)
     rel = relative_log_loss(res.eval_logloss, bl.logloss) * 100.0
+    ref = reference_seconds(ctx, config.mods)
     return TrialOutcome("ok", rel_logloss_pct=float(rel), step_time_s=float(t), speedup=float(bl.step_time_s / t),
+                        mods_step_time_s=ref, speedup_vs_mods=float(ref / t),
                         eval_logloss=float(res.eval_logloss), eval_ne=float(res.eval_ne),
                         eval_auc=float(res.eval_auc), measured_step_time_s=float(res.step_time_s),
-                        steps_run=res.steps_run, wall_s=wall)
+                        steps_run=res.steps_run, wall_s=wall, step_losses=tuple(res.step_losses))

@@ -1,0 +1,158 @@
+"""The confirmation stage: the search's best few configs, run again before one is exported.
+
+A trial is one short run on one seed; its speed-up and its loss carry that run's noise, and the
+search picks the luckiest of many. So after the search the best ``[confirm] n_best`` feasible
+configs (fastest first, one per config) are run again in the study's ``[regime]`` on every
+confirmation seed (at least two), each seed paired with bf16 on the same seed (its eval log
+loss: the baseline's run where it has that seed) and, for speed, with bf16 + the same Mods
+(measured: a timing run in the regime beside each config run; modeled: the cost model). The
+confirmed best is the fastest whose *mean* relative log loss over the seeds is within the
+budget; :func:`~loka_tune.tuner.results.export_best` exports it, with the claimed and the
+confirmed speed-ups and the loss's mean and spread in its provenance.
+
+The result is stored in the study's user attribute ``loka.confirmation``; running the stage
+again with the same candidates and seeds reuses it.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from typing import Any
+
+from loka_tune.config import PrecisionConfig
+from loka_tune.errors import BackendError, UnsupportedChoiceError
+from loka_tune.objectives.speed import measure_forward_seconds
+from loka_tune.tuner.baseline import modeled_seconds, time_reference
+from loka_tune.tuner.build import _first_batch, _log, _train, make_model, resolve_device, train_config
+from loka_tune.tuner.prepare import StudyContext
+from loka_tune.tuner.results import ATTR_CONFIRM, TrialRecord
+from loka_tune.tuner.trial import reference_seconds
+
+__all__ = ["confirm_best", "confirmation_candidates"]
+
+
+def confirmation_candidates(study: Any, n_best: int) -> list[Any]:
+    """The ``n_best`` fastest feasible completed trials, one per config (the first trial of each)."""
+    from optuna.trial import TrialState
+
+    ok = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+          if TrialRecord.of(t).feasible and t.value is not None]
+    ok.sort(key=lambda t: (t.value, TrialRecord.of(t).rel_logloss_pct or 0.0, t.number))
+    seen: set[str | None] = set()
+    out = []
+    for t in ok:
+        key = TrialRecord.of(t).config_key
+        if key in seen:
+            continue
+        seen.add(key)
+        out.append(t)
+        if len(out) == n_best:
+            break
+    return out
+
+
+def confirm_best(ctx: StudyContext, *, n_best: int | None = None,
+                 seeds: tuple[int, ...] | None = None) -> dict[str, Any] | None:
+    """Run the confirmation stage on a prepared study (see the module docstring); returns what
+    it stored (None when the study has no feasible trial)."""
+    cfg, study = ctx.cfg, ctx.study
+    n_best = n_best or cfg.confirm.n_best
+    seeds = tuple(seeds or cfg.confirm.seeds_for(tuple(cfg.training.seeds)))
+    cands = confirmation_candidates(study, n_best)
+    if not cands:
+        return None
+    numbers = [t.number for t in cands]
+    prior = study.user_attrs.get(ATTR_CONFIRM)
+    if prior and prior.get("trials") == numbers and prior.get("seeds") == list(seeds):
+        return dict(prior)
+    t0 = time.perf_counter()
+    _log(f"[loka-tune] confirming the best {len(cands)} configs (trials {numbers}) on seeds {list(seeds)},"
+         f" paired with bf16 + the same Mods ...")
+    rows = [_confirm_one(ctx, t, seeds) for t in cands]
+    budget = cfg.objective.budget_pct
+    feasible = [r for r in rows if r["feasible"]]
+    chosen = min(feasible, key=lambda r: (r["step_time_s"], r["rel_logloss_pct"], r["trial"])) if feasible else None
+    tcfg = train_config(cfg, device=ctx.device)
+    result = {"trials": numbers, "seeds": list(seeds), "budget_pct": budget, "speed_source": ctx.speed,
+              "regime": cfg.regime.describe(tcfg), "rows": rows,
+              "chosen": None if chosen is None else chosen["trial"], "wall_s": time.perf_counter() - t0}
+    study.set_user_attr(ATTR_CONFIRM, result)
+    what = ("none within the budget" if chosen is None else
+            f"trial {chosen['trial']}: {chosen['speedup_vs_mods']:.3f}x vs bf16 + same Mods (claimed"
+            f" {chosen['claimed_speedup_vs_mods']:.3f}x), rel. LL {chosen['rel_logloss_pct']:+.4f}%"
+            f" +- {chosen['rel_logloss_sd_pct'] or 0:.4f}")
+    _log(f"[loka-tune] confirmed: {what} ({result['wall_s']:.0f}s)")
+    return result
+
+
+def _bf16_logloss(ctx: StudyContext, seed: int) -> float:
+    """bf16's eval log loss on ``seed``: the baseline's run, else one bf16 run in the regime (cached)."""
+    bl = ctx.baseline
+    if seed in bl.seeds:
+        return float(bl.eval_logloss[bl.seeds.index(seed)])
+    key = f"bf16-logloss.{seed}"
+    if key not in ctx.references:
+        model = make_model(ctx.cfg, ctx.source, seed=seed)
+        from loka_tune.applier import apply
+
+        apply(model, PrecisionConfig())
+        res = _train(model, ctx.source, train_config(ctx.cfg, seed, device=ctx.device))
+        ctx.references[key] = float(res.eval_logloss)
+    return ctx.references[key]
+
+
+def _run_seed(ctx: StudyContext, config: PrecisionConfig, seed: int) -> dict[str, Any]:
+    """One confirmation run of ``config`` on ``seed`` (init and data order), with its references."""
+    from loka_tune.applier import apply
+    from loka_tune.objectives.metrics import relative_log_loss
+
+    cfg = ctx.cfg
+    model = make_model(cfg, ctx.source, seed=seed).to(resolve_device(ctx.device))
+    try:
+        apply(model, config)
+        res = _train(model, ctx.source, train_config(cfg, seed, device=ctx.device))
+    except (UnsupportedChoiceError, BackendError) as e:
+        return {"seed": seed, "status": "failed", "reason": f"unsupported: {e}"}
+    if res.status != "ok":
+        return {"seed": seed, "status": res.status, "reason": f"{res.status} at step {res.nonfinite_step}"}
+    if ctx.speed == "modeled":
+        on_cpu = resolve_device(ctx.device) == "cpu"
+        batch = ctx.batch if on_cpu else _first_batch(ctx.source, cfg, ctx.device, max_rows=64)
+        t, ref = modeled_seconds(model, batch, cfg, ctx.baseline), reference_seconds(ctx, config.mods)
+    elif cfg.objective.kind == "inference":  # a measured forward pass (the reference: bf16 + Mods' own)
+        t = measure_forward_seconds(model, _first_batch(ctx.source, cfg, ctx.device), autocast=cfg.training.autocast)
+        ref = reference_seconds(ctx, config.mods)
+    else:  # paired: bf16 + the same Mods timed on the same seed, right beside the config's run
+        t, ref = float(res.step_time_s), time_reference(cfg, ctx.source, ctx.device, config.mods, seed=seed)
+    rel = relative_log_loss(res.eval_logloss, _bf16_logloss(ctx, seed)) * 100.0
+    return {"seed": seed, "status": "ok", "rel_logloss_pct": float(rel), "eval_logloss": float(res.eval_logloss),
+            "step_time_s": float(t), "ref_step_time_s": float(ref), "measured_step_time_s": float(res.step_time_s)}
+
+
+def _confirm_one(ctx: StudyContext, trial: Any, seeds: tuple[int, ...]) -> dict[str, Any]:
+    r = TrialRecord.of(trial)
+    config = PrecisionConfig.from_dict(r.config)
+    runs = [_run_seed(ctx, config, s) for s in seeds]
+    ok = [x for x in runs if x["status"] == "ok"]
+    row: dict[str, Any] = {"trial": trial.number, "config_key": r.config_key, "mods": config.mods.short_str(),
+                           "claimed_speedup_vs_mods": r.speedup_vs_mods, "claimed_speedup": r.speedup,
+                           "claimed_rel_logloss_pct": r.rel_logloss_pct, "runs": runs}
+    if len(ok) < len(runs):
+        bad = next(x for x in runs if x["status"] != "ok")
+        row.update(feasible=False, reason=f"seed {bad['seed']}: {bad['reason']}", step_time_s=None,
+                   rel_logloss_pct=None, rel_logloss_sd_pct=None, speedup_vs_mods=None, speedup=None)
+        return row
+    rels = [x["rel_logloss_pct"] for x in ok]
+    t = statistics.median(x["step_time_s"] for x in ok)
+    ref = statistics.median(x["ref_step_time_s"] for x in ok)
+    mean = statistics.fmean(rels)
+    row.update(step_time_s=t, ref_step_time_s=ref, speedup_vs_mods=ref / t,
+               speedup=ctx.baseline.step_time_s / t, rel_logloss_pct=mean,
+               rel_logloss_sd_pct=statistics.stdev(rels) if len(rels) > 1 else None,
+               feasible=mean <= ctx.cfg.objective.budget_pct)
+    _log(f"[loka-tune]   trial {trial.number}: {row['speedup_vs_mods']:.3f}x vs bf16 + same Mods (claimed"
+         f" {r.speedup_vs_mods or math.nan:.3f}x), rel. LL {mean:+.4f}% over seeds {list(seeds)}"
+         f" ({'feasible' if row['feasible'] else 'over budget'})")
+    return row

@@ -1,0 +1,127 @@
+"""Two study-file tables about what a study's answer is worth: ``[regime]`` and ``[confirm]``.
+
+``[regime]`` says how the exported config will train in production, and every timed run of
+the study (baselines, trials, the confirmation) times its steps exactly that way, so that a
+trial's speed-up is the one the user will get::
+
+    [regime]
+    compile = "auto"       # "auto": torch.compile on CUDA, eager on a CPU; or true / false
+    cuda_graphs = false    # capture each whole step in one CUDA graph (CUDA only; the trainer's cuda_graphs)
+    batch_size = 0         # the production batch size (0: training.batch_size)
+    autocast = ""          # "auto", "bf16" or "off" ("": training.autocast)
+
+They override ``[training]``'s ``compile``, ``cuda_graphs``, ``batch_size`` and ``autocast``.
+A compiled run keeps at least :data:`COMPILE_WARMUP` warm-up steps out of the step-time
+median (compilation is never timed); each compiled run starts from a reset dynamo and reuses
+inductor's on-disk graph cache (in ``<output_dir>/inductor_cache``), so trials of one model
+recompile cheaply.
+
+``[confirm]``: after the search, the best ``n_best`` feasible configs are run again in the
+regime on ``seeds`` (default ``training.seeds``; at least two), paired against bf16 with the
+same Mods, and the export takes the fastest one whose mean relative log loss is within the
+budget (:mod:`loka_tune.tuner.confirm`)::
+
+    [confirm]
+    enabled = true
+    n_best = 3
+    seeds = []             # default: training.seeds (one seed s gives [s, s + 1])
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+from loka_tune._toml import Table
+from loka_tune.errors import ConfigError
+
+if TYPE_CHECKING:
+    from loka_tune.objectives.trainer import TrainConfig
+
+__all__ = ["RegimeSection", "ConfirmSection", "COMPILE_WARMUP"]
+
+COMPILE_WARMUP = 3  # steps: compilation (forward, then backward on the first step) and a settled allocator
+_AUTOCASTS = ("auto", "bf16", "off")
+
+
+@dataclass(frozen=True)
+class RegimeSection:
+    """How the config will train in production (see the module docstring)."""
+
+    compile: bool | str = "auto"
+    cuda_graphs: bool = False
+    batch_size: int = 0
+    autocast: str = ""
+
+    @classmethod
+    def from_table(cls, t: Table, where: Any) -> RegimeSection:
+        d = cls()
+        comp = t.get("compile", d.compile)
+        if comp not in (True, False, "auto"):
+            raise ConfigError(f"got {comp!r}; use \"auto\" (compiled on CUDA), true or false", key="regime.compile")
+        autocast = t.string("autocast", d.autocast)
+        if autocast and autocast not in _AUTOCASTS:
+            raise ConfigError(f"got {autocast!r}; choose one of {', '.join(map(repr, _AUTOCASTS))}"
+                              " (or leave it out: training.autocast)", key="regime.autocast")
+        regime = cls(compile=comp, cuda_graphs=t.boolean("cuda_graphs", d.cuda_graphs),
+                     batch_size=t.integer("batch_size", d.batch_size, minimum=0), autocast=autocast)
+        t.done()
+        return regime
+
+    def compiled(self, device: str, default: bool = False) -> bool:
+        """Whether runs on ``device`` are compiled ("auto": on CUDA; ``default`` elsewhere)."""
+        if self.compile == "auto":
+            return device.startswith("cuda") or default
+        return bool(self.compile)
+
+    def apply(self, tcfg: TrainConfig, device: str | None = None) -> TrainConfig:
+        """``tcfg`` in the production regime; ``device``: where it runs (default ``tcfg.device``;
+        give the resolved one when that is "auto")."""
+        device = device or tcfg.device
+        on_cuda = device.startswith("cuda")
+        if self.cuda_graphs and not on_cuda:
+            raise ConfigError(f"got cuda_graphs = true on device {device!r}: CUDA graphs need a GPU; run"
+                              " with --device cuda or set [regime] cuda_graphs = false", key="regime.cuda_graphs")
+        comp = self.compiled(device, tcfg.compile)
+        out = replace(tcfg, compile=comp, cuda_graphs=self.cuda_graphs or tcfg.cuda_graphs,
+                      batch_size=self.batch_size or tcfg.batch_size, autocast=self.autocast or tcfg.autocast)
+        if comp and out.warmup_steps < COMPILE_WARMUP:
+            out = replace(out, warmup_steps=min(COMPILE_WARMUP, out.steps - 1))
+        return out
+
+    def describe(self, tcfg: TrainConfig) -> dict[str, Any]:
+        """The regime a run config stands for (for records, provenance and MLflow)."""
+        return {"compile": tcfg.compile, "cuda_graphs": tcfg.cuda_graphs, "batch_size": tcfg.batch_size,
+                "autocast": tcfg.autocast, "device": tcfg.device}
+
+
+@dataclass(frozen=True)
+class ConfirmSection:
+    """The confirmation stage (see the module docstring)."""
+
+    enabled: bool = True
+    n_best: int = 3
+    seeds: tuple[int, ...] = ()
+
+    @classmethod
+    def from_table(cls, t: Table, where: Any) -> ConfirmSection:
+        d = cls()
+        seeds = t.get("seeds", list(d.seeds))
+        if (not isinstance(seeds, list)
+                or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in seeds)):
+            raise ConfigError(f"got {seeds!r}; expected a list of integer seeds >= 0, e.g. [0, 1]", key="confirm.seeds")
+        if len(seeds) == 1 or len(set(seeds)) != len(seeds):
+            raise ConfigError(f"got {seeds!r}; give at least two distinct seeds (or [] for training.seeds)",
+                              key="confirm.seeds")
+        confirm = cls(enabled=t.boolean("enabled", d.enabled), n_best=t.integer("n_best", d.n_best, minimum=1),
+                      seeds=tuple(seeds))
+        t.done()
+        return confirm
+
+    def seeds_for(self, training_seeds: tuple[int, ...]) -> tuple[int, ...]:
+        """The confirmation's seeds: its own, else the training seeds (one seed s: s and s + 1)."""
+        if self.seeds:
+            return self.seeds
+        if len(training_seeds) >= 2:
+            return tuple(training_seeds)
+        return (training_seeds[0], training_seeds[0] + 1)
