@@ -17,6 +17,11 @@ machine, ``postgresql://`` across machines). The first one computes the baseline
 space and stores them in the study's user attributes; the others (and every resume) reuse
 them. Heartbeats mark a killed worker's trial failed and re-queue it; a configuration is
 evaluated once (trials carry their config key; a repeated key copies the earlier result).
+
+Interruption: Ctrl-C (SIGINT) or SIGTERM during a trial fails that trial (reason "interrupted"),
+re-queues its configuration, ends its MLflow run and the study's as KILLED and re-raises
+``KeyboardInterrupt`` (``loka-tune`` exits 130); the next run resumes without waiting on it.
+Trial numbers are Optuna's, from 0, everywhere (progress lines, leaderboard, MLflow, export).
 """
 
 from __future__ import annotations
@@ -33,7 +38,14 @@ from typing import Any
 
 from loka_tune.config import PrecisionConfig
 from loka_tune.space.encode import config_from_params, distributions
-from loka_tune.tuner._workers import _fail_stale, _find_duplicate, _Heartbeat, _n_counted, _wait_for
+from loka_tune.tuner._workers import (
+    _fail_stale,
+    _find_duplicate,
+    _Heartbeat,
+    _n_counted,
+    _sigterm_as_interrupt,
+    _wait_for,
+)
 from loka_tune.tuner.build import _log, resolve_device
 from loka_tune.tuner.optuna_setup import make_storage, open_study, set_constraint
 from loka_tune.tuner.prepare import StudyContext, prepare_study
@@ -51,8 +63,6 @@ def run_study(cfg: StudyConfig, *, device: str | None = None, storage_url: str |
               progress: bool = True) -> Any:
     """Run (or join, or resume) the study: prepare it, then ask/evaluate/tell until the trial
     budget is spent. Returns the Optuna study. Safe to run in several processes at once."""
-    import optuna
-
     dev = resolve_device(device or cfg.training.device)
     storage = make_storage(cfg, storage_url)
     study = open_study(cfg, storage, worker_index=worker_index)
@@ -61,7 +71,24 @@ def run_study(cfg: StudyConfig, *, device: str | None = None, storage_url: str |
     tracker = None
     if tracking is not False and cfg.tracking.enabled is not False:
         tracker = Tracker.for_study(cfg, study, required=(cfg.tracking.enabled is True or tracking is True))
-    ctx = prepare_study(cfg, study, device=dev, force=force, tracker=tracker)
+    with _sigterm_as_interrupt():
+        try:
+            ctx = prepare_study(cfg, study, device=dev, force=force, tracker=tracker)
+            _trials(ctx, study, storage, tracker, n_total=n_total, timeout=timeout, worker_id=worker_id,
+                    progress=progress)
+        except KeyboardInterrupt:
+            if tracker is not None:
+                tracker.interrupted()
+            raise
+    return study
+
+
+def _trials(ctx: StudyContext, study: Any, storage: Any, tracker: Tracker | None, *, n_total: int | None,
+            timeout: float | None, worker_id: str | None, progress: bool) -> None:
+    """Ask, evaluate and tell trials until ``n_total`` count (or ``timeout`` seconds pass)."""
+    import optuna
+
+    cfg = ctx.cfg
     dists = distributions(ctx.space)
     budget = cfg.objective.budget_pct
     t_start = time.time()
@@ -84,6 +111,9 @@ def run_study(cfg: StudyConfig, *, device: str | None = None, storage_url: str |
             # the first beat is recorded on entering (see _fail_stale for the gap before it)
             with _Heartbeat(storage, trial._trial_id, cfg.storage.heartbeat_s):
                 end = _one_trial(ctx, study, trial, worker, budget)
+        except KeyboardInterrupt:
+            _tell_interrupted(ctx, study, trial, tracker)
+            raise
         except optuna.exceptions.UpdateFinishedTrialError:
             # another worker saw this trial's heartbeat go stale (this process was stalled for
             # longer than [storage] grace_s), failed it and re-queued its configuration: drop
@@ -97,7 +127,6 @@ def run_study(cfg: StudyConfig, *, device: str | None = None, storage_url: str |
             _log(_progress_line(ctx, trial.number, n_total, end.attrs, end.state))
     if tracker is not None:
         tracker.finish(ctx)
-    return study
 
 
 @dataclass(frozen=True)
@@ -129,6 +158,28 @@ def _one_trial(ctx: StudyContext, study: Any, trial: Any, worker: str, budget: f
     else:
         state, attrs = _tell_evaluated(ctx, study, trial, config, budget)
     return _TrialEnd(state, attrs, params, config)
+
+
+def _tell_interrupted(ctx: StudyContext, study: Any, trial: Any, tracker: Tracker | None) -> None:
+    """A trial stopped by Ctrl-C / SIGTERM: FAIL it (not counted: no ``fail_reason``), queue its
+    configuration again for the next run, and end its MLflow run as KILLED. Best effort: nothing
+    here may hide the interrupt."""
+    from optuna.trial import TrialState
+
+    params = dict(trial.params)
+    attrs = {"status": "failed", "reason": "interrupted (Ctrl-C or SIGTERM); re-queued"}
+    try:
+        seeded = trial.user_attrs.get("seeded")
+        for k, v in attrs.items():
+            trial.set_user_attr(k, v)
+        study.tell(trial, state=TrialState.FAIL)
+        study.enqueue_trial(params, user_attrs={"seeded": seeded} if seeded else None)
+        _log(f"[loka-tune] trial {trial.number}: interrupted; marked failed, its configuration re-queued")
+        if tracker is not None:
+            tracker.log_trial(trial.number, params, config_from_params(ctx.space, params), attrs, "FAIL", ctx,
+                              run_status="KILLED")
+    except Exception as e:  # noqa: BLE001 - report and let the interrupt through
+        _log(f"[loka-tune] trial {trial.number}: interrupted; could not record it ({e})")
 
 
 def _tell_copy(study: Any, trial: Any, dup: Any, budget: float) -> tuple[str, dict[str, Any]]:
@@ -174,7 +225,11 @@ def _tell_evaluated(ctx: StudyContext, study: Any, trial: Any, config: Precision
 
 def _progress_line(ctx: StudyContext, number: int, n_total: int | None, attrs: Mapping[str, Any],
                    state: str) -> str:
-    done = [t for t in ctx.study.get_trials(deepcopy=False) if t.state.name in STATES_DONE]
+    """``trial <Optuna number, from 0> (<counted>/<n_trials> done)``: the trial number is the one the
+    leaderboard, MLflow and the export show; the count is of the trials that count toward
+    ``n_trials`` (a re-queued trial of a dead or interrupted run takes a new number)."""
+    trials = ctx.study.get_trials(deepcopy=False)
+    done = [t for t in trials if t.state.name in STATES_DONE]
     feasible = sum(1 for t in done if TrialRecord.of(t).feasible)
     b = best_trial(ctx.study, raise_if_none=False)
     best_s = f"{TrialRecord.of(b).speedup:.3f}x" if b is not None else "-"
@@ -183,6 +238,7 @@ def _progress_line(ctx: StudyContext, number: int, n_total: int | None, attrs: M
     tag = " (cache)" if r.cache_hit else ""
     what = (f"rel.LL {rel:+.4f}%  speed-up {sp:.3f}x" if state == "COMPLETE" and rel is not None and sp is not None
             else f"{state.lower()}: {r.fail_reason or r.reason or ''}")
-    of_total = f"/{n_total}" if n_total else ""
-    return (f"[loka-tune] trial {number + 1}{of_total}  {what}{tag}  | best {best_s} ({ctx.speed})"
+    counted = _n_counted(trials)[0]
+    of_total = f" ({counted}/{n_total} done)" if n_total else f" ({counted} done)"
+    return (f"[loka-tune] trial {number}{of_total}  {what}{tag}  | best {best_s} ({ctx.speed})"
             f"  feasible {feasible}/{len(done)}")
