@@ -350,3 +350,28 @@ def test_speed_row_scale_prices_the_production_batch(gauss_stats: ProbeStats) ->
     assert g[k].speedup > b[k].speedup  # FP8 pays off with more rows (cost model)
     with pytest.raises(ProbeError, match="speed_row_scale"):
         measure(gauss_stats, ["e4m3.row.emulated"], samples=1, speed_row_scale=0)
+
+
+def test_a_linear_called_twice_per_step_is_priced_at_both_calls_rows() -> None:
+    """As the tuner's cost model (``discover_sites`` sums the rows of every call): the probe's
+    speed of a Linear used twice is that of its two calls' rows, not of one call."""
+
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.shared, self.once = nn.Linear(32, 32), nn.Linear(32, 32)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.once(self.shared(torch.relu(self.shared(x))))
+
+    torch.manual_seed(0)
+    model = Twice()
+    with Probe(model, every=1) as p:
+        for _ in range(3):
+            model(torch.randn(64, 32)).square().mean().backward()
+    stats = p.stats
+    rep = measure(stats, ["e4m3.row.emulated"], samples=1, speed_model=RooflineSpeed(), speed_row_scale=2.0)
+    shape = {(r.site, r.role): (r.m, r.k, r.n) for r in rep.results if r.choice == "e4m3.row.emulated"}
+    assert shape[("shared", "fwd")] == (2 * 64 * 2, 32, 32)  # two calls of 64 rows, priced at twice the batch
+    assert shape[("once", "fwd")] == (64 * 2, 32, 32)
+    assert shape[("shared", "wgrad")] == (32, 2 * 64 * 2, 32)  # wgrad reduces over the rows
