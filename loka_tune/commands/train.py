@@ -119,7 +119,8 @@ def format_table(d: dict[str, Any]) -> str:
         ("status", f"{d['status']}  ({d['steps_run']} steps"
                    + (f", non-finite at step {d['nonfinite_step']}" if d["nonfinite_step"] is not None else "")
                    + ")"),
-        ("train loss", f"{_fmt(d['train_logloss'], '.4f')}  (mean of the last window)"),
+        ("train loss", f"{_fmt(d['train_logloss'], '.4f')}  (mean of the last"
+                       f" {min(d['config']['window'], d['steps_run'])} steps)"),
         ("eval logloss", f"{_fmt(d['eval_logloss'], '.4f')}  ({d['eval_count']:,} examples, "
                          f"ctr {_fmt(d['eval_ctr'], '.3f')})"),
         ("eval NE", _fmt(d["eval_ne"], ".4f")),
@@ -155,6 +156,19 @@ def default_schedule(source: Any, batch_size: int | None, steps: int | None) -> 
     return batch_size, steps
 
 
+def epochs_warning(source: Any, batch_size: int, steps: int) -> str | None:
+    """A warning when ``steps`` batches make more than one pass over a file source's training rows."""
+    rows = getattr(source, "num_train_rows", None)
+    if not rows:
+        return None
+    epochs = steps * batch_size / rows
+    if epochs <= 1.5:
+        return None
+    one = max(1, math.ceil(rows / batch_size))
+    return (f"warning: --steps {steps} at batch {batch_size} is {epochs:.1f} epochs over the {rows:,} training"
+            f" rows: a short run on a small sample overfits (held-out NE goes up); one epoch is {one} steps")
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -165,6 +179,9 @@ def run(args: argparse.Namespace) -> int:
 
     source = parse_data_spec(args.data)
     batch_size, steps = default_schedule(source, args.batch_size, args.steps)
+    warning = epochs_warning(source, batch_size, steps)
+    if warning is not None:
+        print(f"loka-tune train: {warning}", file=sys.stderr)
     cfg = TrainConfig(
         steps=steps,
         batch_size=batch_size,
