@@ -18,6 +18,9 @@ spent. Prints one line per trial to stderr; results live in the study's output d
 (runs/<name>/: optuna.db, mlflow.db, plots).
 
 Resume: run the same command again; completed trials are kept and never re-run.
+Ctrl-C (or SIGTERM) marks the running trial failed ("interrupted", not counted), queues its
+configuration again, ends its MLflow run and the study's as KILLED and exits with status 130.
+Trial numbers are Optuna's, from 0, in the progress lines as in report, export and MLflow.
 Several workers (one per GPU, or across machines) share one study through its storage:
   loka-tune tune study.toml --workers 4                       # 4 local processes (SQLite)
   loka-tune tune study.toml --storage postgresql://user:pw@db-host:5432/loka   # on each machine
