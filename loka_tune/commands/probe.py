@@ -116,7 +116,8 @@ def run(args: argparse.Namespace) -> int:
     source = parse_data_spec(args.data)
     torch.manual_seed(args.seed)
     model = build_model(args.model, args.preset, num_dense=source.num_dense,
-                        cardinalities=list(source.cardinalities), **dict(args.model_arg))
+                        cardinalities=list(source.cardinalities), base_rate=getattr(source, "base_rate", None),
+                        **dict(args.model_arg))
     args.out.mkdir(parents=True, exist_ok=True)
     if args.stats is not None:
         stats = ProbeStats.load(args.stats, model=model)

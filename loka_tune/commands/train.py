@@ -40,7 +40,10 @@ examples:
       --steps 2000 --batch-size 1024 --config best.json --json metrics.json --no-progress
 
 On a small sample, train about one epoch or it overfits (held-out NE > 1): without --steps
-and --batch-size that is what happens (e.g. 1,605 Criteo training rows: batch 16, 101 steps).
+and --batch-size that is what happens (e.g. 1,605 Criteo training rows: batch 16, 101 steps);
+a --steps of more than 1.5 epochs of a file's training rows gets a warning on stderr.
+The prediction head's bias starts at logit(the data's base rate): the model starts out
+predicting the click rate of the training rows.
 """
 
 
@@ -206,6 +209,7 @@ def run(args: argparse.Namespace) -> int:
     model = build_model(
         args.model, args.preset,
         num_dense=source.num_dense, cardinalities=list(source.cardinalities),
+        base_rate=getattr(source, "base_rate", None),  # the head's bias starts at logit(base rate)
         **dict(args.model_arg),
     )
     if args.config is not None:
