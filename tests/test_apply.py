@@ -260,7 +260,7 @@ def test_unsupported_choice_strict_and_fallback(cuda_only_backend) -> None:  # t
 
 def test_missing_gpu_backend_strict_and_fallback() -> None:
     if "fbgemm_gpu" in sys.modules or torch.cuda.is_available():
-        pytest.skip("needs a machine without fbgemm / CUDA")
+        pytest.skip("checks the error without a GPU backend; fbgemm_gpu or a CUDA GPU is present")
     cfg = PrecisionConfig.from_sites({"token": "e4m3.row.fbgemm"})
     with pytest.raises(UnsupportedChoiceError) as ei:
         apply(_toy(), cfg)

@@ -176,3 +176,25 @@ def test_default_schedule_is_one_epoch_on_small_files_and_300_steps_otherwise():
     assert default_schedule(SimpleNamespace(num_train_rows=10_000_000), None, None) == (256, 300)
     assert default_schedule(SimpleNamespace(num_train_rows=1605), 32, None) == (32, 51)
     assert default_schedule(SimpleNamespace(num_train_rows=1605), None, 7) == (16, 7)
+
+
+def test_train_loss_is_a_full_window_mean_and_says_over_how_many_steps(tmp_path, capsys):
+    out = tmp_path / "o.json"
+    argv = ["train", "--model", "dlrm", "--data", "synthetic:num_sparse=3,cardinality=100,eval_examples=256",
+            "--steps", "12", "--window", "5", "--no-progress", "--json", str(out)]
+    code, stdout, stderr = run_cli(argv, capsys)
+    assert code == 0, stderr
+    d = json.loads(out.read_text())
+    assert d["curve_steps"] == [5, 10, 12]  # the last curve point covers the 2 leftover steps only
+    assert d["train_logloss"] != d["loss_curve"][-1]  # ... while the train loss is the last 5 steps' mean
+    assert "(mean of the last 5 steps)" in stdout
+
+
+def test_steps_over_several_epochs_of_a_small_file_warn(shared_data, tmp_path, capsys):
+    data = f"criteo:{shared_data / 'criteo_kaggle_head1k_truncated_rows.tsv'}"
+    base = ["train", "--model", "dlrm", "--data", data, "--batch-size", "256", "--no-progress"]
+    code, _, stderr = run_cli(base + ["--steps", "8"], capsys)  # 8 x 256 rows: about 2.5 passes
+    assert code == 0, stderr
+    assert "epochs over the" in stderr and "overfits" in stderr and "one epoch is" in stderr
+    code, _, stderr = run_cli(base + ["--steps", "2"], capsys)  # under one epoch: quiet
+    assert code == 0 and "epochs" not in stderr

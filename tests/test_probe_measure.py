@@ -370,3 +370,28 @@ def test_price_first_measures_only_the_fast_and_the_space_drops_the_rest(gauss_s
     assert sc.dropped["fwd"]["e4m3.tensor.emulated"].startswith("slow:")
     # without the skipped list an unmeasured candidate is kept (the old rule)
     assert prune_by_probe(space, cheap.results, max_error=10.0).sites[0].choices["fwd"] == ("bf16", *cands)
+
+
+def test_a_linear_called_twice_per_step_is_priced_at_both_calls_rows() -> None:
+    """As the tuner's cost model (``discover_sites`` sums the rows of every call): the probe's
+    speed of a Linear used twice is that of its two calls' rows, not of one call."""
+
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.shared, self.once = nn.Linear(32, 32), nn.Linear(32, 32)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.once(self.shared(torch.relu(self.shared(x))))
+
+    torch.manual_seed(0)
+    model = Twice()
+    with Probe(model, every=1) as p:
+        for _ in range(3):
+            model(torch.randn(64, 32)).square().mean().backward()
+    stats = p.stats
+    rep = measure(stats, ["e4m3.row.emulated"], samples=1, speed_model=RooflineSpeed(), speed_row_scale=2.0)
+    shape = {(r.site, r.role): (r.m, r.k, r.n) for r in rep.results if r.choice == "e4m3.row.emulated"}
+    assert shape[("shared", "fwd")] == (2 * 64 * 2, 32, 32)  # two calls of 64 rows, priced at twice the batch
+    assert shape[("once", "fwd")] == (64 * 2, 32, 32)
+    assert shape[("shared", "wgrad")] == (32, 2 * 64 * 2, 32)  # wgrad reduces over the rows

@@ -274,7 +274,8 @@ def test_train_config_is_the_one_built_before_the_training_section_held_it(studi
         before = TrainConfig(steps=t.steps, batch_size=t.batch_size, lr_dense=t.lr_dense, lr_sparse=t.lr_sparse,
                              seed=t.seed if seed is None else seed, eval_batches=t.eval_batches,
                              eval_batch_size=t.eval_batch_size, window=t.window, warmup_steps=t.warmup_steps,
-                             device=device or t.device, autocast=t.autocast, compile=t.compile)
+                             device=device or t.device, autocast=t.autocast, compile=t.compile,
+                             cpu_threads=t.cpu_threads)  # newer than that builder; quickstart.toml sets it
         # ... then put in the study's production [regime] (issue 13): on a CPU, without a
         # [regime] table, that changes nothing
         from loka_tune.tuner.build import resolve_device

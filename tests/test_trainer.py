@@ -157,7 +157,10 @@ def test_learns_and_reports_consistent_metrics():
     assert res.eval_count == 1024
     # curve entries are the exact window means of the per-step losses
     assert res.loss_curve[1] == pytest.approx(float(np.mean(res.step_losses[20:40])), rel=1e-12)
-    assert res.curve_steps[:2] == (20, 40) and res.train_logloss == res.loss_curve[-1]
+    assert res.curve_steps[:2] == (20, 40) and res.curve_steps[-1] == 150  # the last window: 10 steps
+    # the reported train loss is a full window's mean (the last 20 steps), not the 10-step leftover
+    assert res.train_logloss == pytest.approx(float(np.mean(res.step_losses[-20:])), rel=1e-12)
+    assert res.train_logloss != res.loss_curve[-1]
     # eval metrics agree with recomputing them from the trained model's logits
     d, s, y = src.eval_rows
     with torch.no_grad():

@@ -120,7 +120,8 @@ def run(args: argparse.Namespace) -> int:
     source = parse_data_spec(args.data)
     torch.manual_seed(args.seed)
     model = build_model(args.model, args.preset, num_dense=source.num_dense,
-                        cardinalities=list(source.cardinalities), **dict(args.model_arg))
+                        cardinalities=list(source.cardinalities), base_rate=getattr(source, "base_rate", None),
+                        **dict(args.model_arg))
     try:
         args.out.mkdir(parents=True, exist_ok=True)
     except OSError as e:

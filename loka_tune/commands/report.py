@@ -80,6 +80,14 @@ def run(args: argparse.Namespace) -> int:
     from loka_tune.tuner.results import ATTR_BASELINE, ATTR_SPACE, ATTR_STUDY, leaderboard
 
     cfg, study = open_existing(args.study, args.storage)
+    if ATTR_BASELINE not in study.user_attrs:  # never prepared: no baseline, no space, no trials
+        from loka_tune.tuner.prepare import ATTR_PREPARE_FAILED
+
+        why = study.user_attrs.get(ATTR_PREPARE_FAILED)
+        what = f"its preparation failed ({why})" if why else "its preparation never finished"
+        print(f"loka-tune report: study {study.study_name!r} has no results: {what}. Fix that and run"
+              f" `loka-tune tune {args.study}` again.", file=sys.stderr)
+        return 1
     rows = leaderboard(study)
     for r in rows:
         r.setdefault("cached_from", None)

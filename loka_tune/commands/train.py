@@ -46,7 +46,10 @@ examples:
       --steps 2000 --batch-size 1024 --config best.json --json metrics.json --no-progress
 
 On a small sample, train about one epoch or it overfits (held-out NE > 1): without --steps
-and --batch-size that is what happens (e.g. 1,605 Criteo training rows: batch 16, 101 steps).
+and --batch-size that is what happens (e.g. 1,605 Criteo training rows: batch 16, 101 steps);
+a --steps of more than 1.5 epochs of a file's training rows gets a warning on stderr.
+The prediction head's bias starts at logit(the data's base rate): the model starts out
+predicting the click rate of the training rows.
 """
 
 
@@ -134,7 +137,8 @@ def format_table(d: dict[str, Any]) -> str:
         ("status", f"{d['status']}  ({d['steps_run']} steps"
                    + (f", non-finite at step {d['nonfinite_step']}" if d["nonfinite_step"] is not None else "")
                    + ")"),
-        ("train loss", f"{_fmt(d['train_logloss'], '.4f')}  (mean of the last window)"),
+        ("train loss", f"{_fmt(d['train_logloss'], '.4f')}  (mean of the last"
+                       f" {min(d['config']['window'], d['steps_run'])} steps)"),
         ("eval logloss", f"{_fmt(d['eval_logloss'], '.4f')}  ({d['eval_count']:,} examples, "
                          f"ctr {_fmt(d['eval_ctr'], '.3f')})"),
         ("eval NE", _fmt(d["eval_ne"], ".4f")),
@@ -210,7 +214,22 @@ def _build(spec: dict[str, Any], source: Any) -> Any:
 
         return call_model_factory(spec["model"], num_dense, cards, spec["overrides"], key="--config")
     overrides: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in spec["overrides"].items()}
-    return build_model(spec["model"], spec["preset"], num_dense=num_dense, cardinalities=cards, **overrides)
+    return build_model(spec["model"], spec["preset"], num_dense=num_dense, cardinalities=cards,
+                       base_rate=getattr(source, "base_rate", None),  # the head's bias starts at logit(base rate)
+                       **overrides)
+
+
+def epochs_warning(source: Any, batch_size: int, steps: int) -> str | None:
+    """A warning when ``steps`` batches make more than one pass over a file source's training rows."""
+    rows = getattr(source, "num_train_rows", None)
+    if not rows:
+        return None
+    epochs = steps * batch_size / rows
+    if epochs <= 1.5:
+        return None
+    one = max(1, math.ceil(rows / batch_size))
+    return (f"warning: --steps {steps} at batch {batch_size} is {epochs:.1f} epochs over the {rows:,} training"
+            f" rows: a short run on a small sample overfits (held-out NE goes up); one epoch is {one} steps")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -242,6 +261,9 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"got a global batch of {batch_size} for {args.nproc} processes; it must split evenly:"
                               f" pass --batch-size as a multiple of {args.nproc}", key="--batch-size")
         return launch(args.nproc, ["-m", "loka_tune", *strip_nproc(args._argv)])
+    warning = epochs_warning(source, batch_size, steps)
+    if warning is not None and main_rank:
+        print(f"loka-tune train: {warning}", file=sys.stderr)
     cfg = TrainConfig(
         steps=steps,
         batch_size=batch_size,

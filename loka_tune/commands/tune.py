@@ -24,6 +24,9 @@ study remembers the settings it was made with ([model], [data], [training], [obj
 [space], [probe]); after an edit of those, tune stops and says what changed: --fresh starts
 over (deletes the stored study), --resume-anyway goes on with the stored baseline, space and
 trials. [trials] (e.g. a larger n_trials), [storage] and [tracking] may change freely.
+Ctrl-C (or SIGTERM) marks the running trial failed ("interrupted", not counted), queues its
+configuration again, ends its MLflow run and the study's as KILLED and exits with status 130.
+Trial numbers are Optuna's, from 0, in the progress lines as in report, export and MLflow.
 Several workers (one per GPU, or across machines) share one study through its storage:
   loka-tune tune study.toml --workers 4                       # 4 local processes (SQLite)
   loka-tune tune study.toml --storage postgresql://user:pw@db-host:5432/loka   # on each machine

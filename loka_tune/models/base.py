@@ -109,6 +109,22 @@ class RecModel(nn.Module):
                 f"dense and sparse batch sizes differ: {dense.shape[0]} vs {sparse.shape[0]}"
             )
 
+    def init_output_bias(self, base_rate: float) -> None:
+        """Set the prediction head's bias to ``logit(base_rate)``: the model starts out predicting
+        the training data's click rate instead of 0.5 (standard for CTR models; on skewed data,
+        e.g. 2% positives, a head at 0 spends its first steps only learning the base rate, and a
+        tiny model may not get past it). ``base_rate`` is clipped to [1e-4, 1 - 1e-4]."""
+        if isinstance(base_rate, bool) or not isinstance(base_rate, numbers.Real) or not 0.0 <= base_rate <= 1.0:
+            raise ConfigError(f"must be a click rate in [0, 1], got {base_rate!r}: pass the data source's"
+                              " base_rate (its training mean label)", key="base_rate")
+        head = self.get_submodule(self.prediction_head)
+        if not isinstance(head, nn.Linear) or head.bias is None or head.out_features != 1:
+            raise ConfigError(f"{type(self).__name__}.prediction_head {self.prediction_head!r} is not an"
+                              " nn.Linear(..., 1) with a bias", key="prediction_head")
+        p = min(max(float(base_rate), 1e-4), 1.0 - 1e-4)
+        with torch.no_grad():
+            head.bias.fill_(math.log(p / (1.0 - p)))
+
     def forward_batch(self, batch: Any) -> torch.Tensor:
         """Logits (B,) for a :class:`loka_tune.data.base.Batch`, called as :func:`model_inputs` says."""
         from loka_tune.data.base import model_inputs

@@ -300,13 +300,19 @@ def build_model(
     *,
     num_dense: int,
     cardinalities: Sequence[int],
+    base_rate: float | None = None,
     **overrides: Any,
 ) -> Any:
     """Build model ``name`` from ``preset``, with ``overrides`` replacing preset entries.
 
+    ``base_rate``: the training data's click rate (a data source's ``base_rate``); when given,
+    the prediction head's bias starts at ``logit(base_rate)`` (:meth:`RecModel.init_output_bias`),
+    so that the model starts at the base rate. The trainer's callers pass it (``loka-tune
+    train``/``probe``, every study run); None leaves the head's default init.
+
     Raises :class:`ConfigError` for an unknown name, preset or override key (listing the valid
     choices) and for invalid values. Parameter init is deterministic under
-    ``torch.manual_seed``.
+    ``torch.manual_seed`` (the bias init draws no random numbers).
     """
     from loka_tune.models.base import check_inputs_spec
 
@@ -321,7 +327,10 @@ def build_model(
                 key=key,
             )
     hparams.update(overrides)
-    return spec.factory(num_dense=num_dense, cardinalities=list(cards), **hparams)
+    model = spec.factory(num_dense=num_dense, cardinalities=list(cards), **hparams)
+    if base_rate is not None and hasattr(model, "init_output_bias"):
+        model.init_output_bias(base_rate)
+    return model
 
 
 # ---- built-ins: the factories import their module on first use ------------------------------

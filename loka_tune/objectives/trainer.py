@@ -210,7 +210,9 @@ class TrainResult:
     loss_curve:        mean training log loss over each ``cfg.window`` steps; the last entry
                        covers the remaining steps when ``steps_run`` is not a multiple
     curve_steps:       number of steps seen at the end of each loss_curve window
-    train_logloss:     the last loss_curve entry (nan if no step ran)
+    train_logloss:     mean training log loss of the last ``cfg.window`` steps (of every step
+                       when fewer ran; nan if none): a full window even when the last
+                       loss_curve entry covers only the few steps left over
     eval_logloss, eval_ne, eval_auc, eval_count, eval_ctr:
                        held-out metrics (nan / 0 when the run did not finish "ok")
     step_time_s:       median seconds per training step after ``cfg.warmup_steps`` (fwd + bwd
@@ -501,7 +503,7 @@ def train(
     return TrainResult(
         status=run.status, steps_run=run.steps_run, nonfinite_step=run.nonfinite_step,
         step_losses=tuple(run.losses), loss_curve=curve, curve_steps=ends,
-        train_logloss=curve[-1] if curve else math.nan,
+        train_logloss=math.fsum(run.losses[-cfg.window:]) / len(run.losses[-cfg.window:]) if run.losses else math.nan,
         eval_logloss=ev["logloss"], eval_ne=ev["ne"], eval_auc=ev["auc"], eval_count=int(ev["count"]), eval_ctr=ev["ctr"],
         step_time_s=step_time,
         examples_per_s=cfg.batch_size / step_time if step_time and math.isfinite(step_time) else math.nan,

@@ -24,7 +24,9 @@ times smaller than the others (which Adam rescales per parameter). The guard tra
 blind spot for a stable metric.
 
 Speed comes from a :class:`~loka_tune.probe.speed.SpeedModel` at the site's real shape
-(not the CPU-capped rows), so each result says ``time_source`` ``measured`` or ``modeled``.
+(not the CPU-capped rows), so each result says ``time_source`` ``measured`` or ``modeled``. A
+Linear called several times per step is priced at the rows of all its calls, as the tuner's
+cost model (``objectives.speed``) prices it.
 
 Default threshold :data:`DEFAULT_MAX_ERROR` (MERE 0.2): see the constant for where it comes from.
 """
@@ -214,7 +216,8 @@ def measure(
                 meta_site.setdefault("rows_sampled", {})[dist] = sampler.rows
                 if dist == "learned":
                     meta_site["jitter"] = sampler.jitter
-                priced_rows = max(1, round(site.rows * speed_row_scale))
+                # a Linear called c times per step does c x the rows (as the cost model prices it)
+                priced_rows = max(1, round(site.rows * _calls_per_step(site, stats.collections) * speed_row_scale))
                 results += _results(name, site, dist, n_draws, sampler.rows, priced_rows, valid, errs, speed,
                                     time_cache, max_error, min_speedup)
             site_meta[name] = meta_site
@@ -428,6 +431,13 @@ def _stable_hash(s: str) -> int:
     for ch in s.encode():
         h = ((h ^ ch) * 16777619) & 0xFFFFFFFF
     return h
+
+
+def _calls_per_step(site: SiteStats, collections: int) -> int:
+    """Forward calls of the site per collected step (2 for a Linear used twice), at least 1."""
+    if collections <= 0:
+        return 1
+    return max(1, round((site.x.batches + site.x.nonfinite) / collections))
 
 
 def _site_meta(site: SiteStats) -> dict[str, Any]:

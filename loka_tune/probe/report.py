@@ -321,8 +321,8 @@ def _fast(speedup: float, min_speedup: float) -> bool:
 def _check_thresholds(max_error: float, min_speedup: float) -> None:
     if not (math.isfinite(max_error) and max_error > 0):
         raise ProbeError(f"max_error must be a positive MERE, got {max_error=!r}")
-    if not (math.isfinite(min_speedup) and min_speedup > 0):
-        raise ProbeError(f"min_speedup must be a positive ratio, got {min_speedup=!r}")
+    if not (math.isfinite(min_speedup) and min_speedup >= 0):  # 0: every choice a backend runs is "fast"
+        raise ProbeError(f"min_speedup must be a ratio >= 0, got {min_speedup=!r}")
 
 
 def _geomean(xs: Iterable[float]) -> float:

@@ -6,11 +6,15 @@ Private to the loop (:mod:`loka_tune.tuner.loop`). Optuna is imported inside the
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import os
+import platform
+import signal
 import threading
 import time
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any, Self
 
 from loka_tune.tuner.build import _log
@@ -49,6 +53,74 @@ class _Heartbeat:
             self._thread.join()
 
 
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """Inside: SIGTERM raises ``KeyboardInterrupt`` as Ctrl-C does, so that both end a trial the
+    same way (failed, re-queued, its MLflow run KILLED). The main thread only (signals are
+    delivered there); the previous handler is restored on leaving."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def _dead_here(worker: str | None) -> bool:
+    """Whether ``worker`` ("host:pid", as the loop writes it) is a process of this host that is gone."""
+    host, _, pid = (worker or "").rpartition(":")
+    if host != platform.node() or not pid.isdigit() or int(pid) == os.getpid():
+        return False
+    return not _pid_alive(int(pid))
+
+
+def _fail_dead_local(study: Any) -> None:
+    """Fail (and re-queue) RUNNING trials whose worker ran on this host and has exited (killed,
+    or a crashed terminal): a resumed study need not wait ``grace_s`` for their heartbeat to go
+    stale. Other hosts' trials are left to the heartbeat check."""
+    from optuna.trial import TrialState
+
+    storage = study._storage
+    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        if not _dead_here(TrialRecord.of(t).worker):
+            continue
+        _fail_and_requeue(study, storage, t, "its worker process is gone")
+
+
+def _fail_and_requeue(study: Any, storage: Any, t: Any, why: str) -> None:
+    import optuna
+    from optuna.trial import TrialState
+
+    try:
+        if not storage.set_trial_state_values(t._trial_id, state=TrialState.FAIL):
+            return
+    except optuna.exceptions.UpdateFinishedTrialError:  # another worker failed it first
+        return
+    get_cb = getattr(storage, "get_heartbeat_stale_trial_callback", None)  # as Optuna's stale check
+    callback = get_cb() if get_cb is not None else None
+    if callback is not None:
+        callback(study, storage.get_trial(t._trial_id))
+    else:
+        study.enqueue_trial(t.params)
+    _log(f"[loka-tune] trial {t.number}: {why}; failed and re-queued")
+
+
 def _fail_stale(study: Any, grace_s: float | None = None) -> None:
     """Fail (and re-queue) the trials of dead workers.
 
@@ -64,6 +136,7 @@ def _fail_stale(study: Any, grace_s: float | None = None) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         optuna.storages.fail_stale_trials(study)
+    _fail_dead_local(study)
     if grace_s is None:
         return
     now = datetime.datetime.now()
@@ -72,19 +145,7 @@ def _fail_stale(study: Any, grace_s: float | None = None) -> None:
             continue
         if (now - t.datetime_start).total_seconds() <= grace_s:
             continue
-        storage = study._storage
-        try:
-            if not storage.set_trial_state_values(t._trial_id, state=TrialState.FAIL):
-                continue
-        except optuna.exceptions.UpdateFinishedTrialError:  # another worker failed it first
-            continue
-        get_cb = getattr(storage, "get_heartbeat_stale_trial_callback", None)  # as Optuna's stale check
-        callback = get_cb() if get_cb is not None else None
-        if callback is not None:
-            callback(study, storage.get_trial(t._trial_id))
-        else:
-            study.enqueue_trial(t.params)
-        _log(f"trial {t.number}: its worker died before its first heartbeat; failed and re-queued")
+        _fail_and_requeue(study, study._storage, t, "its worker died before its first heartbeat")
 
 
 def _n_counted(trials: Iterable[Any]) -> tuple[int, int]:

@@ -144,7 +144,8 @@ def make_model(cfg: StudyConfig, source: Any, *, seed: int | None = None) -> nn.
     from loka_tune.models import build_model
 
     try:
-        model = build_model(cfg.model.name, cfg.model.preset, **kw, **dict(cfg.model.overrides))
+        model = build_model(cfg.model.name, cfg.model.preset, **kw, base_rate=getattr(source, "base_rate", None),
+                            **dict(cfg.model.overrides))  # the head's bias starts at logit(base rate)
     except ConfigError as e:
         raise ConfigError(e.message, key=f"model.overrides.{e.key}" if e.key not in (None, "model", "preset")
                           else "model.name") from None

@@ -17,6 +17,11 @@ machine, ``postgresql://`` across machines). The first one computes the baseline
 space and stores them in the study's user attributes; the others (and every resume) reuse
 them. Heartbeats mark a killed worker's trial failed and re-queue it; a configuration is
 evaluated once (trials carry their config key; a repeated key copies the earlier result).
+
+Interruption: Ctrl-C (SIGINT) or SIGTERM during a trial fails that trial (reason "interrupted"),
+re-queues its configuration, ends its MLflow run and the study's as KILLED and re-raises
+``KeyboardInterrupt`` (``loka-tune`` exits 130); the next run resumes without waiting on it.
+Trial numbers are Optuna's, from 0, everywhere (progress lines, leaderboard, MLflow, export).
 """
 
 from __future__ import annotations
@@ -33,7 +38,14 @@ from typing import Any
 
 from loka_tune.config import PrecisionConfig
 from loka_tune.space.encode import config_from_params, distributions
-from loka_tune.tuner._workers import _fail_stale, _find_duplicate, _Heartbeat, _n_counted, _wait_for
+from loka_tune.tuner._workers import (
+    _fail_stale,
+    _find_duplicate,
+    _Heartbeat,
+    _n_counted,
+    _sigterm_as_interrupt,
+    _wait_for,
+)
 from loka_tune.tuner.build import _log, resolve_device
 from loka_tune.tuner.optuna_setup import make_storage, open_study, set_constraint
 from loka_tune.tuner.prepare import StudyContext, prepare_study
@@ -53,9 +65,8 @@ def run_study(cfg: StudyConfig, *, device: str | None = None, storage_url: str |
     budget is spent, then (``confirm``; default: worker 0 when ``[confirm] enabled``) confirm
     the best configs (:mod:`loka_tune.tuner.confirm`). Returns the Optuna study. Safe to run in
     several processes at once. ``on_change``: what to do when the stored study has other
-    settings (:func:`open_study`)."""
-    import optuna
-
+    settings (:func:`open_study`). Ctrl-C / SIGTERM fail the running trial (re-queued) and end
+    its MLflow run and the study's as KILLED."""
     dev = resolve_device(device or cfg.training.device)
     storage = make_storage(cfg, storage_url)
     study = open_study(cfg, storage, worker_index=worker_index, on_change=on_change)
@@ -68,7 +79,30 @@ def run_study(cfg: StudyConfig, *, device: str | None = None, storage_url: str |
         # inductor's on-disk graph cache beside the study: every compiled run (and worker, and
         # resume) of this model reuses what an earlier one compiled (unless the user chose a dir)
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cfg.output_dir / "inductor_cache"))
-    ctx = prepare_study(cfg, study, device=dev, force=force, tracker=tracker)
+    with _sigterm_as_interrupt():
+        try:
+            ctx = prepare_study(cfg, study, device=dev, force=force, tracker=tracker)
+            _trials(ctx, study, storage, tracker, n_total=n_total, timeout=timeout, worker_id=worker_id,
+                    progress=progress)
+            if confirm if confirm is not None else (worker_index == 0 and cfg.confirm.enabled):
+                from loka_tune.tuner.confirm import confirm_best
+
+                confirm_best(ctx)
+        except KeyboardInterrupt:
+            if tracker is not None:
+                tracker.interrupted()
+            raise
+    if tracker is not None:
+        tracker.finish(ctx)
+    return study
+
+
+def _trials(ctx: StudyContext, study: Any, storage: Any, tracker: Tracker | None, *, n_total: int | None,
+            timeout: float | None, worker_id: str | None, progress: bool) -> None:
+    """Ask, evaluate and tell trials until ``n_total`` count (or ``timeout`` seconds pass)."""
+    import optuna
+
+    cfg = ctx.cfg
     dists = distributions(ctx.space)
     budget = cfg.objective.budget_pct
     t_start = time.time()
@@ -91,6 +125,9 @@ def run_study(cfg: StudyConfig, *, device: str | None = None, storage_url: str |
             # the first beat is recorded on entering (see _fail_stale for the gap before it)
             with _Heartbeat(storage, trial._trial_id, cfg.storage.heartbeat_s):
                 end = _one_trial(ctx, study, trial, worker, budget)
+        except KeyboardInterrupt:
+            _tell_interrupted(ctx, study, trial, tracker)
+            raise
         except optuna.exceptions.UpdateFinishedTrialError:
             # another worker saw this trial's heartbeat go stale (this process was stalled for
             # longer than [storage] grace_s), failed it and re-queued its configuration: drop
@@ -103,13 +140,6 @@ def run_study(cfg: StudyConfig, *, device: str | None = None, storage_url: str |
                               step_losses=end.step_losses)
         if progress:
             _log(_progress_line(ctx, trial.number, n_total, end.attrs, end.state))
-    if confirm if confirm is not None else (worker_index == 0 and cfg.confirm.enabled):
-        from loka_tune.tuner.confirm import confirm_best
-
-        confirm_best(ctx)
-    if tracker is not None:
-        tracker.finish(ctx)
-    return study
 
 
 @dataclass(frozen=True)
@@ -143,6 +173,28 @@ def _one_trial(ctx: StudyContext, study: Any, trial: Any, worker: str, budget: f
         return _TrialEnd(state, attrs, params, config)
     state, attrs, losses = _tell_evaluated(ctx, study, trial, config, budget)
     return _TrialEnd(state, attrs, params, config, losses)
+
+
+def _tell_interrupted(ctx: StudyContext, study: Any, trial: Any, tracker: Tracker | None) -> None:
+    """A trial stopped by Ctrl-C / SIGTERM: FAIL it (not counted: no ``fail_reason``), queue its
+    configuration again for the next run, and end its MLflow run as KILLED. Best effort: nothing
+    here may hide the interrupt."""
+    from optuna.trial import TrialState
+
+    params = dict(trial.params)
+    attrs = {"status": "failed", "reason": "interrupted (Ctrl-C or SIGTERM); re-queued"}
+    try:
+        seeded = trial.user_attrs.get("seeded")
+        for k, v in attrs.items():
+            trial.set_user_attr(k, v)
+        study.tell(trial, state=TrialState.FAIL)
+        study.enqueue_trial(params, user_attrs={"seeded": seeded} if seeded else None)
+        _log(f"[loka-tune] trial {trial.number}: interrupted; marked failed, its configuration re-queued")
+        if tracker is not None:
+            tracker.log_trial(trial.number, params, config_from_params(ctx.space, params), attrs, "FAIL", ctx,
+                              run_status="KILLED")
+    except Exception as e:  # noqa: BLE001 - report and let the interrupt through
+        _log(f"[loka-tune] trial {trial.number}: interrupted; could not record it ({e})")
 
 
 def _tell_copy(study: Any, trial: Any, dup: Any, budget: float, *, wall_s: float) -> tuple[str, dict[str, Any]]:
@@ -189,7 +241,11 @@ def _tell_evaluated(ctx: StudyContext, study: Any, trial: Any, config: Precision
 
 def _progress_line(ctx: StudyContext, number: int, n_total: int | None, attrs: Mapping[str, Any],
                    state: str) -> str:
-    done = [t for t in ctx.study.get_trials(deepcopy=False) if t.state.name in STATES_DONE]
+    """``trial <Optuna number, from 0> (<counted>/<n_trials> done)``: the trial number is the one the
+    leaderboard, MLflow and the export show; the count is of the trials that count toward
+    ``n_trials`` (a re-queued trial of a dead or interrupted run takes a new number)."""
+    trials = ctx.study.get_trials(deepcopy=False)
+    done = [t for t in trials if t.state.name in STATES_DONE]
     feasible = sum(1 for t in done if TrialRecord.of(t).feasible)
     b = best_trial(ctx.study, raise_if_none=False)
     best_s = f"{TrialRecord.of(b).speedup:.3f}x" if b is not None else "-"
@@ -199,6 +255,7 @@ def _progress_line(ctx: StudyContext, number: int, n_total: int | None, attrs: M
     vs_mods = f" ({r.speedup_vs_mods:.3f}x vs bf16+Mods)" if r.speedup_vs_mods is not None else ""
     what = (f"rel.LL {rel:+.4f}%  speed-up {sp:.3f}x{vs_mods}" if state == "COMPLETE" and rel is not None and sp is not None
             else f"{state.lower()}: {r.fail_reason or r.reason or ''}")
-    of_total = f"/{n_total}" if n_total else ""
-    return (f"[loka-tune] trial {number + 1}{of_total}  {what}{tag}  | best {best_s} ({ctx.speed})"
+    counted = _n_counted(trials)[0]
+    of_total = f" ({counted}/{n_total} done)" if n_total else f" ({counted} done)"
+    return (f"[loka-tune] trial {number}{of_total}  {what}{tag}  | best {best_s} ({ctx.speed})"
             f"  feasible {feasible}/{len(done)}")

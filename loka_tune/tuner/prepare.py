@@ -4,6 +4,10 @@ The first worker computes them and stores the baseline and the space in the stud
 attributes; every other worker (and every resume) loads them, so all share one space. Two
 workers racing to prepare each work in a private folder; the loser drops its result and loads
 the winner's.
+
+Files in the study's output dir: ``probe_report.json`` (per site x GEMM x candidate error and
+speed: what the pruning, ``report`` and MLflow read; tens of KB). The probe's raw statistics are
+not kept (``loka-tune probe --out DIR`` writes them, ``probe_stats.npz``, when wanted).
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ from loka_tune.tuner.results import ATTR_BASELINE, ATTR_PREPARE_S, ATTR_SPACE, A
 from loka_tune.tuner.study import StudyConfig
 
 __all__ = ["StudyContext", "prepare_study", "no_fp8_reason"]
+
+ATTR_PREPARE_FAILED = "loka.prepare_failed"  # study user attr: why the last preparation did not finish
 
 
 @dataclass
@@ -88,13 +94,11 @@ def _probe_report(cfg: StudyConfig, stats: Any, candidates: Mapping[str, list[Ge
     t0 = time.perf_counter()
     _log(f"[loka-tune] probe: measuring {len(flat)} candidates x {len(stats.sites)} sites x 3 GEMMs"
          f" ({cfg.probe.samples} draws each, {stats.collections} collections) ...")
-    if cfg.probe.price_first:  # error only for the candidates priced fast enough (the others: report.skipped)
-        report = measure(stats, flat, samples=cfg.probe.samples, device=device,
-                         cost_device=cfg.objective.cost_device, speed_row_scale=scale, price_first=True,
-                         min_speedup=cfg.probe.min_speedup)
-    else:
-        report = measure(stats, flat, samples=cfg.probe.samples, device=device,
-                         cost_device=cfg.objective.cost_device, speed_row_scale=scale)
+    # the saved verdicts are the study's: its max_error and min_speedup; price_first: error only
+    # for the candidates priced fast enough (the others: report.skipped)
+    report = measure(stats, flat, samples=cfg.probe.samples, device=device, cost_device=cfg.objective.cost_device,
+                     speed_row_scale=scale, max_error=cfg.probe.max_error, min_speedup=cfg.probe.min_speedup,
+                     price_first=cfg.probe.price_first)
     report.save(out)
     _log(f"[loka-tune] probe: {len(report.results)} results ({time.perf_counter() - t0:.1f}s)")
     return report
@@ -164,7 +168,29 @@ def _prepared(study: Any) -> bool:
 
 def prepare_study(cfg: StudyConfig, study: Any, *, device: str, force: bool = False,
                   tracker: Any = None) -> StudyContext:
-    """Load the study's baseline and space, computing (and storing) them if this is the first worker."""
+    """Load the study's baseline and space, computing (and storing) them if this is the first worker.
+
+    A preparation that fails or is interrupted leaves no private ``.prepare-<pid>/`` folder behind."""
+    try:
+        return _prepare(cfg, study, device=device, force=force, tracker=tracker)
+    except BaseException as e:
+        shutil.rmtree(_private_dir(cfg), ignore_errors=True)
+        if not _prepared(study):  # for `loka-tune report`: why there is nothing to show
+            why = "interrupted" if isinstance(e, KeyboardInterrupt) else f"{type(e).__name__}: {e}"
+            try:
+                study.set_user_attr(ATTR_PREPARE_FAILED, why[:2000])
+            except Exception:  # noqa: BLE001 - the storage itself may be what failed
+                pass
+        raise
+
+
+def _private_dir(cfg: StudyConfig) -> Path:
+    """This process's preparation folder: two workers racing to prepare never share a file."""
+    return cfg.output_dir / f".prepare-{os.getpid()}"
+
+
+def _prepare(cfg: StudyConfig, study: Any, *, device: str, force: bool = False,
+             tracker: Any = None) -> StudyContext:
     source = make_source(cfg)
     speed = speed_source(cfg, device)
     batch = _first_batch(source, cfg, max_rows=64)  # shapes per example: a small CPU batch is enough
@@ -175,10 +201,12 @@ def prepare_study(cfg: StudyConfig, study: Any, *, device: str, force: bool = Fa
     out = cfg.output_dir
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    prep = out / f".prepare-{os.getpid()}"  # private: two workers racing to prepare never share a file
+    prep = _private_dir(cfg)
     prep.mkdir(parents=True, exist_ok=True)
     curves: dict[int, tuple[float, ...]] = {}
-    baseline, stats, _model = run_baseline(cfg, source, device, force=force, probe_out=prep / "probe_stats.json",
+    # the probe's raw statistics stay in memory: nothing reads them back (the report does), and
+    # their float64 covariances were 134 MB for the quickstart's 2048-wide layers
+    baseline, stats, _model = run_baseline(cfg, source, device, force=force,
                                            on_run=lambda seed, res: curves.__setitem__(seed, res.step_losses))
     check_budget(cfg, baseline, force=force)
 

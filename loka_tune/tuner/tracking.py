@@ -147,6 +147,8 @@ class Tracker:
                 study.set_user_attr(ATTR_PARENT, run_id)
                 params = _flatten(cfg.to_dict())
                 self._log_params(run_id, params)
+        elif retry(self.client.get_run, run_id).info.status != "RUNNING":  # a resume: running again
+            retry(self.client.update_run, run_id, status="RUNNING")
         self.parent_run_id = run_id
         return run_id
 
@@ -201,11 +203,12 @@ class Tracker:
             retry(self.client.log_artifact, self.parent_run_id, str(probe_report))
 
     def log_trial(self, number: int, params: Mapping[str, Any], config: PrecisionConfig, attrs: Mapping[str, Any],
-                  state: str, ctx: Any, *, step_losses: Sequence[float] = ()) -> str:
+                  state: str, ctx: Any, *, step_losses: Sequence[float] = (), run_status: str | None = None) -> str:
         """One nested run for trial ``number`` (``attrs``: what its end wrote; ``step_losses``: its
         training loss per step, logged as the step metric ``train_loss``); returns its run id. The
         run spans the trial's real duration (``wall_s``: a cache copy's is its lookup's, and its
-        ``cache_hit`` tag says so)."""
+        ``cache_hit`` tag says so). It ends FINISHED (complete), KILLED (pruned) or FAILED, or as
+        ``run_status`` when given (an interrupted trial: KILLED)."""
         assert self.parent_run_id is not None
         names = list(ctx.space.site_names)
         a = TrialRecord.from_attrs(attrs)
@@ -232,9 +235,17 @@ class Tracker:
             "measured_step_time_s": a.measured_step_time_s, "wall_s": a.wall_s, "n_fp8_gemms": p["n_fp8_gemms"]})
         self._log_curve(rid, "train_loss", step_losses)
         retry(self.client.log_text, rid, config.to_json(), "precision_config.json")
-        status = {"COMPLETE": "FINISHED", "PRUNED": "KILLED"}.get(state, "FAILED")
+        status = run_status or {"COMPLETE": "FINISHED", "PRUNED": "KILLED"}.get(state, "FAILED")
         retry(self.client.set_terminated, rid, status, end_time=max(end_ms, start_ms))
         return rid
+
+    def interrupted(self) -> None:
+        """End the study's run as KILLED (Ctrl-C / SIGTERM); the next run of the study reopens it."""
+        if self.parent_run_id is not None:
+            try:
+                retry(self.client.set_terminated, self.parent_run_id, "KILLED")
+            except Exception:  # noqa: BLE001 - never hide the interrupt
+                pass
 
     def finish(self, ctx: Any) -> None:
         """Plots and leaderboard on the parent run (and in the output dir); mark it finished."""
