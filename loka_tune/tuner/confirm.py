@@ -5,7 +5,9 @@ search picks the luckiest of many. So after the search the best ``[confirm] n_be
 configs (fastest first, one per config) are run again in the study's ``[regime]`` on every
 confirmation seed (at least two), each seed paired with bf16 on the same seed (its eval log
 loss: the baseline's run where it has that seed) and, for speed, with bf16 + the same Mods
-(measured: a timing run in the regime beside each config run; modeled: the cost model). The
+(measured: a timing run in the regime beside each config run; modeled: the cost model). On a
+CPU with modeled speed a run is deterministic, so the trial's own run stands for its seed
+instead of an identical second one. The
 confirmed best is the fastest whose *mean* relative log loss over the seeds is within the
 budget; :func:`~loka_tune.tuner.results.export_best` exports it, with the claimed and the
 confirmed speed-ups and the loss's mean and spread in its provenance.
@@ -131,10 +133,23 @@ def _run_seed(ctx: StudyContext, config: PrecisionConfig, seed: int) -> dict[str
             "step_time_s": float(t), "ref_step_time_s": float(ref), "measured_step_time_s": float(res.step_time_s)}
 
 
+def _reused_run(ctx: StudyContext, trial: Any, r: TrialRecord, config: PrecisionConfig, seed: int) -> dict[str, Any] | None:
+    """The trial's own run as its confirmation run on ``seed``, where running it again could only
+    repeat it bit for bit: the trial's seed, CPU (deterministic runs), modeled speed (no timing
+    noise to average). Else None: the seed is run again."""
+    if (ctx.speed != "modeled" or resolve_device(ctx.device) != "cpu" or seed != ctx.cfg.training.seeds[0]
+            or trial.value is None or r.eval_logloss is None or r.rel_logloss_pct is None):
+        return None
+    return {"seed": seed, "status": "ok", "rel_logloss_pct": float(r.rel_logloss_pct),
+            "eval_logloss": float(r.eval_logloss), "step_time_s": float(trial.value),
+            "ref_step_time_s": float(reference_seconds(ctx, config.mods)),
+            "measured_step_time_s": r.measured_step_time_s, "reused_trial_run": True}
+
+
 def _confirm_one(ctx: StudyContext, trial: Any, seeds: tuple[int, ...]) -> dict[str, Any]:
     r = TrialRecord.of(trial)
     config = PrecisionConfig.from_dict(r.config)
-    runs = [_run_seed(ctx, config, s) for s in seeds]
+    runs = [_reused_run(ctx, trial, r, config, s) or _run_seed(ctx, config, s) for s in seeds]
     ok = [x for x in runs if x["status"] == "ok"]
     row: dict[str, Any] = {"trial": trial.number, "config_key": r.config_key, "mods": config.mods.short_str(),
                            "claimed_speedup_vs_mods": r.speedup_vs_mods, "claimed_speedup": r.speedup,
