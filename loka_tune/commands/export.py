@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-HELP = "write the best feasible precision config of a study (JSON, with provenance)"
+HELP = "write a study's confirmed best (else best feasible) precision config (JSON, with provenance)"
 
 DESCRIPTION = """\
 STUDY is a study file (its [storage] url and name are used) or, with --storage, a study name.
