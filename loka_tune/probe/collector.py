@@ -113,16 +113,18 @@ class _StreamAcc:
     def add(self, x: torch.Tensor, gen: torch.Generator, real_idx: torch.Tensor | None) -> None:
         """Merge rows ``x (rows, dim)``; a batch holding NaN/inf is not merged (and counted)."""
         x = x.detach()
-        ok = torch.isfinite(x).all()
+        # one memory-bound pass gives the finite check and the whole batch's amax (what a
+        # tensor-wise FP8 scale sees): the inf-norm is NaN/inf iff some element is
+        amax = torch.linalg.vector_norm(x, float("inf")).float() if x.numel() else None
+        ok = torch.isfinite(x).all() if amax is None else torch.isfinite(amax)
         self.allocate(x.device, gen)
         assert self.moments is not None
         self.rows = x.shape[0]
         if real_idx is not None:  # the same rows of X and dY: taken before any subsampling
             self.real = torch.where(ok, x[real_idx.to(x.device, non_blocking=True)].float(), torch.nan)
         zero = torch.zeros((), dtype=torch.float32, device=x.device)
-        if x.numel():  # amax of the whole batch (one memory-bound pass): what a tensor-wise FP8 scale sees
+        if amax is not None:
             assert isinstance(self.amax, torch.Tensor)  # a device scalar since the first data
-            amax = torch.linalg.vector_norm(x, float("inf")).float()
             self.amax = torch.maximum(self.amax, torch.where(ok, amax, zero))
         if x.shape[0] > self.max_rows:  # a random subset of the rows (i.i.d. draws of the feature vector)
             x = x[random_rows(x.shape[0], self.max_rows, gen, x.device)]
