@@ -4,7 +4,8 @@ Times ``_StreamAcc.add`` (the work a collection does per tensor: finite check, a
 subset, moments, quantiles) on a random ``(rows, dim)`` batch, for the old CPU/GPU setting
 (65,536 rows cap, float64 products), each change alone, and the new GPU default (2,048 rows,
 float32 products), plus the weight model's update of a ``(dim, dim)`` weight. Medians of
-``--reps`` calls after a warm-up; device-synchronised on a GPU.
+``--reps`` calls, each after a warm-up call, the settings interleaved; device-synchronised on
+a GPU.
 
     python benchmarks/probe_collect_micro.py --dims 2048 4096 --rows 8192 --threads 2
 """
@@ -64,16 +65,20 @@ def main() -> int:
     res: dict[str, dict[str, float]] = {}
     for d in args.dims:
         x = torch.randn(args.rows, d, device=dev) * 3.0 + 100.0  # an offset: float32 must not cancel it
-        row: dict[str, float] = {}
+        fns: dict[str, Callable[[], None]] = {}
         for name, (max_rows, prec) in SETTINGS.items():
             acc = _StreamAcc(d, MAX_FULL_DIM, DEFAULT_SKETCH_RANK, max_rows, prec)
             acc.allocate(dev, gen)
-            row[name] = _time(lambda: acc.add(x, gen, None), args.reps, dev)
+            fns[name] = (lambda a: lambda: a.add(x, gen, None))(acc)
         w = MatrixNormalEMA(d, d, device=dev, generator=gen)
         w0 = torch.randn(d, d, device=dev)
         w.update(w0)
-        row["weight model update (float32 GEMMs, unchanged)"] = _time(
-            lambda: w.update(w0 + 1e-3 * torch.randn_like(w0)), args.reps, dev)
+        fns["weight model update (float32 GEMMs, unchanged)"] = lambda: w.update(w0 + 1e-3 * torch.randn_like(w0))
+        times: dict[str, list[float]] = {k: [] for k in fns}
+        for _ in range(args.reps):  # settings interleaved: a shared machine's drift hits all alike
+            for k, fn in fns.items():
+                times[k].append(_time(fn, 1, dev))
+        row = {k: statistics.median(v) for k, v in times.items()}
         res[f"{args.rows}x{d}"] = row
         print(f"stream of {args.rows} rows x {d} features ({'full cov' if d <= MAX_FULL_DIM else 'sketch'}):")
         for k, v in row.items():
