@@ -73,20 +73,26 @@ def gauss() -> tuple[np.ndarray, np.ndarray, dict[str, ProbeStats]]:
     mean = torch.linspace(-1, 2, d, dtype=torch.float64)
     xs = [torch.randn(8192, d, generator=g, dtype=torch.float64) @ (q * lam.sqrt()).T + mean for _ in range(batches)]
     c = torch.randn(n, generator=g)
-    out = {}
-    for name, kw in {"full64": dict(max_rows=MAX_ROWS, precision="float64"),
-                     "cheap": dict(max_rows=CUDA_MAX_ROWS, precision="float32")}.items():
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(d, n))
-        opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        with Probe(model, every=1, seed=1, **kw) as p:
-            for x in xs:
-                opt.zero_grad()
-                y = model(x.float())
-                (y * c + 0.5 * y * y).mean().backward()
-                opt.step()
-        out[name] = p.stats
+    out = {name: _train(xs, c, "cpu", **kw) for name, kw in {
+        "full64": dict(max_rows=MAX_ROWS, precision="float64"),
+        "cheap": dict(max_rows=CUDA_MAX_ROWS, precision="float32"),
+    }.items()}
+    if torch.cuda.is_available():  # the defaults on a GPU: the cheap path (checked by the gpu test)
+        out["cuda_default"] = _train(xs, c, "cuda")
     return cov.numpy(), mean.numpy(), out
+
+
+def _train(xs: list[torch.Tensor], c: torch.Tensor, device: str, **kw) -> ProbeStats:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(xs[0].shape[1], c.numel())).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with Probe(model, every=1, seed=1, **kw) as p:
+        for x in xs:
+            opt.zero_grad()
+            y = model(x.float().to(device))
+            (y * c.to(device) + 0.5 * y * y).mean().backward()
+            opt.step()
+    return p.stats
 
 
 def test_cheap_stats_of_a_known_gaussian(gauss) -> None:
@@ -127,3 +133,13 @@ def test_device_defaults_and_bad_precision() -> None:
         Probe(nn.Linear(3, 2), precision="float16")
     with pytest.raises(ProbeError, match="max_rows=0"):
         Probe(nn.Linear(3, 2), max_rows=0)
+
+
+@pytest.mark.gpu
+def test_cuda_defaults_take_the_cheap_path(gauss) -> None:
+    cov, _, st = gauss
+    gpu, full = st["cuda_default"].sites["0"].x, st["full64"].sites["0"].x
+    assert gpu.count == 16 * CUDA_MAX_ROWS  # 2,048 of each 8,192-row batch
+    floor = math.sqrt((np.trace(cov) ** 2 + np.sum(cov**2)) / gpu.count) / np.linalg.norm(cov)
+    assert _rel_fro(gpu.cov, cov) < 1.5 * floor and _rel_fro(gpu.cov, full.cov) < 0.05
+    assert gpu.amax == pytest.approx(full.amax, rel=1e-6)
