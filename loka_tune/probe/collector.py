@@ -24,7 +24,10 @@ the steps. The accumulators are allocated on the first step (a warm-up step of a
 loop), so the first collection costs what the others do. A collection itself is kept cheap: float64 moments of the rows (a ``(d, d)`` GEMM per
 tensor up to 2048 features, a streaming Nystrom sketch (two GEMMs) above), the weight
 model by two float32 GEMMs (moment estimators), quantiles and kurtosis on subsamples, at
-most ``max_rows`` (65,536) rows per tensor (a random subset above). On a GPU the collection
+most ``max_rows`` rows per tensor (a random subset above). On a GPU the defaults are cheaper
+still (issue 13): 2,048 random rows per tensor and the moment GEMMs in float32 on centred
+rows, merged in float64 (``max_rows`` / ``precision``); the CPU keeps 65,536 rows and
+float64. On a GPU the collection
 of ``X`` and ``dY`` never reads a value back to the host (finite checks, counters, amax and
 quantiles stay device tensors until :attr:`Probe.stats`), so it does not stall the training
 loop; the weight update reads two flags per site (finite, moved). ``Probe(profile=True)`` times each site's
@@ -49,7 +52,7 @@ import torch
 from torch import nn
 
 from loka_tune.errors import ProbeError
-from loka_tune.probe.moments import DEFAULT_SKETCH_RANK, MAX_FULL_DIM, RunningMoments, random_rows
+from loka_tune.probe.moments import DEFAULT_SKETCH_RANK, MAX_FULL_DIM, PRECISIONS, RunningMoments, random_rows
 from loka_tune.probe.stats import QUANTILES, ProbeStats, SiteStats, TensorStats, WeightStats, find_sites
 from loka_tune.probe.weights import MatrixNormalEMA
 
@@ -57,7 +60,18 @@ __all__ = ["Probe"]
 
 QUANTILE_SAMPLE = 1 << 16  # elements of |x| subsampled per collection for the quantiles
 REAL_ROWS = 256  # rows of the last batch kept per site for "real" replay (float32)
-MAX_ROWS = 1 << 16  # rows of X / dY merged per collection and site (a random subset above)
+MAX_ROWS = 1 << 16  # rows of X / dY merged per collection and site on the CPU (a random subset above)
+CUDA_MAX_ROWS = 2048  # the same on a GPU (issue 13: a collection's cost is its products; see Probe)
+
+
+def _resolve(device: torch.device, max_rows: int | None, precision: str) -> tuple[int, str]:
+    """The ``(max_rows, precision)`` a stream on ``device`` uses: ``None`` / ``"auto"`` mean the
+    CPU defaults (65,536 rows, float64: what the probe always did there) on the CPU and the
+    cheap ones (2,048 random rows, float32 products) on any accelerator."""
+    cpu = device.type == "cpu"
+    rows = max_rows if max_rows is not None else (MAX_ROWS if cpu else CUDA_MAX_ROWS)
+    prec = precision if precision != "auto" else ("float64" if cpu else "float32")
+    return rows, prec
 
 
 class _StreamAcc:
@@ -68,8 +82,11 @@ class _StreamAcc:
     :meth:`snapshot`.
     """
 
-    def __init__(self, dim: int, max_full_dim: int, sketch_rank: int, max_rows: int) -> None:
-        self.dim, self.max_full_dim, self.sketch_rank, self.max_rows = dim, max_full_dim, sketch_rank, max_rows
+    def __init__(self, dim: int, max_full_dim: int, sketch_rank: int, max_rows: int | None,
+                 precision: str = "auto") -> None:
+        self.dim, self.max_full_dim, self.sketch_rank = dim, max_full_dim, sketch_rank
+        self.max_rows_arg, self.precision_arg = max_rows, precision
+        self.max_rows, self.precision = _resolve(torch.device("cpu"), max_rows, precision)  # set on allocate
         self.moments: RunningMoments | None = None  # created on first data (on its device)
         self.batches: torch.Tensor | int = 0  # merged batches (device counter once data came)
         self.nonfinite: torch.Tensor | int = 0  # rejected batches
@@ -83,8 +100,10 @@ class _StreamAcc:
         that the first collection costs what the others do)."""
         if self.moments is not None:
             return
+        self.max_rows, self.precision = _resolve(torch.device(device), self.max_rows_arg, self.precision_arg)
         self.moments = RunningMoments(
             self.dim, max_full_dim=self.max_full_dim, sketch_rank=self.sketch_rank, device=device, generator=gen,
+            precision=self.precision,
         )
         self.batches = torch.zeros((), dtype=torch.int64, device=device)
         self.nonfinite = torch.zeros((), dtype=torch.int64, device=device)
@@ -94,12 +113,19 @@ class _StreamAcc:
     def add(self, x: torch.Tensor, gen: torch.Generator, real_idx: torch.Tensor | None) -> None:
         """Merge rows ``x (rows, dim)``; a batch holding NaN/inf is not merged (and counted)."""
         x = x.detach()
-        ok = torch.isfinite(x).all()
+        # one memory-bound pass gives the finite check and the whole batch's amax (what a
+        # tensor-wise FP8 scale sees): the inf-norm is NaN/inf iff some element is
+        amax = torch.linalg.vector_norm(x, float("inf")).float() if x.numel() else None
+        ok = torch.isfinite(x).all() if amax is None else torch.isfinite(amax)
         self.allocate(x.device, gen)
         assert self.moments is not None
         self.rows = x.shape[0]
         if real_idx is not None:  # the same rows of X and dY: taken before any subsampling
             self.real = torch.where(ok, x[real_idx.to(x.device, non_blocking=True)].float(), torch.nan)
+        zero = torch.zeros((), dtype=torch.float32, device=x.device)
+        if amax is not None:
+            assert isinstance(self.amax, torch.Tensor)  # a device scalar since the first data
+            self.amax = torch.maximum(self.amax, torch.where(ok, amax, zero))
         if x.shape[0] > self.max_rows:  # a random subset of the rows (i.i.d. draws of the feature vector)
             x = x[random_rows(x.shape[0], self.max_rows, gen, x.device)]
         self.moments.update(x, ok)
@@ -108,9 +134,6 @@ class _StreamAcc:
         flat = x.reshape(-1)
         if flat.numel() == 0:
             return
-        zero = torch.zeros((), dtype=torch.float32, device=x.device)
-        assert isinstance(self.amax, torch.Tensor)  # a device scalar since the first data
-        self.amax = torch.maximum(self.amax, torch.where(ok, torch.linalg.vector_norm(flat, float("inf")).float(), zero))
         if flat.numel() > QUANTILE_SAMPLE:
             flat = flat[random_rows(flat.numel(), QUANTILE_SAMPLE, gen, flat.device)]
         ax = flat.abs().float()
@@ -144,8 +167,8 @@ class _Site:
     def __init__(self, name: str, mod: nn.Linear, probe: "Probe") -> None:
         self.name, self.mod = name, mod
         k, n = mod.in_features, mod.out_features
-        self.x = _StreamAcc(k, probe.max_full_dim, probe.sketch_rank, probe.max_rows)
-        self.dy = _StreamAcc(n, probe.max_full_dim, probe.sketch_rank, probe.max_rows)
+        self.x = _StreamAcc(k, probe.max_full_dim, probe.sketch_rank, probe.max_rows, probe.precision)
+        self.dy = _StreamAcc(n, probe.max_full_dim, probe.sketch_rank, probe.max_rows, probe.precision)
         self.w: MatrixNormalEMA | None = None
         self.w_amax: torch.Tensor | float = 0.0  # device tensors once collected (read at snapshot)
         self.w_absq: torch.Tensor | np.ndarray = np.zeros(len(QUANTILES))
@@ -169,7 +192,16 @@ class Probe:
         max_rows: rows of X and dY merged per collection and site; a batch with more rows (a
             3-D input flattens to batch x tokens rows) merges ``max_rows`` of them drawn at
             random with replacement: the moments estimate the same distribution at a bounded
-            cost (and are exact, for any batch split, below the cap).
+            cost (and are exact, for any batch split, below the cap). ``None`` (default):
+            65,536 on the CPU, 2,048 on a GPU (:data:`CUDA_MAX_ROWS`): the moments accumulate
+            over collections, so 2,048 rows x 10 collections already pin a covariance to a
+            few percent (``tests/test_probe_cheap.py``), and a collection of large Wukong
+            (B = 8192) merges a quarter of each batch. The amax is the whole batch's.
+        precision: dtype of the products of a collection (the ``(d, d)`` scatter GEMM and the
+            sketch's GEMMs): ``"float64"``, ``"float32"`` (rows centred on the batch's
+            float64 mean first, results merged in float64; TF32 if the caller enabled it) or
+            ``"auto"`` (default): float64 on the CPU, float32 on a GPU, where float64 GEMMs
+            run 15-30x slower. See :mod:`loka_tune.probe.moments`.
         max_full_dim: feature dims above it keep diagonal + low-rank statistics.
         sketch_rank: rank of that low-rank sketch.
         weight_ema: EMA factor of the weight model.
@@ -192,7 +224,8 @@ class Probe:
         sites: Iterable[str] | None = None,
         keep_real: bool = True,
         real_rows: int = REAL_ROWS,
-        max_rows: int = MAX_ROWS,
+        max_rows: int | None = None,
+        precision: str = "auto",
         max_full_dim: int = MAX_FULL_DIM,
         sketch_rank: int = DEFAULT_SKETCH_RANK,
         weight_ema: float = 0.5,
@@ -210,11 +243,15 @@ class Probe:
             raise ProbeError(f"weight_ema must be in (0, 1], got {weight_ema=!r}")
         if isinstance(weight_flip_flop, bool) or not isinstance(weight_flip_flop, int) or weight_flip_flop < 0:
             raise ProbeError(f"weight_flip_flop must be an integer >= 0, got {weight_flip_flop=!r}")
-        if max_full_dim < 1 or sketch_rank < 1 or real_rows < 1 or max_rows < 1:
-            raise ProbeError(f"max_full_dim, sketch_rank, real_rows and max_rows must be >= 1, got"
-                             f" {max_full_dim=}, {sketch_rank=}, {real_rows=}, {max_rows=}")
+        if max_full_dim < 1 or sketch_rank < 1 or real_rows < 1 or (max_rows is not None and max_rows < 1):
+            raise ProbeError(f"max_full_dim, sketch_rank, real_rows and max_rows must be >= 1 (max_rows: or None"
+                             f" for the device's default), got {max_full_dim=}, {sketch_rank=}, {real_rows=}, {max_rows=}")
+        if precision not in ("auto", *PRECISIONS):
+            raise ProbeError(f"precision must be 'auto', 'float64' or 'float32' (the dtype of a collection's"
+                             f" products), got {precision=!r}")
         self.model, self.every, self.step_on = model, every, step_on
-        self.keep_real, self.real_rows, self.max_rows = keep_real, int(real_rows), int(max_rows)
+        self.keep_real, self.real_rows = keep_real, int(real_rows)
+        self.max_rows, self.precision = (None if max_rows is None else int(max_rows)), precision
         self.max_full_dim, self.sketch_rank, self.weight_ema = int(max_full_dim), int(sketch_rank), weight_ema
         self.weight_flip_flop = weight_flip_flop
         found = find_sites(model)
