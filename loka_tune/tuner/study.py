@@ -197,6 +197,8 @@ class StudyConfig:
         d = asdict(self)
         d["study"]["output_dir"] = str(self.study.output_dir)
         d["training"] = self.training.to_dict()
+        if d["regime"]["nproc"] == 1:  # one process, the default: summaries (and exports) as before the key
+            del d["regime"]["nproc"]
         d["source_path"] = None if self.source_path is None else str(self.source_path)
         return d
 
