@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+from typing import Any
 
 HELP = "search the fastest FP8 precision config under a loss budget (an Optuna study)"
 
@@ -33,6 +34,9 @@ Several workers (one per GPU, or across machines) share one study through its st
 With --workers N the first process prepares the study (baseline, probe, space), then N
 worker processes share the trials. A killed worker's trial is marked failed after
 [storage] grace_s without a heartbeat and re-queued.
+Or every training run on N GPUs: a study file with [regime] nproc = N re-runs this command
+under torchrun (N processes, one GPU each; gloo on a CPU); rank 0 runs the study and the
+other ranks train each run with it, data-parallel at the same global batch (not with --workers).
 
 examples:
   loka-tune tune studies/quickstart.toml
@@ -71,14 +75,42 @@ def _load(args: argparse.Namespace):  # noqa: ANN202
 
 def run(args: argparse.Namespace) -> int:
     from loka_tune.errors import StudyError
-    from loka_tune.tuner.loop import run_study
-    from loka_tune.tuner.results import best_trial
 
     if args.workers < 1:
         raise StudyError(f"--workers must be >= 1, got {args.workers}")
     if args.n_trials is not None and args.n_trials < 1:
         raise StudyError(f"--n-trials must be >= 1, got {args.n_trials}")
     cfg = _load(args)
+    nproc = cfg.regime.nproc
+    if nproc > 1 and args.workers > 1:
+        raise StudyError(f"got --workers {args.workers} for a study of [regime] nproc = {nproc}: its every run"
+                         f" already trains on {nproc} processes; drop --workers (or set nproc = 1 in the study"
+                         " file for one worker per GPU)")
+    from loka_tune.objectives.distributed import dist_env, launch
+
+    env = dist_env()
+    if env is None and nproc > 1:  # this process launches the job and waits for it
+        return launch(nproc, ["-m", "loka_tune", *args._argv])
+    if env is not None:
+        if env.world_size != nproc:
+            raise StudyError(f"started as {env.world_size} processes (torchrun) for a study of [regime] nproc ="
+                             f" {nproc}: set nproc = {env.world_size} in the study file or start {nproc}")
+        from loka_tune.tuner import parallel
+        from loka_tune.tuner.build import resolve_device
+
+        with parallel.ranks(env, resolve_device(args.device or cfg.training.device)):
+            if not env.is_main:
+                parallel.follow(cfg)
+                return 0
+            with parallel.leading():
+                return _run(args, cfg)
+    return _run(args, cfg)
+
+
+def _run(args: argparse.Namespace, cfg: Any) -> int:
+    from loka_tune.tuner.loop import run_study
+    from loka_tune.tuner.results import best_trial
+
     t0 = time.time()
     tracking = False if args.no_tracking else None
     on_change = "fresh" if args.fresh else "resume" if args.resume_anyway else "stop"

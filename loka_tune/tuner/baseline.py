@@ -116,14 +116,15 @@ def run_baseline(cfg: StudyConfig, source: Any, device: str, *, force: bool = Fa
 
             eager = replace(tcfg, compile=False, cuda_graphs=False)
             with Probe(model, every=cfg.probe.every, step_on="manual") as probe:
-                res = _train(model, source, eager, after_step=lambda _n: probe.step(), progress=say)
+                res = _train(model, source, eager, seed=seed, config=bf16, after_step=lambda _n: probe.step(),
+                             progress=say)
             stats = probe.stats
             if probe_out is not None:
                 stats.save(probe_out)
             if eager == tcfg:
                 regime_times.append(float(res.step_time_s))
         else:
-            res = _train(model, source, tcfg, progress=say)
+            res = _train(model, source, tcfg, seed=seed, config=bf16, progress=say)
             regime_times.append(float(res.step_time_s))
         if i == 0:
             first_model = model
@@ -161,11 +162,12 @@ def time_reference(cfg: StudyConfig, source: Any, device: str, mods: ModsConfig,
     from loka_tune.applier import apply
 
     model = make_model(cfg, source, seed=seed)
-    apply(model, PrecisionConfig(mods=mods))
+    config = PrecisionConfig(mods=mods)
+    apply(model, config)
     tcfg = train_config(cfg, seed, device=device)
     steps = min(tcfg.steps, tcfg.warmup_steps + REFERENCE_TIMED_STEPS)
     tcfg = replace(tcfg, steps=steps, window=min(tcfg.window, steps), eval_batches=1)
-    res = _train(model, source, tcfg)
+    res = _train(model, source, tcfg, seed=seed, config=config)
     return float(res.step_time_s)
 
 

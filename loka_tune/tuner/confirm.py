@@ -100,7 +100,8 @@ def _bf16_logloss(ctx: StudyContext, seed: int) -> float:
         from loka_tune.applier import apply
 
         apply(model, PrecisionConfig())
-        res = _train(model, ctx.source, train_config(ctx.cfg, seed, device=ctx.device))
+        res = _train(model, ctx.source, train_config(ctx.cfg, seed, device=ctx.device), seed=seed,
+                     config=PrecisionConfig())
         ctx.references[key] = float(res.eval_logloss)
     return ctx.references[key]
 
@@ -114,7 +115,7 @@ def _run_seed(ctx: StudyContext, config: PrecisionConfig, seed: int) -> dict[str
     model = make_model(cfg, ctx.source, seed=seed).to(resolve_device(ctx.device))
     try:
         apply(model, config)
-        res = _train(model, ctx.source, train_config(cfg, seed, device=ctx.device))
+        res = _train(model, ctx.source, train_config(cfg, seed, device=ctx.device), seed=seed, config=config)
     except (UnsupportedChoiceError, BackendError) as e:
         return {"seed": seed, "status": "failed", "reason": f"unsupported: {e}"}
     if res.status != "ok":

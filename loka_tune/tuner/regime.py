@@ -9,12 +9,20 @@ trial's speed-up is the one the user will get::
     cuda_graphs = false    # capture each whole step in one CUDA graph (CUDA only; the trainer's cuda_graphs)
     batch_size = 0         # the production batch size (0: training.batch_size)
     autocast = ""          # "auto", "bf16" or "off" ("": training.autocast)
+    nproc = 1              # processes (GPUs) per training run: data-parallel at the same global batch
 
 They override ``[training]``'s ``compile``, ``cuda_graphs``, ``batch_size`` and ``autocast``.
 A compiled run keeps at least :data:`COMPILE_WARMUP` warm-up steps out of the step-time
 median (compilation is never timed); each compiled run starts from a reset dynamo and reuses
 inductor's on-disk graph cache (in ``<output_dir>/inductor_cache``), so trials of one model
 recompile cheaply.
+
+``nproc = N`` (N > 1) trains every paired run of the study (the bf16 baselines, every trial,
+the confirmation) data-parallel over N processes of this host (one GPU each, gloo on a CPU)
+at the same *global* batch: ``loka-tune tune`` re-runs itself under torchrun, rank 0 runs the
+study and the other ranks train each run beside it (:mod:`loka_tune.tuner.parallel`). The
+batch must split evenly over the N processes; CUDA graphs are one-process only. It is the
+alternative to ``--workers N`` (N trials at once, one GPU each); the two do not combine.
 
 ``[confirm]``: after the search, the best ``n_best`` feasible configs are run again in the
 regime on ``seeds`` (default ``training.seeds``; at least two), paired against bf16 with the
@@ -52,6 +60,7 @@ class RegimeSection:
     cuda_graphs: bool = False
     batch_size: int = 0
     autocast: str = ""
+    nproc: int = 1
 
     @classmethod
     def from_table(cls, t: Table, where: Any) -> RegimeSection:
@@ -64,7 +73,11 @@ class RegimeSection:
             raise ConfigError(f"got {autocast!r}; choose one of {', '.join(map(repr, _AUTOCASTS))}"
                               " (or leave it out: training.autocast)", key="regime.autocast")
         regime = cls(compile=comp, cuda_graphs=t.boolean("cuda_graphs", d.cuda_graphs),
-                     batch_size=t.integer("batch_size", d.batch_size, minimum=0), autocast=autocast)
+                     batch_size=t.integer("batch_size", d.batch_size, minimum=0), autocast=autocast,
+                     nproc=_nproc(t.get("nproc", d.nproc)))
+        if regime.nproc > 1 and regime.cuda_graphs:
+            raise ConfigError(f"got nproc = {regime.nproc} with cuda_graphs = true: CUDA graphs are one-process"
+                              " only; set cuda_graphs = false or nproc = 1", key="regime.nproc")
         t.done()
         return regime
 
@@ -93,6 +106,13 @@ class RegimeSection:
         """The regime a run config stands for (for records, provenance and MLflow)."""
         return {"compile": tcfg.compile, "cuda_graphs": tcfg.cuda_graphs, "batch_size": tcfg.batch_size,
                 "autocast": tcfg.autocast, "device": tcfg.device}
+
+
+def _nproc(v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ConfigError(f"got {v!r}; expected the number of processes per training run, an integer >= 1"
+                          " (at most one per GPU of this host), e.g. nproc = 2", key="regime.nproc")
+    return v
 
 
 @dataclass(frozen=True)

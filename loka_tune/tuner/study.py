@@ -82,6 +82,7 @@ Layout (every section but ``[model]`` and ``[data]`` is optional)::
     cuda_graphs = false          # one CUDA graph per step (CUDA only)
     batch_size = 0               # the production batch (0: training.batch_size)
     autocast = ""                # "" = training.autocast
+    nproc = 1                    # processes (GPUs) per training run, data-parallel at the same global batch
 
     [confirm]                    # after the search: the best n_best feasible configs re-run on 2+ seeds
     enabled = true
@@ -196,6 +197,8 @@ class StudyConfig:
         d = asdict(self)
         d["study"]["output_dir"] = str(self.study.output_dir)
         d["training"] = self.training.to_dict()
+        if d["regime"]["nproc"] == 1:  # one process, the default: summaries (and exports) as before the key
+            del d["regime"]["nproc"]
         d["source_path"] = None if self.source_path is None else str(self.source_path)
         return d
 
@@ -259,7 +262,13 @@ def parse_study(doc: Mapping[str, Any], *, base_dir: Path | None = None, source_
         sections[name] = section.from_table(Table(doc.get(name, {}), name), where)
         if name == "study":
             where = replace(where, output_dir=sections[name].output_dir)
-    return StudyConfig(**sections, source_path=source_path)
+    cfg = StudyConfig(**sections, source_path=source_path)
+    n = cfg.regime.nproc
+    if cfg.batch_size % n:
+        key = "regime.batch_size" if cfg.regime.batch_size else "training.batch_size"
+        raise ConfigError(f"got a global batch of {cfg.batch_size} with [regime] nproc = {n}; the batch must split"
+                          f" evenly over the processes: use a multiple of {n}", key=key)
+    return cfg
 
 
 def load_study(path: str | Path, *, cwd: Path | None = None) -> StudyConfig:

@@ -120,7 +120,8 @@ def evaluate_config(ctx: StudyContext, config: PrecisionConfig, *,
         return bool(report(step, rel))
 
     try:
-        res = _train(model, ctx.source, train_config(cfg, device=ctx.device), on_step=on_step)
+        res = _train(model, ctx.source, train_config(cfg, device=ctx.device), seed=None, config=config,
+                     on_step=on_step)
     except (UnsupportedChoiceError, BackendError) as e:
         return TrialOutcome("failed", reason=f"unsupported: {e}", wall_s=time.perf_counter() - t0)
     except torch.cuda.OutOfMemoryError as e:  # a config may need more memory (e.g. fp32 copies)
