@@ -6,7 +6,6 @@ from __future__ import annotations
 import importlib
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -93,34 +92,16 @@ def test_recipe_errors_quote_the_value_and_the_fix(kwargs: dict, match: str) -> 
         PrecisionConfig.from_recipe(**kwargs)
 
 
-@dataclass
-class _Rec:  # the fields of a probe CandidateResult that Dispatch reads
-    site: str
-    role: str
-    choice: str
-    m: int
-    k: int
-    n: int
-    mere: float
-    speedup: float
-    time_source: str = "modeled"
-
-
-@dataclass
-class _Report:
-    results: list
-
-
 def test_dispatch_recipe_is_build_plan_of_the_report() -> None:
     from loka_tune.config import ModsConfig
     from loka_tune.dispatch import build_plan
 
-    recs = []
+    rep = []  # candidate records as Dispatch reads them (a probe report's results, here plain dicts)
     for role in GemmRole:
         m, k, n = role.shape(4096, 1024, 512)
-        recs.append(_Rec("mlp.0", role.value, "e4m3.row.emulated", m, k, n, mere=0.01, speedup=1.4))
-        recs.append(_Rec("mlp.0", role.value, "e4m3.tensor.emulated", m, k, n, mere=0.5, speedup=1.6))
-    rep = _Report(recs)
+        for choice, mere, speedup in (("e4m3.row.emulated", 0.01, 1.4), ("e4m3.tensor.emulated", 0.5, 1.6)):
+            rep.append({"site": "mlp.0", "role": role.value, "choice": choice, "m": m, "k": k, "n": n,
+                        "mere": mere, "speedup": speedup, "time_source": "modeled"})
     cfg = PrecisionConfig.from_recipe("dispatch", report=rep, mods=ModsConfig(no_bias=True), resolve_emulated=False)
     want = build_plan(rep, resolve_emulated=False)
     assert cfg.resolve("mlp.0") == want.resolve("mlp.0")
