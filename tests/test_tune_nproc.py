@@ -118,7 +118,7 @@ def _tune(tmp_path: Path, name: str, nproc: int) -> dict[str, Any]:
     for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
         env.pop(k, None)
     proc = subprocess.run([sys.executable, "-m", "loka_tune", "tune", str(study)], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=900)
+                          capture_output=True, text=True, timeout=450)
     assert proc.returncode == 0, proc.stderr[-3000:]
     import optuna
 

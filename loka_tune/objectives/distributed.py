@@ -40,7 +40,7 @@ from torch import nn
 from loka_tune.errors import ConfigError
 
 __all__ = ["DistEnv", "dist_env", "process_group", "local_rows", "RankSource", "gather_rows", "launch",
-           "strip_nproc", "rank_share", "join"]
+           "strip_nproc", "rank_share", "join", "torn_down"]
 
 _ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 
@@ -107,10 +107,25 @@ def process_group(env: DistEnv, device: torch.device) -> Iterator[None]:
     backend = "nccl" if device.type == "cuda" else "gloo"
     kw: dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}
     dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size, **kw)
+    with torn_down():
+        yield
+
+
+@contextlib.contextmanager
+def torn_down() -> Iterator[None]:
+    """Destroy the default process group after the block. On a normal exit every rank first
+    meets at a barrier: gloo's worker threads free a finished collective's tensors after its
+    ``wait()`` returns, and freeing a tensor Python still sees takes the GIL; a process that
+    drops its last reference to the group (DDP's reducer holds one) joins those threads with
+    the GIL held, and the two wait on each other for ever (seen with torch 2.13, about one run
+    in three). The barrier's wait releases the GIL until the threads are done."""
     try:
         yield
-    finally:
-        dist.destroy_process_group()
+    except BaseException:
+        dist.destroy_process_group()  # another rank may be gone: no barrier
+        raise
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def check_batch(batch_size: int, env: DistEnv, *, key: str = "batch_size") -> int:

@@ -77,7 +77,7 @@ def ranks(env: DistEnv, device: str) -> Iterator[None]:
     import torch
     import torch.distributed as dist
 
-    from loka_tune.objectives.distributed import rank_device
+    from loka_tune.objectives.distributed import rank_device, torn_down
 
     dev = rank_device(env, torch.device(device))
     if dev.type == "cuda":
@@ -85,10 +85,8 @@ def ranks(env: DistEnv, device: str) -> Iterator[None]:
     kw: dict[str, Any] = {"device_id": dev} if dev.type == "cuda" else {}
     dist.init_process_group(backend="nccl" if dev.type == "cuda" else "gloo", rank=env.rank,
                             world_size=env.world_size, timeout=_WAIT, **kw)
-    try:
+    with torn_down():
         yield
-    finally:
-        dist.destroy_process_group()
 
 
 def is_leading() -> bool:
