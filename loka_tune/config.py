@@ -464,6 +464,7 @@ class PrecisionConfig:
     provenance: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "mods", ModsConfig.of(self.mods))  # a mapping as in the JSON file is taken too
         sites = self.sites
         if isinstance(sites, Mapping):  # {name or "re:<regex>": SitePrecision or its id}, in order
             sites = tuple(SiteRule(k, v if isinstance(v, SitePrecision) else SitePrecision.from_obj(v, key=f"sites.{k}"))
@@ -506,13 +507,13 @@ class PrecisionConfig:
         sites: Mapping[str, SitePrecision | str],
         *,
         default: SitePrecision | str | None = None,
-        mods: ModsConfig | None = None,
+        mods: ModsConfig | Mapping[str, Any] | None = None,
         provenance: Mapping[str, Any] | None = None,
     ) -> "PrecisionConfig":
         return cls(
             default=SitePrecision() if default is None else SitePrecision.from_obj(default, key="default"),
             sites=tuple(SiteRule(k, SitePrecision.from_obj(v, key=f"sites.{k}")) for k, v in sites.items()),
-            mods=mods or ModsConfig(),
+            mods=ModsConfig.of(mods),
             provenance=dict(provenance or {}),
         )
 

@@ -90,6 +90,16 @@ class ModsConfig:
         return d
 
     @classmethod
+    def of(cls, obj: "ModsConfig | Mapping[str, Any] | None", *, key: str = "mods") -> "ModsConfig":
+        """``obj`` as a ModsConfig: itself, the mapping of the JSON file's ``mods``, or None (no Mods)."""
+        if isinstance(obj, cls):
+            return obj
+        if obj is None or isinstance(obj, Mapping):
+            return cls.from_dict(obj, key=key)
+        raise ConfigError(f"got {obj!r}; mods take a ModsConfig or a mapping such as"
+                          " {'no_bias': True, 'blocknorm': 256}", key=key)
+
+    @classmethod
     def from_dict(cls, obj: Any, *, key: str = "mods") -> "ModsConfig":
         if obj is None:
             return cls()

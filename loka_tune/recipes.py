@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import replace
-from typing import Any
+from typing import Any, Mapping
 
 from loka_tune.config import ModsConfig, PrecisionConfig, SitePrecision
 from loka_tune.errors import ConfigError
@@ -33,7 +33,7 @@ def recipe_config(
     name: str,
     *,
     backend: str = "torch_scaled_mm",
-    mods: ModsConfig | None = None,
+    mods: ModsConfig | Mapping[str, Any] | None = None,
     report: Any = None,
     **plan_options: Any,
 ) -> PrecisionConfig:
@@ -49,7 +49,8 @@ def recipe_config(
 
     ``backend`` names the kernel library of the uniform recipes: ``torch_scaled_mm``
     (cuBLASLt, the default), ``torchao``, ``fbgemm``, ``triton``, or ``emulated`` (runs
-    anywhere, for checking numerics). ``mods``: the model adaptations to apply first.
+    anywhere, for checking numerics). ``mods``: the model adaptations to apply first (a
+    :class:`ModsConfig`, or a mapping such as ``{"no_bias": True}`` as in the JSON file).
     """
     if name == "dispatch":
         if report is None:
@@ -58,7 +59,7 @@ def recipe_config(
                 " saved probe report>, or call loka_tune.build_plan(report)", key="recipe")
         # Dispatch sits above the vocabulary: imported when this recipe is asked for
         plan = importlib.import_module("loka_tune.dispatch").build_plan(report, **plan_options)
-        return replace(plan, mods=mods or ModsConfig())
+        return replace(plan, mods=ModsConfig.of(mods))
     if name not in RECIPES:
         raise ConfigError(f"unknown recipe {name!r}; choose one of {', '.join([*RECIPES, 'dispatch'])}",
                           key="recipe")
@@ -70,5 +71,5 @@ def recipe_config(
         raise ConfigError(f"the {name!r} recipe runs FP8 GEMMs; name an FP8 backend such as 'torch_scaled_mm',"
                           " 'torchao', 'fbgemm', 'triton' or 'emulated'", key="backend")
     site = SitePrecision.parse(RECIPES[name].format(backend=backend), key="recipe")
-    return PrecisionConfig(default=site, mods=mods or ModsConfig(),
+    return PrecisionConfig(default=site, mods=ModsConfig.of(mods),
                            provenance={"source": f"loka-tune recipe {name}", "recipe": name, "backend": backend})

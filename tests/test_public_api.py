@@ -79,6 +79,23 @@ def test_recipe_backend_and_mods() -> None:
     assert cfg.default.fwd.backend == "torchao" and cfg.mods.no_bias
 
 
+def test_mods_given_as_a_mapping_become_a_mods_config_that_saves(tmp_path: Path) -> None:
+    """``mods={"no_bias": True}`` (the JSON file's form) is taken everywhere a config is made;
+    it once stayed a dict and broke ``save``."""
+    from loka_tune.config import ModsConfig
+
+    cfg = PrecisionConfig.from_recipe("rowwise", backend="emulated", mods={"no_bias": True, "blocknorm": 256})
+    assert cfg.mods == ModsConfig(no_bias=True, blocknorm=256)
+    cfg.save(tmp_path / "c.json")
+    assert PrecisionConfig.load(tmp_path / "c.json") == cfg
+    assert PrecisionConfig(mods={"hardswish": True}).mods.hardswish
+    assert PrecisionConfig.from_sites({}, mods={"pad": 16}).mods.pad == 16
+    with pytest.raises(ConfigError, match=r"mods: unknown key\(s\) \['nobias'\]"):
+        PrecisionConfig.from_recipe("bf16", mods={"nobias": True})
+    with pytest.raises(ConfigError, match="got 'no_bias'; mods take a ModsConfig or a mapping"):
+        PrecisionConfig.from_recipe("bf16", mods="no_bias")
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(name="rowwize"), "unknown recipe 'rowwize'; choose one of bf16, tensorwise, rowwise"),
     (dict(name="dispatch"), "built from a probe report"),
