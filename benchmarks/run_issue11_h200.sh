@@ -65,12 +65,13 @@ if [ "$part" = final ]; then  # linear_block alone, then (GPU 1) whole-step CUDA
     touch $out/.block_done
     echo '== GPU tests'
     timeout ${TEST_TIMEOUT:-150} python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_backends.py \
-      tests/test_backend_conformance.py tests/test_linear_direct.py 2>&1 | tail -15" &
+      tests/test_backend_conformance.py tests/test_linear_direct.py tests/test_linear_share.py \
+      tests/test_probe_cheap.py 2>&1 | tail -15" &
   p0=$!
   ( while [ ! -f "$out/.block_done" ] && kill -0 $p0 2>/dev/null; do sleep 2; done
     lane "$lane1_gpu" "$out/lane1.log" timeout "${E2E_CAP:-230}" python3 benchmarks/e2e.py "${E2E_COMMON[@]}" \
       --batch 8192 --steps "${E2E_STEPS:-80}" --config "$plan8192" --cuda-graphs \
-      --variants bf16_mods,config,torchao_tensorwise_filter --budget "${E2E_BUDGET:-170}" --out "$out/e2e_b8192_graphs" ) &
+      --variants bf16_mods,config,torchao_tensorwise_filter,scaled_mm_tensorwise_filter --budget "${E2E_BUDGET:-170}" --out "$out/e2e_b8192_graphs" ) &
   p1=$!
   wait $p0 $p1
   rm -f "$out/.block_done"
