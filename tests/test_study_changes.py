@@ -115,3 +115,15 @@ def test_a_study_stored_before_settings_were_is_checked_by_its_summary(tmp_path:
 def _write_budget(f: Path, budget: float) -> Path:
     f.write_text(f.read_text().replace("budget_pct = 50.0", f"budget_pct = {budget}"))
     return f
+
+
+def test_a_changed_regime_is_a_changed_study(tmp_path: Path) -> None:
+    """Trials timed in one regime (eager, one process, the study's batch) are not comparable with
+    trials of another: [regime] is part of the stored settings, nproc included at its default."""
+    f = _write(tmp_path / "s.toml")
+    cfg = load_study(f)
+    assert cfg.settings()["regime.nproc"] == 1 and "nproc" not in cfg.to_dict()["regime"]
+    open_study(cfg)
+    f.write_text(f.read_text() + "[regime]\nbatch_size = 64\nnproc = 2\n")
+    with pytest.raises(StudyError, match=r"regime.batch_size: 0 -> 64; regime.nproc: 1 -> 2"):
+        open_study(load_study(f))

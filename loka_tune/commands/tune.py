@@ -22,9 +22,9 @@ results live in the study's output dir (runs/<name>/: optuna.db, mlflow.db, plot
 
 Resume: run the same command again; completed trials are kept and never re-run. The stored
 study remembers the settings it was made with ([model], [data], [training], [objective],
-[space], [probe]); after an edit of those, tune stops and says what changed: --fresh starts
+[space], [probe], [regime]); after an edit of those, tune stops and says what changed: --fresh starts
 over (deletes the stored study), --resume-anyway goes on with the stored baseline, space and
-trials. [trials] (e.g. a larger n_trials), [storage] and [tracking] may change freely.
+trials. [trials] (e.g. a larger n_trials), [confirm], [storage] and [tracking] may change freely.
 Ctrl-C (or SIGTERM) marks the running trial failed ("interrupted", not counted), queues its
 configuration again, ends its MLflow run and the study's as KILLED and exits with status 130.
 Trial numbers are Optuna's, from 0, in the progress lines as in report, export and MLflow.

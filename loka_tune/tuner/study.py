@@ -203,10 +203,13 @@ class StudyConfig:
         return d
 
 
-#: the sections whose settings a study's stored baseline, space and trials depend on; [study]
-#: (name, output dir, sampler seed), [trials] (budget, pruner), [storage] and [tracking] may change
-#: between runs of one study
-SETTINGS_SECTIONS = ("model", "data", "training", "objective", "space", "probe")
+#: the sections whose settings a study's stored baseline, space and trials depend on ([regime]:
+#: the trials' and baselines' step times were taken compiled or not, at its batch and process
+#: count); [study] (name, output dir, sampler seed), [trials] (budget, pruner), [confirm],
+#: [storage] and [tracking] may change between runs of one study
+SETTINGS_SECTIONS = ("model", "data", "training", "objective", "space", "probe", "regime")
+#: settings a summary leaves out at their default (so older summaries read the same)
+_SUMMARY_DEFAULTS = {"regime": {"nproc": 1}}
 
 
 def settings_of(summary: Mapping[str, Any]) -> dict[str, Any]:
@@ -214,7 +217,8 @@ def settings_of(summary: Mapping[str, Any]) -> dict[str, Any]:
     as stored in a study's attributes), flat and JSON-normalized (tuples as lists)."""
     import json
 
-    flat = {f"{sec}.{k}": v for sec in SETTINGS_SECTIONS for k, v in (summary.get(sec) or {}).items()}
+    flat = {f"{sec}.{k}": v for sec in SETTINGS_SECTIONS
+            for k, v in {**(_SUMMARY_DEFAULTS.get(sec, {}) if sec in summary else {}), **(summary.get(sec) or {})}.items()}
     return json.loads(json.dumps(flat, sort_keys=True, default=str))
 
 
