@@ -17,8 +17,9 @@ rounding does not cancel against a large offset; its result is merged into the f
 state, and the mean, the diagonal and the third and fourth moments stay float64. The cost:
 a relative error ~1e-6 per batch scatter (float32; ~1e-3 with TF32), far below the sampling
 error of any row count the probe merges; the gain: float64 GEMMs run 15-30x slower than
-float32 on a data-centre GPU. Float32 products overflow only for rows with
-``|x| > ~1e17``.
+float32 on a data-centre GPU. The float32 operands are scaled per feature to [-1, 1] first and
+the products rescaled in float64, so no feature scale over- or underflows them (1e-30 next to
+1e30, or gradients of 1e-20).
 
 Feature dims above ``max_full_dim`` (default :data:`MAX_FULL_DIM` = 2048: a 2048^2 float64
 matrix is 32 MiB, the largest we keep per tensor) do not keep the full ``M2``: they keep the
@@ -28,8 +29,11 @@ NeurIPS 2017): ``Y = M2 Omega`` for a fixed Gaussian test matrix ``Omega (d, 2 r
 sum of outer products of rows (``A^T A`` for ``A`` = the within-batch centred rows of every
 batch stacked with one row ``sqrt(n_a n_b / n) delta`` per Chan merge), so ``Y`` is updated
 by two GEMMs per batch, exactly, with no decomposition and no host sync while training runs;
-the rank-``r`` approximation ``M2 ~= V^T diag(values) V`` is computed once, when read
-(Cholesky + SVD of small matrices). It is exact when ``rank(M2) <= 2 r`` and never
+the rank-``r`` approximation ``M2 ~= V^T diag(values) V`` is computed once, when read, on
+the CPU in float64 (``eigh`` of the small core, QR + SVD of a ``(dim, 2 r)`` matrix: stable on
+rank-deficient, constant and ill-conditioned input, see :class:`NystromSketch`; what still
+cannot be factorised raises :class:`StatisticError`, and the probe falls back to the exact
+diagonal and reports it). It is exact when ``rank(M2) <= 2 r`` and never
 overestimates (``M2 - approx`` is PSD up to the stabilising shift); its expected error is
 within ``1 + r / (r - 1)`` of the best rank-``r`` approximation's in the nuclear norm (their
 Theorem 4.1 with ``k = 2 r``). A batch of more than ``sketch_rows`` (4096) rows feeds the
@@ -44,7 +48,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["MAX_FULL_DIM", "PRECISIONS", "RunningMoments", "NystromSketch", "random_rows"]
+__all__ = ["MAX_FULL_DIM", "PRECISIONS", "RunningMoments", "NystromSketch", "StatisticError", "pow2_scale", "random_rows"]
 
 PRECISIONS = ("float64", "float32")  # dtype of the GEMMs of an update (the state is always float64)
 
@@ -61,6 +65,35 @@ def random_rows(m: int, k: int, gen: torch.Generator, device: torch.device) -> t
     return idx if idx.device == torch.device(device) else idx.to(device, non_blocking=True)
 
 
+def pow2_scale(amax: torch.Tensor) -> torch.Tensor:
+    """The power of two at or just above each ``amax`` (1 where it is 0 or not finite), a
+    device tensor: dividing by it maps the values into [-1, 1] exactly (no rounding), so a
+    float32 product of scaled operands rescaled in float64 equals the unscaled one bit for
+    bit wherever that one neither over- nor underflowed."""
+    ok = (amax > 0) & torch.isfinite(amax)
+    _, e = torch.frexp(torch.where(ok, amax, torch.ones_like(amax)))  # amax = m 2^e, m in [0.5, 1)
+    return torch.where(ok, torch.ldexp(torch.ones_like(amax), e), torch.ones_like(amax))
+
+
+class StatisticError(ArithmeticError):
+    """A statistic could not be formed from what was collected (a sketch holding non-finite
+    values, a factorization that failed every fallback). Internal: the probe's read-out
+    catches it, falls back to a simpler statistic (e.g. the diagonal) and reports why."""
+
+
+def _eigh(a: torch.Tensor, what: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``eigh`` of a small symmetric float64 CPU matrix (LAPACK syevd: no convergence
+    failure on finite input in practice); anything that still fails is a StatisticError."""
+    try:
+        return torch.linalg.eigh(a)
+    except RuntimeError as e:  # torch.linalg.LinAlgError is a RuntimeError
+        raise StatisticError(f"eigh of {what} failed ({_short(e)})") from None
+
+
+def _short(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:160]}" if str(e) else type(e).__name__
+
+
 class NystromSketch:
     """A streaming Nystrom sketch ``Y = A Omega`` of a PSD matrix ``A = sum_i a_i a_i^T`` (rows appended).
 
@@ -68,6 +101,24 @@ class NystromSketch:
     ``rows^T (rows Omega)`` to ``Y`` (two GEMMs, on the rows' device, no host sync);
     :meth:`eig` returns the top-``rank`` eigenpairs of the Nystrom approximation
     ``Y (Omega^T Y)^+ Y^T`` with the stabilising shift of Tropp et al. 2017 (Algorithm 3).
+
+    Float32 GEMMs (``precision="float32"``): each appended block is scaled per feature by its
+    largest ``|value|`` before the cast (``rows = G D``, ``G`` in [-1, 1]) and the products
+    are rescaled in float64, ``Y += D G^T (G (D Omega / s)) s`` with ``s = max D``; ``D`` holds
+    powers of two (:func:`pow2_scale`), so where the unscaled product was in range this is it
+    bit for bit. No float32 overflow or underflow whatever the features' scales (1e-30 next to
+    1e30, or all 1e-20), only float32 rounding relative to each feature's own scale.
+
+    :meth:`eig` is stable on rank-deficient, constant, duplicated and ill-conditioned input:
+    it runs on the CPU in float64 (LAPACK; cuSOLVER's SVD fails to converge on the repeated
+    singular values a rank-deficient sketch has, issue 20) on ``Y`` scaled to ``max |Y| = 1``,
+    takes the pseudo-inverse of the small core ``C = Omega^T Y_nu`` through its ``eigh``
+    (eigenvalues below ``core_rtol`` x the largest are rounding, mostly of float32 GEMMs:
+    ``k eps`` in float64, 8 float32 eps, 8 TF32 eps when TF32 was on; they are dropped, so the
+    approximation stays below ``A``), and the eigenpairs of
+    ``B B^T`` (``B = Y_nu C^{-1/2}``) from a QR of ``B`` and the SVD of its small ``R``
+    (``eigh`` of ``R R^T`` if that SVD fails: :attr:`note` says so). What cannot be
+    factorised raises :class:`StatisticError`.
     """
 
     def __init__(self, dim: int, rank: int, *, device: torch.device | str | None = None,
@@ -82,33 +133,71 @@ class NystromSketch:
         self.y = torch.zeros(self.dim, self.k, dtype=torch.float64, device=self.omega.device)
         self.gemm_dtype = getattr(torch, precision)
         self._omega_g = self.omega.to(self.gemm_dtype)  # Omega in the GEMMs' dtype
+        # relative floor of the core's eigenvalues: float64 rounding (k eps), or 8 eps of the
+        # float32 GEMMs (their rounding makes C indefinite at ~3e-8 relative on rank-deficient
+        # input; measured on features spanning 1e-30..1e30: core error 3e-3 with no floor,
+        # 5e-8 at 1e-9, 6e-7 at 1e-6 = 8 eps, growing as the floor above: it drops what it cuts)
+        self.core_rtol = (self.k * torch.finfo(torch.float64).eps if self.gemm_dtype == torch.float64
+                          else 8.0 * torch.finfo(torch.float32).eps)
+        self.note: str | None = None  # set by eig(): a fallback inside the factorization, if any
 
     def append(self, rows: torch.Tensor) -> None:
         """Add rows ``(r, dim)``: ``Y += rows^T (rows Omega)`` (GEMMs in ``precision``, Y float64)."""
-        rows = rows.reshape(-1, self.dim).to(self.gemm_dtype)
-        self.y += (rows.T @ (rows @ self._omega_g)).to(torch.float64)
+        rows = rows.reshape(-1, self.dim)
+        if self.gemm_dtype == torch.float64:
+            rows = rows.to(torch.float64)
+            self.y += rows.T @ (rows @ self._omega_g)
+            return
+        if rows.is_cuda and torch.backends.cuda.matmul.allow_tf32:  # the caller's TF32: a 10-bit mantissa
+            self.core_rtol = max(self.core_rtol, 8.0 * 2.0**-10)
+        r64 = rows.to(torch.float64)
+        col = pow2_scale(r64.abs().amax(0))  # (dim,) per-feature scale (a device tensor: no host sync)
+        s = col.max()
+        g = (r64 / col).to(self.gemm_dtype)  # (r, dim) in [-1, 1]
+        om = ((col / s)[:, None] * self.omega).to(self.gemm_dtype)  # D Omega / s: (dim, k)
+        self.y += (g.T @ (g @ om)).to(torch.float64) * (col[:, None] * s)
 
     def eig(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(values (r,), vectors (r, dim))`` with ``A ~= V^T diag(values) V``, values descending, r <= rank."""
-        y, om = self.y, self.omega
-        norm = float(torch.linalg.matrix_norm(y))
-        if norm == 0.0:
-            return y.new_zeros(0), y.new_zeros(0, self.dim)
-        nu = math.sqrt(self.dim) * torch.finfo(torch.float64).eps * norm
+        """``(values (r,), vectors (r, dim))`` with ``A ~= V^T diag(values) V``, values descending,
+        r <= rank, on the sketch's device. Raises :class:`StatisticError` when ``Y`` holds
+        non-finite values or cannot be factorised (see the class docstring)."""
+        self.note = None
+        dev = self.y.device
+        y = self.y.detach().to("cpu", torch.float64)
+        if not bool(torch.isfinite(y).all()):
+            raise StatisticError("the sketch holds non-finite values")
+        scale = float(y.abs().max())
+        if scale == 0.0:
+            return y.new_zeros(0).to(dev), y.new_zeros(0, self.dim).to(dev)
+        y = y / scale  # A / scale: no under- or overflow below; eigenvalues scale back at the end
+        om = self.omega.to("cpu", torch.float64)
+        nu = math.sqrt(self.dim) * torch.finfo(torch.float64).eps * float(torch.linalg.matrix_norm(y))
         y_nu = y + nu * om
-        c = om.T @ y_nu
-        c = 0.5 * (c + c.T)
-        jitter = 0.0
-        for _ in range(8):  # C is PSD; rounding can make a tiny eigenvalue negative
-            chol, info = torch.linalg.cholesky_ex(c + jitter * torch.eye(self.k, dtype=c.dtype, device=c.device))
-            if int(info) == 0:
-                break
-            jitter = max(jitter * 10.0, nu * 1e-3 + 1e-300)
-        b = torch.linalg.solve_triangular(chol, y_nu.T, upper=False).T  # Y_nu C^-1/2: (dim, k)
-        u, sv, _ = torch.linalg.svd(b, full_matrices=False)
-        lam = (sv * sv - nu).clamp_min(0.0)
-        r = min(self.rank, int((lam > lam[0] * 1e-14).sum()) if float(lam[0]) > 0 else 0)
-        return lam[:r], u[:, :r].T.contiguous()
+        c = om.T @ y_nu  # (k, k)
+        w, v = _eigh(0.5 * (c + c.T), "the sketch's core Omega^T Y")
+        top = float(w[-1])
+        if not top > 0.0:
+            raise StatisticError(f"the sketch's core has no positive eigenvalue (largest {top:.3g}): not PSD")
+        keep = w > top * self.core_rtol
+        b = (y_nu @ v[:, keep]) / torch.sqrt(w[keep])  # Y_nu C^+1/2: (dim, k')
+        try:
+            q, r = torch.linalg.qr(b)  # (dim, k'), (k', k')
+        except RuntimeError as e:
+            raise StatisticError(f"QR of the sketch failed ({_short(e)})") from None
+        try:
+            ur, sv, _ = torch.linalg.svd(r)
+        except RuntimeError as e:  # the SVD of a small float64 matrix on the CPU: rare, but not never
+            self.note = f"SVD of the sketch's R failed ({_short(e)}); eigh of R R^T used"
+            ev, ur = _eigh(r @ r.T, "R R^T")
+            ev, ur = ev.flip(0), ur.flip(1)
+            sv = ev.clamp_min(0.0).sqrt()
+        u = q @ ur  # (dim, k')
+        lam = (sv * sv - nu).clamp_min(0.0) * scale
+        if not bool(torch.isfinite(lam).all() and torch.isfinite(u).all()):
+            raise StatisticError("the sketch's eigenpairs are not finite")
+        n_pos = int((lam > lam[0] * 1e-14).sum()) if float(lam[0]) > 0 else 0
+        r_ = min(self.rank, n_pos)
+        return lam[:r_].to(dev), u[:, :r_].T.contiguous().to(dev)
 
 
 class RunningMoments:
@@ -168,14 +257,14 @@ class RunningMoments:
         m2d_b = xc2.sum(0)
         m3_b = (xc2 * xc).sum(0)
         m4_b = (xc2 * xc2).sum(0)
-        xg = xc.to(self._gemm_dtype)  # centred first: float32 products do not cancel an offset
-        m2_b = (xg.T @ xg).to(torch.float64) if self.full else None  # (d, d)
+        m2_b = self._scatter(xc) if self.full else None  # (d, d)
         if ok is not None:  # a rejected batch: zero statistics and count (where, not *: NaN * 0 = NaN)
             ok = ok.to(self.mean.device)
             zero = torch.zeros((), dtype=torch.float64, device=self.mean.device)
             mb, m2d_b, m3_b, m4_b = (torch.where(ok, t, zero) for t in (mb, m2d_b, m3_b, m4_b))
             m2_b = None if m2_b is None else torch.where(ok, m2_b, zero)
-            xg = torch.where(ok, xg, zero.to(xg.dtype))
+            if not self.full:
+                xc = torch.where(ok, xc, zero)
             nb_t = torch.where(ok, torch.full((), float(nb), dtype=torch.float64, device=self.mean.device), zero)
         else:
             nb_t = torch.full((), float(nb), dtype=torch.float64, device=self.mean.device)
@@ -205,9 +294,23 @@ class RunningMoments:
         else:
             assert self.sketch is not None
             cross = (delta * torch.sqrt(na * nb_t / n1))[None]  # the Chan cross term, one row (0 if na = 0)
-            self.sketch.append(torch.cat([self._sketch_rows(xg), cross.to(xg.dtype)]))
+            self.sketch.append(torch.cat([self._sketch_rows(xc), cross]))  # float64: the sketch casts
         self.mean = self.mean + delta * (nb_t / n1)
         self._n = n
+
+    def _scatter(self, xc: torch.Tensor) -> torch.Tensor:
+        """The batch's scatter ``xc^T xc`` ``(d, d)`` float64, of rows centred on the batch mean
+        (float32 products then do not cancel an offset). In float32 the rows are first scaled
+        per feature by their largest ``|value|`` (``xc = G D``, ``G`` in [-1, 1]) and the product
+        rescaled in float64, ``D (G^T G) D``: no float32 overflow (|x| > ~1e19) or underflow
+        (|x| < ~1e-19) whatever the features' scales, each entry's rounding relative to
+        ``sqrt(M2_ii M2_jj)``; ``D`` holds powers of two (:func:`pow2_scale`), so in range the
+        result is the unscaled product's bit for bit."""
+        if self._gemm_dtype == torch.float64:
+            return xc.T @ xc
+        col = pow2_scale(xc.abs().amax(0))  # (d,) a device tensor: no host sync
+        g = (xc / col).to(self._gemm_dtype)
+        return (g.T @ g).to(torch.float64) * torch.outer(col, col)
 
     def _sketch_rows(self, xc: torch.Tensor) -> torch.Tensor:
         """At most ``sketch_rows`` random rows of ``xc``, scaled by ``sqrt(rows / kept)`` so
@@ -237,5 +340,6 @@ class RunningMoments:
     def excess_kurtosis(self) -> torch.Tensor:
         """Per-feature excess kurtosis ``n M4 / M2^2 - 3`` (0 for a normal; 0 where a feature is constant)."""
         m2 = self.m2d
-        k = self.n * self.m4 / (m2 * m2).clamp_min(1e-300) - 3.0
+        m2c = m2.clamp_min(1e-300)
+        k = self.n * (self.m4 / m2c) / m2c - 3.0  # divided twice: m2^2 overflows for |x| > ~1e77
         return torch.where(m2 > 0, k, torch.zeros_like(k))

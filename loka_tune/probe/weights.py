@@ -46,26 +46,48 @@ measured on draws of this model agree with errors on the current weight itself
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 
-from loka_tune.probe.moments import MAX_FULL_DIM
+from loka_tune.probe.moments import MAX_FULL_DIM, StatisticError, pow2_scale
 
 __all__ = ["MatrixNormalEMA"]
 
 _RIDGE = 1e-6  # relative ridge of the inverses in the flip-flop steps
+_TINY = torch.finfo(torch.float64).tiny  # the ridge of an all-zero factor (its inverse is then huge, not inf)
 
 
 def _ridge_inverse(s: torch.Tensor) -> torch.Tensor:
-    """Inverse of a PSD matrix ``(d, d)`` or of a diagonal ``(d,)``, ridge-regularised."""
+    """Inverse of a PSD matrix ``(d, d)`` or of a diagonal ``(d,)``, ridge-regularised: ``s +
+    lam I`` with ``lam = 1e-6 mean(diag s)`` (the smallest normal float64 if that is 0). Full:
+    a Cholesky (``cholesky_ex``, no host sync on failure until the flag is read) with the
+    ridge escalated 10x up to 1e-2 relative, else the ``eigh`` pseudo-inverse (eigenvalues
+    clipped to the ridge) on the CPU in float64; what still fails (non-finite ``s``) raises
+    :class:`~loka_tune.probe.moments.StatisticError` (the flip-flop step is then skipped)."""
+    if not bool(torch.isfinite(s).all()):
+        raise StatisticError("a factor holds non-finite values")
     if s.dim() == 1:
-        lam = _RIDGE * float(s.mean()) + 1e-300
-        return 1.0 / (s + lam)
+        lam = max(_RIDGE * float(s.mean()), _TINY)
+        return 1.0 / (s.clamp_min(0.0) + lam)
     d = s.shape[0]
-    lam = _RIDGE * float(torch.diagonal(s).mean()) + 1e-300
+    mu = float(torch.diagonal(s).mean())
     eye = torch.eye(d, dtype=s.dtype, device=s.device)
-    return torch.linalg.solve(s + lam * eye, eye)
+    rel = _RIDGE
+    while rel <= 1e-2:
+        lam = max(rel * mu, _TINY)
+        chol, info = torch.linalg.cholesky_ex(s + lam * eye)
+        if int(info) == 0:
+            return torch.cholesky_inverse(chol)
+        rel *= 10.0
+    try:
+        w, v = torch.linalg.eigh(0.5 * (s + s.T).to("cpu", torch.float64))
+    except RuntimeError as e:
+        raise StatisticError(f"eigh of a factor failed ({type(e).__name__})") from None
+    lam = max(_RIDGE * float(w.clamp_min(0.0).mean()), _TINY)
+    inv = (v / w.clamp_min(lam)) @ v.T
+    return inv.to(device=s.device, dtype=s.dtype)
 
 
 def _shrink(s: torch.Tensor, n_obs: float) -> torch.Tensor:
@@ -83,17 +105,22 @@ def _shrink(s: torch.Tensor, n_obs: float) -> torch.Tensor:
 def _gram(r: torch.Tensor, full: bool, max_cols: int, gen: torch.Generator) -> torch.Tensor:
     """``r r^T`` ``(d, d)`` (float32 GEMM, float64 result) or its diagonal ``(d,)``.
 
-    A full one over more than ``max_cols`` columns is estimated from ``max_cols`` random
-    columns scaled by ``cols / max_cols`` (unbiased): it bounds the GEMM at ``d^2 max_cols``."""
-    r32 = r.to(torch.float32)
+    ``r`` is scaled by the power of two above its largest ``|value|`` before the float32
+    product and the result rescaled in float64: no float32 over- or underflow whatever the
+    residual's size, and bit for bit the unscaled product where that one was in range. A full
+    one over more than ``max_cols`` columns is estimated from ``max_cols`` random columns
+    scaled by ``cols / max_cols`` (unbiased): it bounds the GEMM at ``d^2 max_cols``."""
+    amax = pow2_scale(r.detach().abs().amax().to(torch.float64))  # a power of two: exact scaling
+    r32 = (r / amax).to(torch.float32)
+    a2 = amax * amax
     if not full:
-        return (r32 * r32).sum(1).to(torch.float64)
+        return (r32 * r32).sum(1).to(torch.float64) * a2
     cols = r32.shape[1]
     if cols > max_cols:
         idx = torch.randperm(cols, generator=gen)[:max_cols].to(r32.device, non_blocking=True)
         sub = r32[:, idx]
-        return (sub @ sub.T).to(torch.float64) * (cols / max_cols)
-    return (r32 @ r32.T).to(torch.float64)
+        return (sub @ sub.T).to(torch.float64) * (a2 * (cols / max_cols))
+    return (r32 @ r32.T).to(torch.float64) * a2
 
 
 class MatrixNormalEMA:
@@ -116,6 +143,7 @@ class MatrixNormalEMA:
         self.rows, self.cols, self.ema, self.flip_flop = int(rows), int(cols), float(ema), int(flip_flop)
         self.u_full = self.rows <= max_full_dim
         self.v_full = self.cols <= max_full_dim
+        self.notes: dict[str, str] = {}  # statistic -> a fallback of the fit (reported by the probe)
         self.count = 0  # collections seen
         self.residuals = 0  # collections that moved the weight (fitted U, V)
         f32: dict[str, Any] = dict(dtype=torch.float32, device=device)
@@ -136,7 +164,8 @@ class MatrixNormalEMA:
         if self.flip_flop or self.residuals == 0:
             return self._u_raw, self._v_raw
         tr = float(self._v_raw.trace() if self.v_full else self._v_raw.sum())  # = ||R||_F^2 EMA > 0
-        assert tr > 0, "a residual that moved the weight has a positive norm"
+        if not (tr > 0 and math.isfinite(tr)):  # a residual that moved has a positive norm: only rounding
+            raise StatisticError(f"the column factor's trace is {tr!r}, not positive: no scale to fix")
         return self._u_raw / self.cols, self._v_raw * (self.cols / tr)
 
     @property
@@ -175,6 +204,20 @@ class MatrixNormalEMA:
         self._flip_flop(r.to(torch.float64), first)
 
     def _flip_flop(self, r: torch.Tensor, first: bool) -> None:
+        """The flip-flop steps of one collection; a step whose inverse cannot be formed, or
+        whose factors come out non-finite, is dropped: the factors of the collection before
+        are kept and :attr:`notes` says so (``"fit"``)."""
+        try:
+            u_raw, v_raw = self._flip_flop_steps(r, first)
+        except StatisticError as e:
+            self.notes["fit"] = f"a flip-flop step failed ({e}); the factors before it were kept"
+            return
+        if not (bool(torch.isfinite(u_raw).all()) and bool(torch.isfinite(v_raw).all())):
+            self.notes["fit"] = "a flip-flop step gave non-finite factors; the factors before it were kept"
+            return
+        self._u_raw, self._v_raw = u_raw, v_raw
+
+    def _flip_flop_steps(self, r: torch.Tensor, first: bool) -> tuple[torch.Tensor, torch.Tensor]:
         a, n_eff = self.ema, self._n_eff
         u_raw, v_raw = self._u_raw, self._v_raw
         u, v = self.u, self.v
@@ -190,7 +233,7 @@ class MatrixNormalEMA:
             if c > 0:
                 v_raw, u_raw = v_raw / c, u_raw * c  # scale fix: trace(V) = K
             u, v = _shrink(u_raw, n_eff * self.cols), _shrink(v_raw, n_eff * self.rows)
-        self._u_raw, self._v_raw = u_raw, v_raw
+        return u_raw, v_raw
 
     @staticmethod
     def _sandwich(r: torch.Tensor, inv: torch.Tensor, out_full: bool, inv_full: bool) -> torch.Tensor:
