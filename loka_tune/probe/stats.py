@@ -73,6 +73,11 @@ class TensorStats:
     ``absq[i]`` is the quantile ``QUANTILES[i]`` of ``|x|``, averaged over collections (each
     on a subsample); ``amax`` the largest ``|x|`` seen. ``real`` is the last captured batch
     (a random subset of its rows, float32) or ``None``.
+
+    ``fallbacks`` names each statistic that could not be formed as collected and what stands
+    in for it (:class:`~loka_tune.probe.Probe` read-out): ``"cov"`` / ``"lowrank"`` (the
+    covariance or its sketch: replaced by the exact diagonal, ``lr_vals`` / ``lr_vecs`` then
+    of rank 0), ``"kurtosis"`` (non-finite entries set to 0). Empty when nothing fell back.
     """
 
     dim: int
@@ -89,9 +94,10 @@ class TensorStats:
     kurtosis: np.ndarray | None = None
     absq: np.ndarray | None = None
     real: np.ndarray | None = None
+    fallbacks: dict[str, str] = field(default_factory=dict)  # statistic -> why it fell back (see below)
 
     _ARRAYS = ("mean", "var", "cov", "lr_vals", "lr_vecs", "kurtosis", "absq", "real")
-    _SCALARS = ("dim", "count", "batches", "nonfinite", "rows", "amax")
+    _SCALARS = ("dim", "count", "batches", "nonfinite", "rows", "amax", "fallbacks")
 
     @property
     def full(self) -> bool:
@@ -112,6 +118,8 @@ class TensorStats:
             return f"{self.nonfinite} collected batch(es) held NaN/inf"
         if self.count == 0:
             return "no rows collected"
+        if "var" in self.fallbacks:
+            return self.fallbacks["var"]
         for name in self._ARRAYS:
             a = getattr(self, name)
             if a is not None and not np.all(np.isfinite(a)):
@@ -127,7 +135,10 @@ class WeightStats:
 
     ``u`` is ``(N, N)`` or its diagonal ``(N,)``, ``v`` ``(K, K)`` or ``(K,)`` (trace K);
     ``last`` is the weight at the last collection; ``residuals`` counts collections where it
-    moved (0: ``u`` is zero and draws equal ``mean``).
+    moved (0: ``u`` is zero and draws equal ``mean``). ``fallbacks``: ``"u"`` / ``"v"`` (a
+    factor that could not be formed as fitted: its diagonal stands in), ``"model"`` (no usable
+    factor: ``u`` and ``v`` are ``None`` and draws equal ``mean``), ``"fit"`` (a flip-flop
+    step that failed: the factors of the collection before were kept).
     """
 
     rows: int
@@ -143,13 +154,19 @@ class WeightStats:
     u: np.ndarray | None = None
     v: np.ndarray | None = None
     absq: np.ndarray | None = None
+    fallbacks: dict[str, str] = field(default_factory=dict)  # statistic -> why it fell back
 
     _ARRAYS = ("mean", "last", "u", "v", "absq")
-    _SCALARS = ("rows", "cols", "count", "residuals", "nonfinite", "ema", "amax", "kurtosis")
+    _SCALARS = ("rows", "cols", "count", "residuals", "nonfinite", "ema", "amax", "kurtosis", "fallbacks")
+
+    @property
+    def has_model(self) -> bool:
+        """Whether draws can come from the matrix-normal model (else: the mean weight)."""
+        return self.residuals > 0 and self.u is not None and self.v is not None
 
     def problem(self) -> str | None:
         if self.nonfinite:
-            return f"the weight held NaN/inf at {self.nonfinite} collection(s)"
+            return f"the weight held NaN/inf (or values beyond float32) at {self.nonfinite} collection(s)"
         if self.count == 0:
             return "weight never collected"
         for name in self._ARRAYS:
@@ -183,6 +200,11 @@ class SiteStats:
         except ValueError:
             raise ProbeError(f"unknown GEMM role {role!r}: expected 'fwd', 'dgrad' or 'wgrad'") from None
         return r.shape(self.rows, self.in_features, self.out_features)
+
+    @property
+    def fallbacks(self) -> dict[str, str]:
+        """``{"x.lowrank": why, "w.u": why, ...}``: every statistic of the site that fell back."""
+        return {f"{part}.{k}": why for part in ("x", "dy", "w") for k, why in getattr(self, part).fallbacks.items()}
 
     def problem(self) -> str | None:
         for part, s in (("x", self.x), ("dy", self.dy)):

@@ -6,7 +6,9 @@ Distributions (``dist``):
   X and dY drawn independently), ``W`` from the matrix-normal model (``weights="model"``,
   :mod:`loka_tune.probe.weights`) or the weight at the last collection (``weights="current"``).
   Full covariances are factored by Cholesky with jitter escalation (``jitter * mean(diag)``
-  added, jitter from 0 then 1e-12 up by 10x to 1e-2; eigenvalue clipping if even that fails).
+  added, jitter from 0 then 1e-12 up by 10x to 1e-2), on the correlation matrix (jitter per
+  feature) where that jitter would swamp a small feature, eigenvalue clipping if even that
+  fails (:func:`psd_factor`): features of any scale draw right, and nothing raises.
   A feature dim above ``max_full_dim`` (default 2048) was stored as exact diagonal + low-rank
   sketch and is drawn as ``mean + V^T (sqrt(vals) z_r) + sqrt(resid_diag) z_d``
   (diagonal + top-r eigenvectors).
@@ -27,7 +29,7 @@ import torch
 from loka_tune.errors import ProbeError
 from loka_tune.probe.stats import SiteStats, TensorStats, WeightStats
 
-__all__ = ["MAX_ROWS", "DISTS", "psd_factor", "SiteSampler"]
+__all__ = ["MAX_ROWS", "DISTS", "psd_factor", "psd_factor_ex", "SiteSampler"]
 
 MAX_ROWS = 4096  # cap on the rows M of a sampled GEMM (float64 reference cost on the CPU)
 DISTS = ("learned", "normal", "real")
@@ -37,23 +39,71 @@ _JITTERS = (0.0, 1e-12, 1e-11, 1e-10, 1e-9, 1e-8, 1e-7, 1e-6, 1e-5, 1e-4, 1e-3, 
 def psd_factor(cov: np.ndarray) -> tuple[np.ndarray, float]:
     """``L`` with ``L L^T ~= cov`` (Cholesky, jitter escalation) and the relative jitter used.
 
-    Jitter ``j * mean(diag(cov))`` is added for ``j`` in 0, 1e-12, ..., 1e-2 until the Cholesky
-    succeeds; if none does (an indefinite matrix), negative eigenvalues are clipped to 0 and
-    the symmetric square root is returned with jitter ``nan``.
+    First the plain Cholesky of ``cov + j mean(diag(cov)) I`` for ``j`` in 0, 1e-12, 1e-11,
+    ..., 1e-2, the first that succeeds, kept when ``j mean(diag)`` is at most 1e-2 of every
+    positive variance. Otherwise (features of very different scales, 1e-30 next to 1e30, where
+    that jitter would swamp the small ones) the Cholesky runs on the correlation matrix ``R =
+    D^-1 cov D^-1`` (``D = sqrt(diag cov)``, zero-variance features left out: their rows of
+    ``L`` are 0) and ``L = D chol(R)``, which does not depend on the features' scales, with
+    jitter ``j`` added to ``R``'s unit diagonal (``j`` times each feature's own variance) for
+    ``j`` in 0, 1e-12, ..., 1e-2 until the Cholesky succeeds; if none does (an indefinite matrix),
+    negative eigenvalues of ``R`` are clipped to 0 and its symmetric square root is used, with
+    jitter ``nan``, as it is when ``cov`` has negative diagonal entries (clipped to 0). Never
+    raises on finite input: if even ``eigh`` fails, the diagonal ``D`` is returned (jitter
+    ``nan``; :func:`psd_factor_ex` says which way the factor was formed).
     """
+    return psd_factor_ex(cov)[:2]
+
+
+def psd_factor_ex(cov: np.ndarray) -> tuple[np.ndarray, float, str | None]:
+    """:func:`psd_factor` plus the fallback taken: ``None`` (a Cholesky, with jitter or not),
+    else why the factor is an eigenvalue-clipped or diagonal one."""
     cov = np.asarray(cov, dtype=np.float64)
     cov = 0.5 * (cov + cov.T)
-    scale = float(np.mean(np.diag(cov))) if cov.size else 0.0
-    if scale <= 0.0:
-        return np.zeros_like(cov), 0.0
-    eye = np.eye(cov.shape[0])
-    for j in _JITTERS:
+    d = cov.shape[0]
+    diag = np.diag(cov).copy() if cov.size else np.zeros(0)
+    neg = bool(np.any(diag < 0))
+    sd = np.sqrt(np.clip(diag, 0.0, None))
+    pos = sd > 0
+    out = np.zeros_like(cov)
+    if not pos.any():
+        return out, (float("nan") if neg else 0.0), ("negative variances clipped to 0" if neg else None)
+    # the plain Cholesky first (jitter j mean(diag)): kept when its jitter is at most 1e-2 (the
+    # ladder's top) of every positive variance: the factor normal data always had (the
+    # quickstart's near-dead units, variance 1e-9 of the mean, take 1e-3 of theirs)
+    scale, small = float(np.mean(diag)), float(np.min(diag[pos]))
+    eye_d = np.eye(d)
+    for j in _JITTERS if not neg and scale > 0 else ():
         try:
-            return np.linalg.cholesky(cov + (j * scale) * eye), j
+            lf = np.linalg.cholesky(cov + (j * scale) * eye_d)
         except np.linalg.LinAlgError:
             continue
-    vals, vecs = np.linalg.eigh(cov)
-    return vecs * np.sqrt(np.clip(vals, 0.0, None)), float("nan")
+        if j * scale <= 1e-2 * small:
+            return lf, j, None
+        break  # that jitter would swamp the small features: per feature, below
+    idx = np.flatnonzero(pos)
+    s = sd[idx]
+    r = cov[np.ix_(idx, idx)] / np.outer(s, s)  # the correlation matrix of the varying features
+    np.fill_diagonal(r, 1.0)
+    eye = np.eye(idx.size)
+    for j in _JITTERS:
+        try:
+            lr = np.linalg.cholesky(r + j * eye)
+        except np.linalg.LinAlgError:
+            continue
+        out[np.ix_(idx, idx)] = s[:, None] * lr
+        if neg:
+            return out, float("nan"), "negative variances clipped to 0"
+        return out, j, None
+    try:
+        vals, vecs = np.linalg.eigh(r)
+        out[np.ix_(idx, idx)] = s[:, None] * (vecs * np.sqrt(np.clip(vals, 0.0, None)))
+        why = f"not positive definite even with jitter {_JITTERS[-1]:g}: eigenvalues clipped to 0"
+    except np.linalg.LinAlgError as e:  # not seen on finite input; the diagonal is always a factor
+        out[idx, idx] = s
+        why = f"no factorization ({e}); the diagonal stands in"
+    assert out.shape == (d, d)
+    return out, float("nan"), why
 
 
 class _GaussianRows:
@@ -65,8 +115,9 @@ class _GaussianRows:
     def __init__(self, t: TensorStats) -> None:
         self.mean = np.asarray(t.mean, dtype=np.float64)
         self.jitter = 0.0
+        self.fallback: str | None = None  # how the factor was formed, when not by a Cholesky
         if t.cov is not None:
-            self.factor, self.jitter = psd_factor(t.cov)  # (d, d)
+            self.factor, self.jitter, self.fallback = psd_factor_ex(t.cov)  # (d, d)
             self.lr = None
         else:
             vals = np.clip(np.asarray(t.lr_vals, dtype=np.float64), 0.0, None)
@@ -94,8 +145,17 @@ class _MatrixNormal:
         self.mean = np.asarray(w.mean, dtype=np.float64)
         u = np.asarray(w.u, dtype=np.float64)
         v = np.asarray(w.v, dtype=np.float64)
-        self.a = psd_factor(u)[0] if u.ndim == 2 else np.sqrt(np.clip(u, 0.0, None))
-        self.b = psd_factor(v)[0] if v.ndim == 2 else np.sqrt(np.clip(v, 0.0, None))
+        self.fallbacks: dict[str, str] = {}
+        self.a = self._factor("u", u)
+        self.b = self._factor("v", v)
+
+    def _factor(self, name: str, f: np.ndarray) -> np.ndarray:
+        if f.ndim != 2:
+            return np.sqrt(np.clip(f, 0.0, None))
+        lf, _, why = psd_factor_ex(f)
+        if why is not None:
+            self.fallbacks[name] = why
+        return lf
 
     def draw(self, rng: np.random.Generator) -> np.ndarray:
         z = rng.standard_normal(self.mean.shape)  # (N, K)
@@ -135,7 +195,7 @@ class SiteSampler:
         elif dist == "learned":
             self._x = _GaussianRows(site.x)
             self._dy = _GaussianRows(site.dy)
-            self._w = _MatrixNormal(site.w) if weights == "model" and site.w.residuals > 0 else None
+            self._w = _MatrixNormal(site.w) if weights == "model" and site.w.has_model else None
 
     @property
     def jitter(self) -> dict[str, float]:
@@ -143,6 +203,17 @@ class SiteSampler:
         if self.dist != "learned":
             return {}
         return {"x": self._x.jitter, "dy": self._dy.jitter}
+
+    @property
+    def fallbacks(self) -> dict[str, str]:
+        """``{"x.factor": why, "w.u": why, ...}``: the factors of the draws that were not a
+        Cholesky (``learned`` only; see :func:`psd_factor`)."""
+        if self.dist != "learned":
+            return {}
+        out = {f"{p}.factor": g.fallback for p, g in (("x", self._x), ("dy", self._dy)) if g.fallback}
+        if self._w is not None:
+            out.update({f"w.{k}.factor": why for k, why in self._w.fallbacks.items()})
+        return out
 
     def draw(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """One ``(X, dY, W)`` draw, float64."""
