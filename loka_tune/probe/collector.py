@@ -52,7 +52,14 @@ import torch
 from torch import nn
 
 from loka_tune.errors import ProbeError
-from loka_tune.probe.moments import DEFAULT_SKETCH_RANK, MAX_FULL_DIM, PRECISIONS, RunningMoments, random_rows
+from loka_tune.probe.moments import (
+    DEFAULT_SKETCH_RANK,
+    MAX_FULL_DIM,
+    PRECISIONS,
+    RunningMoments,
+    StatisticError,
+    random_rows,
+)
 from loka_tune.probe.stats import QUANTILES, ProbeStats, SiteStats, TensorStats, WeightStats, find_sites
 from loka_tune.probe.weights import MatrixNormalEMA
 
@@ -107,7 +114,7 @@ class _StreamAcc:
         )
         self.batches = torch.zeros((), dtype=torch.int64, device=device)
         self.nonfinite = torch.zeros((), dtype=torch.int64, device=device)
-        self.amax = torch.zeros((), dtype=torch.float32, device=device)
+        self.amax = torch.zeros((), dtype=torch.float64, device=device)
         self.absq_sum = torch.zeros(len(QUANTILES), dtype=torch.float64, device=device)
 
     def add(self, x: torch.Tensor, gen: torch.Generator, real_idx: torch.Tensor | None) -> None:
@@ -115,14 +122,14 @@ class _StreamAcc:
         x = x.detach()
         # one memory-bound pass gives the finite check and the whole batch's amax (what a
         # tensor-wise FP8 scale sees): the inf-norm is NaN/inf iff some element is
-        amax = torch.linalg.vector_norm(x, float("inf")).float() if x.numel() else None
+        amax = torch.linalg.vector_norm(x, float("inf")).double() if x.numel() else None
         ok = torch.isfinite(x).all() if amax is None else torch.isfinite(amax)
         self.allocate(x.device, gen)
         assert self.moments is not None
         self.rows = x.shape[0]
         if real_idx is not None:  # the same rows of X and dY: taken before any subsampling
             self.real = torch.where(ok, x[real_idx.to(x.device, non_blocking=True)].float(), torch.nan)
-        zero = torch.zeros((), dtype=torch.float32, device=x.device)
+        zero = torch.zeros((), dtype=torch.float64, device=x.device)
         if amax is not None:
             assert isinstance(self.amax, torch.Tensor)  # a device scalar since the first data
             self.amax = torch.maximum(self.amax, torch.where(ok, amax, zero))
@@ -136,11 +143,17 @@ class _StreamAcc:
             return
         if flat.numel() > QUANTILE_SAMPLE:
             flat = flat[random_rows(flat.numel(), QUANTILE_SAMPLE, gen, flat.device)]
-        ax = flat.abs().float()
-        q = torch.quantile(torch.where(ok, ax, zero), torch.tensor(QUANTILES, device=ax.device))
+        ax = flat.abs().to(torch.float64 if flat.dtype == torch.float64 else torch.float32)  # no overflow
+        q = torch.quantile(torch.where(ok, ax, zero.to(ax.dtype)), torch.tensor(QUANTILES, device=ax.device,
+                                                                                 dtype=ax.dtype))
         self.absq_sum += q.double()
 
     def snapshot(self) -> TensorStats:
+        """The stream's :class:`TensorStats`. Never raises on the data: a covariance or sketch
+        that cannot be formed falls back to the exact diagonal, a non-finite kurtosis to 0,
+        each recorded in ``TensorStats.fallbacks``; non-finite means or variances (float64
+        overflow, ``|x| > ~1e154``) stay in the stats, whose :meth:`~TensorStats.problem` then
+        names them (the site is left unprobed)."""
         batches, nonfinite = int(self.batches), int(self.nonfinite)
         t = TensorStats(dim=self.dim, batches=batches, nonfinite=nonfinite, rows=self.rows, amax=float(self.amax))
         m = self.moments
@@ -149,13 +162,34 @@ class _StreamAcc:
         t.count = m.n
         t.mean = m.mean.cpu().numpy()
         t.var = m.variance().cpu().numpy()
-        if m.full:
+        if not (np.all(np.isfinite(t.mean)) and np.all(np.isfinite(t.var))):
+            t.fallbacks["var"] = ("non-finite mean or variance (float64 overflow: |x| above ~1e154);"
+                                  " no statistic of this stream is usable")
+        elif m.full:
             c = m.covariance()
-            t.cov = (0.5 * (c + c.T)).cpu().numpy()  # exactly symmetric (files keep one triangle)
+            cov = (0.5 * (c + c.T)).cpu().numpy()  # exactly symmetric (files keep one triangle)
+            if np.all(np.isfinite(cov)):
+                t.cov = cov
+            else:
+                t.fallbacks["cov"] = "non-finite covariance; the exact diagonal stands in"
+                t.lr_vals, t.lr_vecs = np.zeros(0), np.zeros((0, self.dim))
         else:
-            vals, vecs = m.low_rank()
-            t.lr_vals, t.lr_vecs = vals.cpu().numpy(), vecs.cpu().numpy()
-        t.kurtosis = m.excess_kurtosis().cpu().numpy()
+            try:
+                vals, vecs = m.low_rank()
+                t.lr_vals, t.lr_vecs = vals.cpu().numpy(), vecs.cpu().numpy()
+                assert m.sketch is not None
+                if m.sketch.note:
+                    t.fallbacks["lowrank"] = m.sketch.note
+            except StatisticError as e:
+                t.fallbacks["lowrank"] = f"{e}; the exact diagonal stands in"
+                t.lr_vals, t.lr_vecs = np.zeros(0), np.zeros((0, self.dim))
+        kurt = m.excess_kurtosis().cpu().numpy()
+        if not np.all(np.isfinite(kurt)):
+            bad = int(np.sum(~np.isfinite(kurt)))
+            t.fallbacks["kurtosis"] = (f"{bad} feature(s) with a non-finite kurtosis (float64 overflow of"
+                                       " the 4th moment: |x| above ~1e77), set to 0")
+            kurt = np.where(np.isfinite(kurt), kurt, 0.0)
+        t.kurtosis = kurt
         assert isinstance(self.absq_sum, torch.Tensor)  # a device tensor since the first data
         t.absq = (self.absq_sum / max(batches, 1)).cpu().numpy()
         real = None if self.real is None else self.real.cpu()
@@ -419,7 +453,7 @@ class Probe:
 
     def _collect_weight(self, site: _Site) -> None:
         w = site.mod.weight.detach()  # (N, K)
-        if not bool(torch.isfinite(w).all()):
+        if not bool(torch.isfinite(w.float()).all()):  # the model keeps it in float32: beyond that is inf
             site.w_nonfinite += 1  # reported by WeightStats.problem()
             return
         self._allocate_weight(site)
@@ -449,7 +483,7 @@ class Probe:
                 ws.count, ws.residuals = s.w.count, s.w.residuals
                 ws.mean = s.w.mean.float().cpu().numpy()
                 ws.last = s.w.last.float().cpu().numpy()
-                ws.u, ws.v = s.w.u.float().cpu().numpy(), s.w.v.float().cpu().numpy()
+                ws.u, ws.v, ws.fallbacks = _weight_factors(s.w)
                 ws.amax, ws.kurtosis = float(s.w_amax), float(s.w_kurt)
                 ws.absq = s.w_absq.cpu().numpy() if torch.is_tensor(s.w_absq) else s.w_absq
             sites[name] = SiteStats(
@@ -457,6 +491,34 @@ class Probe:
                 bias=getattr(m, "bias", None) is not None,
             )
         return ProbeStats(sites, self.every, self.steps, self.collections, type(self.model).__name__)
+
+
+def _weight_factors(w: MatrixNormalEMA) -> tuple[np.ndarray | None, np.ndarray | None, dict[str, str]]:
+    """The weight model's ``(u, v, fallbacks)`` as float32 numpy (float64 where float32 would
+    overflow: weight steps above ~1e19). Never raises on the data: a factor that is not finite
+    falls back to its diagonal (clipped at 0), and when that is not finite either (or the
+    scale cannot be fixed) the model is dropped (``u = v = None``: draws take the mean
+    weight); each is recorded in ``fallbacks`` with the fit's own notes."""
+    notes = dict(w.notes)
+    try:
+        pair = [w.u, w.v]
+    except StatisticError as e:
+        notes["model"] = f"{e}; draws take the mean weight"
+        return None, None, notes
+    out: list[np.ndarray] = []
+    for name, f in zip(("u", "v"), pair):
+        a = f.float().cpu().numpy()
+        if not np.all(np.isfinite(a)):
+            a = f.double().cpu().numpy()  # beyond float32, or not finite at all
+        if not np.all(np.isfinite(a)):
+            d = np.diagonal(a) if a.ndim == 2 else a
+            if not np.all(np.isfinite(d)):
+                notes["model"] = f"non-finite {name} factor (its diagonal too); draws take the mean weight"
+                return None, None, notes
+            notes[name] = f"non-finite {name} factor; its diagonal stands in"
+            a = np.clip(d, 0.0, None)
+        out.append(a)
+    return out[0], out[1], notes
 
 
 def _row_subset(m: int, k: int, gen: torch.Generator) -> torch.Tensor:

@@ -167,7 +167,9 @@ def measure(
         sites: restrict to these site names.
         weights: ``"model"`` (matrix-normal draws) or ``"current"`` (the last weight) for ``learned``.
         skip_bad_sites: skip sites with unusable stats (NaN/inf, nothing collected) and list
-            them in ``report.skipped`` instead of raising :class:`ProbeError`.
+            them in ``report.skipped`` instead of raising :class:`ProbeError`; they are
+            ``"unprobed"`` in ``report.meta["sites"]`` (:meth:`ProbeReport.site_status`), where
+            every measured site also says which of its statistics fell back and why.
         seed: seeds every draw (a site's draws do not depend on the other sites).
         speed_row_scale: price speed at ``rows x speed_row_scale`` rows instead of the rows the
             probe saw (e.g. a study's ``cost_batch_size / batch_size``: speed at the production
@@ -206,21 +208,37 @@ def measure(
             if price_first:
                 valid = _fast_only(name, site, valid, speed, time_cache, speed_row_scale, min_speedup, skipped)
             meta_site = _site_meta(site)
-            for di, dist in enumerate(dists):
-                if dist == "real" and (site.x.real is None or site.dy.real is None):
-                    continue
-                sampler = SiteSampler(site, dist, max_rows=max_rows, weights=weights,
-                                      seed=int(np.random.SeedSequence([seed, _stable_hash(name), di]).generate_state(1)[0]))
+            fallbacks = site.fallbacks  # statistic -> why it fell back (collection, then replay)
+            site_results: list[CandidateResult] = []
+            try:
+                samplers = [SiteSampler(site, dist, max_rows=max_rows, weights=weights,
+                                        seed=int(np.random.SeedSequence([seed, _stable_hash(name), di]).generate_state(1)[0]))
+                            for di, dist in enumerate(dists)
+                            if not (dist == "real" and (site.x.real is None or site.dy.real is None))]
+            except (ArithmeticError, np.linalg.LinAlgError) as e:  # the replay's factors: not seen, but never a traceback
+                why = f"unusable statistics: the replay could not be formed ({type(e).__name__}: {e})"
+                skipped.append(SkippedCandidate(name, "*", "*", why))
+                site_meta[name] = {**meta_site, **_status(fallbacks, unprobed=why)}
+                continue
+            for sampler in samplers:
+                dist = sampler.dist
                 n_draws = 1 if dist == "real" else samples
                 errs = _measure_site(sampler, valid, n_draws, device, operand_dtype, guard_frac)
                 meta_site.setdefault("rows_sampled", {})[dist] = sampler.rows
                 if dist == "learned":
                     meta_site["jitter"] = sampler.jitter
+                    fallbacks.update(sampler.fallbacks)
                 # a Linear called c times per step does c x the rows (as the cost model prices it)
                 priced_rows = max(1, round(site.rows * _calls_per_step(site, stats.collections) * speed_row_scale))
-                results += _results(name, site, dist, n_draws, sampler.rows, priced_rows, valid, errs, speed,
-                                    time_cache, max_error, min_speedup)
-            site_meta[name] = meta_site
+                site_results += _results(name, site, dist, n_draws, sampler.rows, priced_rows, valid, errs, speed,
+                                         time_cache, max_error, min_speedup)
+            results += site_results
+            site_meta[name] = {**meta_site, **_status(fallbacks)}
+        for sk in skipped:  # sites whose statistics are unusable: unprobed (they keep every candidate)
+            if sk.role == "*" and sk.site not in site_meta and sk.reason.startswith("unusable statistics"):
+                site_meta[sk.site] = {**_site_meta(stats.sites[sk.site]), **_status(stats.sites[sk.site].fallbacks,
+                                                                                    unprobed=sk.reason)}
+        site_meta = {n: site_meta[n] for n in stats.sites if n in site_meta}  # in the model's order
         meta = {
             "samples": samples, "dists": dists, "device": device, "cost_device": cost_device,
             "speed_model": type(speed).__name__, "max_rows": max_rows,
@@ -440,6 +458,18 @@ def _calls_per_step(site: SiteStats, collections: int) -> int:
     return max(1, round((site.x.batches + site.x.nonfinite) / collections))
 
 
+def _status(fallbacks: dict[str, str], unprobed: str | None = None) -> dict[str, Any]:
+    """A site's entry in ``report.meta["sites"]``: ``status`` (``"probed"``, ``"fallback"``:
+    probed from a simpler statistic for at least one of them, ``"unprobed"``: nothing
+    measured, the search keeps every candidate there), ``fallbacks`` (statistic -> why) and,
+    when unprobed, ``reason``."""
+    out: dict[str, Any] = {"status": "unprobed" if unprobed else ("fallback" if fallbacks else "probed"),
+                           "fallbacks": dict(fallbacks)}
+    if unprobed:
+        out["reason"] = unprobed
+    return out
+
+
 def _site_meta(site: SiteStats) -> dict[str, Any]:
     def kurt(k: Any) -> float | None:
         return None if k is None else round(float(np.median(k)), 4)
@@ -449,5 +479,6 @@ def _site_meta(site: SiteStats) -> dict[str, Any]:
         "x_amax": site.x.amax, "x_kurtosis_median": kurt(site.x.kurtosis),
         "dy_amax": site.dy.amax, "dy_kurtosis_median": kurt(site.dy.kurtosis),
         "w_amax": site.w.amax, "w_kurtosis": site.w.kurtosis,
-        "cov": "full" if site.x.full else "diag+lowrank",
+        "cov": "full" if site.x.full else ("diag" if site.x.lr_vals is not None and len(site.x.lr_vals) == 0
+                                           else "diag+lowrank"),
     }

@@ -9,6 +9,14 @@ Outputs: ``to_json`` / ``save`` / ``load`` (versioned JSON; non-finite numbers a
 the strings ``"nan"`` / ``"inf"``), :meth:`table` (a terminal table: per site and role, the best
 safe and fast choice), :meth:`heatmap` (a PNG: rows ``site.role``, columns candidates, colour
 log10 MERE, unsafe cells marked ``x``).
+
+Per site, ``meta["sites"][name]`` also says whether its statistics were formed as collected
+(``status`` ``"probed"``), whether some fell back to a simpler one (``"fallback"``, with
+``fallbacks``: statistic -> why, e.g. ``"x.lowrank"``: the sketch could not be factorised and
+the exact diagonal stood in), or whether none could be formed (``"unprobed"``, with
+``reason``: nothing measured there, and the search space keeps every candidate of that
+site): :meth:`ProbeReport.site_status`, :meth:`~ProbeReport.status_line`,
+:meth:`~ProbeReport.sites_table`.
 """
 
 from __future__ import annotations
@@ -110,6 +118,61 @@ class ProbeReport:
     @property
     def candidates(self) -> list[str]:
         return list(dict.fromkeys(r.choice for r in self.results))
+
+    def site_status(self) -> dict[str, dict[str, Any]]:
+        """Per site (measured or unprobed): ``{"status": "probed" | "fallback" | "unprobed",
+        "fallbacks": {statistic: why}, "reason": why (unprobed only)}``. ``fallback``: some
+        statistic could not be formed as collected and a simpler one stood in (e.g.
+        ``x.lowrank``: the exact diagonal for the sketch); ``unprobed``: nothing could be
+        measured, so nothing is pruned there. Reports written before these fields: every
+        site with results is ``probed``."""
+        out: dict[str, dict[str, Any]] = {}
+        meta_sites = self.meta.get("sites", {}) if isinstance(self.meta, dict) else {}
+        for name in dict.fromkeys([*meta_sites, *self.sites]):
+            m = meta_sites.get(name, {})
+            entry: dict[str, Any] = {"status": m.get("status", "probed"), "fallbacks": dict(m.get("fallbacks", {}))}
+            if "reason" in m:
+                entry["reason"] = m["reason"]
+            out[name] = entry
+        return out
+
+    @property
+    def unprobed(self) -> list[str]:
+        """The sites whose statistics could not be formed at all (they keep every candidate)."""
+        return [n for n, s in self.site_status().items() if s["status"] == "unprobed"]
+
+    def status_line(self) -> str:
+        """One line: how many sites were probed, which fell back (and in which statistics),
+        which are unprobed (and why): what the tuner logs after measuring."""
+        st = self.site_status()
+        fell = {n: s for n, s in st.items() if s["status"] == "fallback"}
+        un = {n: s for n, s in st.items() if s["status"] == "unprobed"}
+        line = f"{len(st)} sites, {len(st) - len(un)} probed"
+        if fell:
+            line += f", {len(fell)} with fallbacks (" + "; ".join(
+                f"{n}: {', '.join(s['fallbacks'])}" for n, s in list(fell.items())[:6]) + (
+                f"; +{len(fell) - 6} more" if len(fell) > 6 else "") + ")"
+        if un:
+            line += f", {len(un)} unprobed, keeping every candidate (" + "; ".join(
+                f"{n}: {s.get('reason', '?')}" for n, s in list(un.items())[:3]) + (
+                f"; +{len(un) - 3} more" if len(un) > 3 else "") + ")"
+        if not fell and not un:
+            line += ", no fallback"
+        return line
+
+    def sites_table(self) -> str:
+        """Per site: its shape, covariance kind, status and every fallback with its reason."""
+        meta_sites = self.meta.get("sites", {}) if isinstance(self.meta, dict) else {}
+        rows: list[tuple[str, ...]] = [("site", "K x N", "cov", "status", "fallbacks")]
+        for name, s in self.site_status().items():
+            m = meta_sites.get(name, {})
+            reason = str(s.get("reason", ""))
+            fell = [f"{k}: {v}" for k, v in s["fallbacks"].items() if v not in reason]
+            why = "; ".join(([reason] if reason else []) + fell)
+            shape = f"{m['K']}x{m['N']}" if "K" in m and "N" in m else "-"
+            rows.append((name, shape, str(m.get("cov", "-")), s["status"], why or "-"))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+        return "\n".join("  ".join([*(c.ljust(w) for c, w in zip(r, widths)), r[-1]]).rstrip() for r in rows)
 
     def for_site(self, site: str, role: str, dist: str | None = None) -> list[CandidateResult]:
         """The results of one site and role (under ``dist``, default :attr:`primary_dist`)."""
@@ -259,6 +322,8 @@ class ProbeReport:
                 crow.append((c, *(_fmt(s_all[d]["candidates"].get(c, {}).get("geomean_mere", math.nan), 4)
                                   for d in (dist, *others))))
             out += lines + [_render(crow)]
+        if any(s["status"] != "probed" for s in self.site_status().values()):
+            out.append(f"\nsites: {self.status_line()}")
         if self.skipped:
             out.append(f"\n{len(self.skipped)} candidate(s) skipped, e.g. {self.skipped[0].site}"
                        f" {self.skipped[0].role} {self.skipped[0].choice}: {self.skipped[0].reason}")
