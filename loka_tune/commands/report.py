@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
+from typing import Any
 
 HELP = "print a study's leaderboard and write its plots (speed vs loss, best choice map)"
 
@@ -11,7 +13,9 @@ DESCRIPTION = """\
 STUDY is a study file (.toml) or a study name with --storage. Prints the trials (feasible
 ones first, fastest first; speed-up vs bf16 and vs bf16 with the same Mods; '*' marks the
 trial `loka-tune export` writes), then the confirmation stage (claimed vs confirmed speed-up,
-relative log loss mean and sd over its seeds), and writes speed_vs_loss.png (trial labels,
+relative log loss mean and sd over its seeds), then the probe's sites (from the study's
+probe_report.json: per site its status, probed / fallback / unprobed, and each statistic that
+fell back, with why), and writes speed_vs_loss.png (trial labels,
 noise-floor band, Pareto front, exported trial) and best_choice_map.png into --out-dir
 (default: the study's output dir).
 
@@ -72,9 +76,27 @@ def format_confirmation(c: dict | None) -> str:
     return "\n".join(lines)
 
 
-def run(args: argparse.Namespace) -> int:
-    from pathlib import Path
+def _probe_report_path(cfg: Any, study_attr: dict[str, Any]) -> Path | None:
+    """The study's ``probe_report.json``: in its output dir (the study file's, else the stored one's)."""
+    out = cfg.output_dir if cfg is not None else (study_attr.get("study") or {}).get("output_dir")
+    return None if out is None else Path(out) / "probe_report.json"
 
+
+def format_probe_sites(path: Path | None) -> str:
+    """The probe's sites: one line of counts, then per site its shape, status and fallbacks."""
+    if path is None or not path.is_file():
+        return "probe: no probe_report.json ([probe] enabled = false, or another output dir)"
+    from loka_tune.errors import ProbeError
+    from loka_tune.probe.report import ProbeReport
+
+    try:
+        rep = ProbeReport.load(path)
+    except ProbeError as e:
+        return f"probe: {e}"
+    return f"probe ({path}): {rep.status_line()}\n{rep.sites_table()}"
+
+
+def run(args: argparse.Namespace) -> int:
     from loka_tune.commands.export import open_existing
     from loka_tune.space.candidates import SearchSpace
     from loka_tune.tuner.results import ATTR_BASELINE, ATTR_SPACE, ATTR_STUDY, leaderboard
@@ -101,6 +123,7 @@ def run(args: argparse.Namespace) -> int:
     from loka_tune.tuner.results import confirmation
 
     print(format_confirmation(confirmation(study)))
+    print(format_probe_sites(_probe_report_path(cfg, st)))
     if not args.no_plots and ATTR_SPACE in study.user_attrs:
         from loka_tune.tuner.tracking import write_plots
 

@@ -205,7 +205,7 @@ def _get(r: Any, name: str) -> Any:
 
 def prune_by_probe(space: SearchSpace, results: Iterable[Any], *, max_error: float, min_speedup: float = 1.0,
                    speedup: Callable[[Site, str, str], float] | None = None,
-                   skipped: Iterable[Any] = ()) -> SearchSpace:
+                   skipped: Iterable[Any] = (), unprobed: Iterable[str] = ()) -> SearchSpace:
     """Drop candidates the probe found unsafe (``mere > max_error``, or not finite) or slow.
 
     ``results``: the probe's ``CandidateResult`` objects (or dicts) with ``site``, ``role``,
@@ -215,8 +215,11 @@ def prune_by_probe(space: SearchSpace, results: Iterable[Any], *, max_error: flo
     below ``min_speedup``. Candidates the probe did not measure are kept (only the speed
     rule applies to them), except those in ``skipped`` (the probe's ``SkippedCandidate``s)
     whose reason starts with ``"slow:"``: priced too slow before their error was measured
-    (``measure(price_first=True)``). bf16 is never dropped.
+    (``measure(price_first=True)``). bf16 is never dropped. Sites in ``unprobed`` (the
+    report's :attr:`~loka_tune.probe.ProbeReport.unprobed`: their statistics could not be
+    formed) keep every candidate: nothing known there prunes anything.
     """
+    unprobed = set(unprobed)
     by_key: dict[tuple[str, str, str], Any] = {}
     for r in results:
         by_key[(_get(r, "site"), str(_get(r, "role")), str(_get(r, "choice")))] = r
@@ -224,6 +227,9 @@ def prune_by_probe(space: SearchSpace, results: Iterable[Any], *, max_error: flo
             for s in skipped if str(_get(s, "reason")).startswith("slow:")}
     out = []
     for sc in space.sites:
+        if sc.name in unprobed:
+            out.append(sc)
+            continue
         choices: dict[str, tuple[str, ...]] = {}
         dropped = {r: dict(d) for r, d in sc.dropped.items()}
         errors: dict[str, dict[str, float]] = {}

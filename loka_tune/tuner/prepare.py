@@ -96,11 +96,13 @@ def _probe_report(cfg: StudyConfig, stats: Any, candidates: Mapping[str, list[Ge
          f" ({cfg.probe.samples} draws each, {stats.collections} collections) ...")
     # the saved verdicts are the study's: its max_error and min_speedup; price_first: error only
     # for the candidates priced fast enough (the others: report.skipped)
+    # skip_bad_sites: a site whose statistics cannot be formed is unprobed (keeps every candidate)
     report = measure(stats, flat, samples=cfg.probe.samples, device=device, cost_device=cfg.objective.cost_device,
                      speed_row_scale=scale, max_error=cfg.probe.max_error, min_speedup=cfg.probe.min_speedup,
-                     price_first=cfg.probe.price_first)
+                     price_first=cfg.probe.price_first, skip_bad_sites=True)
     report.save(out)
     _log(f"[loka-tune] probe: {len(report.results)} results ({time.perf_counter() - t0:.1f}s)")
+    _log(f"[loka-tune] probe sites: {report.status_line()}")
     return report
 
 
@@ -119,7 +121,7 @@ def _prune(cfg: StudyConfig, space: SearchSpace, report: Any, speed: str) -> Sea
     primary = report.select(report.primary_dist) if hasattr(report, "select") else report
     return prune_by_probe(space, primary.results, max_error=cfg.probe.max_error,
                           min_speedup=cfg.probe.min_speedup, speedup=speedup_fn,
-                          skipped=getattr(report, "skipped", ()))
+                          skipped=getattr(report, "skipped", ()), unprobed=getattr(report, "unprobed", ()))
 
 
 def _fastest_safe(sc: SiteChoices, role: str, choices: tuple[str, ...]) -> str:
