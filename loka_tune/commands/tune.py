@@ -45,14 +45,19 @@ examples:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from loka_tune.commands._args import integer, number
+
     parser.add_argument("study", help="the study file (TOML)")
     parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: the study's training.device)")
     parser.add_argument("--storage", default=None,
                         help="Optuna storage URL: sqlite:///PATH or postgresql://USER:PW@HOST:PORT/DB"
                              " (default: the study's [storage] url, a SQLite file in its output dir)")
-    parser.add_argument("--n-trials", type=int, default=None, help="total trials of the study (overrides the file)")
-    parser.add_argument("--timeout", type=float, default=None, help="stop starting trials after this many seconds")
-    parser.add_argument("--workers", type=int, default=1, help="local worker processes (default 1)")
+    parser.add_argument("--n-trials", type=integer("a number of trials", minimum=1), default=None,
+                        help="total trials of the study: distinct configurations evaluated (overrides the file)")
+    parser.add_argument("--timeout", type=number("seconds", minimum=0.0, strict=True), default=None,
+                        help="stop starting trials after this many seconds (> 0)")
+    parser.add_argument("--workers", type=integer("a number of worker processes", minimum=1), default=1,
+                        help="local worker processes (default 1)")
     parser.add_argument("--force", action="store_true",
                         help="run even if the loss budget is below the baseline's noise floor")
     parser.add_argument("--no-tracking", action="store_true", help="do not log to MLflow")
@@ -62,8 +67,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="start the study over: delete its stored trials, baseline and space first")
     again.add_argument("--resume-anyway", action="store_true",
                        help="resume even though the study file's settings differ from the stored study's")
-    parser.add_argument("--worker-index", type=int, default=0,
-                        help="this worker's index (varies the sampler's seed between workers)")
+    parser.add_argument("--worker-index", type=integer("a worker index", minimum=0), default=0,
+                        help="this worker's index (worker 0 runs the confirmation stage)")
 
 
 def _load(args: argparse.Namespace):  # noqa: ANN202
@@ -76,10 +81,6 @@ def _load(args: argparse.Namespace):  # noqa: ANN202
 def run(args: argparse.Namespace) -> int:
     from loka_tune.errors import StudyError
 
-    if args.workers < 1:
-        raise StudyError(f"--workers must be >= 1, got {args.workers}")
-    if args.n_trials is not None and args.n_trials < 1:
-        raise StudyError(f"--n-trials must be >= 1, got {args.n_trials}")
     cfg = _load(args)
     nproc = cfg.regime.nproc
     if nproc > 1 and args.workers > 1:

@@ -37,6 +37,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from loka_tune.config import PrecisionConfig
+from loka_tune.errors import StudyError
 from loka_tune.space.encode import config_from_params, distributions
 from loka_tune.tuner._workers import (
     _fail_stale,
@@ -67,6 +68,10 @@ def run_study(cfg: StudyConfig, *, device: str | None = None, storage_url: str |
     several processes at once. ``on_change``: what to do when the stored study has other
     settings (:func:`open_study`). Ctrl-C / SIGTERM fail the running trial (re-queued) and end
     its MLflow run and the study's as KILLED."""
+    if timeout_s is not None and not (math.isfinite(timeout_s) and timeout_s > 0):
+        raise StudyError(f"timeout_s must be a number of seconds > 0, got {timeout_s=}")
+    if n_trials is not None and n_trials < 0:
+        raise StudyError(f"n_trials must be >= 0 (0: prepare only), got {n_trials=}")
     dev = resolve_device(device or cfg.training.device)
     storage = make_storage(cfg, storage_url)
     study = open_study(cfg, storage, worker_index=worker_index, on_change=on_change)
