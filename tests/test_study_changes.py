@@ -12,7 +12,7 @@ from loka_tune.cli import main
 from loka_tune.errors import StudyError
 from loka_tune.tuner.optuna_setup import ATTR_SETTINGS, open_study
 from loka_tune.tuner.results import ATTR_BASELINE
-from loka_tune.tuner.study import load_study
+from loka_tune.tuner.study import StudyConfig, load_study
 
 STUDY = """
 [study]
@@ -99,15 +99,21 @@ def test_fresh_and_resume_anyway_exclude_each_other(tmp_path: Path, capsys: pyte
     assert e.value.code == 2 and "not allowed with" in capsys.readouterr().err
 
 
+def _as_prepared(study: optuna.Study, cfg: StudyConfig) -> None:
+    """What prepare_study stores with the baseline and space: the settings they were made with."""
+    study.set_user_attr(ATTR_SETTINGS, cfg.settings())
+    study.set_user_attr(ATTR_BASELINE, {})
+
+
 def test_a_study_stored_before_settings_were_is_checked_by_its_summary(tmp_path: Path) -> None:
     f = _write(tmp_path / "s.toml")
     cfg = load_study(f)
     study = open_study(cfg)
-    assert study.user_attrs[ATTR_SETTINGS] == cfg.settings()
-    study.set_user_attr(ATTR_SETTINGS, None)  # as an older loka-tune left it: only the summary
-    study.set_user_attr("loka.study", cfg.to_dict())
+    assert ATTR_SETTINGS not in study.user_attrs  # nothing is stored before the study is prepared
+    study.set_user_attr("loka.study", cfg.to_dict())  # as an older loka-tune left it: only the summary
     study.set_user_attr(ATTR_BASELINE, {})
     open_study(cfg)  # unchanged: fine
+    assert _study(f).user_attrs[ATTR_SETTINGS] == cfg.settings()  # and stored from now on
     with pytest.raises(StudyError, match=r"objective.budget_pct: 50.0 -> 20.0"):
         open_study(load_study(_write_budget(f, 20.0)))
 
@@ -123,7 +129,7 @@ def test_a_changed_regime_is_a_changed_study(tmp_path: Path) -> None:
     f = _write(tmp_path / "s.toml")
     cfg = load_study(f)
     assert cfg.settings()["regime.nproc"] == 1 and "nproc" not in cfg.to_dict()["regime"]
-    open_study(cfg)
+    _as_prepared(open_study(cfg), cfg)
     f.write_text(f.read_text() + "[regime]\nbatch_size = 64\nnproc = 2\n")
     with pytest.raises(StudyError, match=r"regime.batch_size: 0 -> 64; regime.nproc: 1 -> 2"):
         open_study(load_study(f))

@@ -25,6 +25,8 @@ study remembers the settings it was made with ([model], [data], [training], [obj
 [space], [probe], [regime]); after an edit of those, tune stops and says what changed: --fresh starts
 over (deletes the stored study), --resume-anyway goes on with the stored baseline, space and
 trials. [trials] (e.g. a larger n_trials), [confirm], [storage] and [tracking] may change freely.
+A preparation that failed (a bad setting, a budget below the noise floor) stores nothing but its
+reason (`loka-tune report` prints it): fix the study file and run the same command again.
 Ctrl-C (or SIGTERM) marks the running trial failed ("interrupted", not counted), queues its
 configuration again, ends its MLflow run and the study's as KILLED and exits with status 130.
 Trial numbers are Optuna's, from 0, in the progress lines as in report, export and MLflow.

@@ -79,23 +79,24 @@ def run_study(cfg: StudyConfig, *, device: str | None = None, storage_url: str |
     timeout = timeout_s if timeout_s is not None else cfg.trials.timeout_s
     tracker = None
     if tracking is not False and cfg.tracking.enabled is not False:
-        tracker = Tracker.for_study(cfg, study, required=(cfg.tracking.enabled is True or tracking is True))
+        tracker = Tracker.for_study(cfg, study, required=(cfg.tracking.enabled is True or tracking is True),
+                                    attach=False)  # prepare_study attaches its run: none for a failed preparation
     if cfg.regime.compiled(dev, cfg.training.compile):
         # inductor's on-disk graph cache beside the study: every compiled run (and worker, and
         # resume) of this model reuses what an earlier one compiled (unless the user chose a dir)
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cfg.output_dir / "inductor_cache"))
     with _sigterm_as_interrupt():
         try:
-            ctx = prepare_study(cfg, study, device=dev, force=force, tracker=tracker)
+            ctx = prepare_study(cfg, study, device=dev, force=force, tracker=tracker, on_change=on_change)
             _trials(ctx, study, storage, tracker, n_total=n_total, timeout=timeout, worker_id=worker_id,
                     progress=progress)
             if confirm if confirm is not None else (worker_index == 0 and cfg.confirm.enabled):
                 from loka_tune.tuner.confirm import confirm_best
 
                 confirm_best(ctx)
-        except KeyboardInterrupt:
+        except BaseException as e:
             if tracker is not None:
-                tracker.interrupted()
+                tracker.interrupted("KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
             raise
     if tracker is not None:
         tracker.finish(ctx)
