@@ -20,7 +20,10 @@ spent, then the confirmation stage ([confirm]: the best 3 feasible configs re-ru
 seeds against bf16 with the same Mods). Prints progress and one line per trial to stderr;
 results live in the study's output dir (runs/<name>/: optuna.db, mlflow.db, plots).
 
-Resume: run the same command again; completed trials are kept and never re-run. The stored
+Resume: run the same command again; completed trials are kept and never re-run, and the
+resumed study draws what an uninterrupted one would (the sampler is seeded per trial position).
+--n-trials counts distinct configurations evaluated: a repeated one is a cache copy, recorded
+but not counted. The stored
 study remembers the settings it was made with ([model], [data], [training], [objective],
 [space], [probe], [regime]); after an edit of those, tune stops and says what changed: --fresh starts
 over (deletes the stored study), --resume-anyway goes on with the stored baseline, space and

@@ -105,25 +105,30 @@ def make_pruner(cfg: StudyConfig) -> Any:
                                           n_warmup_steps=cfg.trials.prune_warmup_steps)
 
 
-def make_sampler(cfg: StudyConfig, *, worker_index: int = 0) -> Any:
-    """TPE with the loss constraint, seeded per worker (``study.seed + 7919 x worker_index``)."""
+def make_sampler(cfg: StudyConfig) -> Any:
+    """TPE with the loss constraint, its draws for each trial seeded by ``study.seed`` and the
+    trial's position (:mod:`loka_tune.tuner._sampler`): a resumed study, and every worker of a
+    shared one, draws at each position what one uninterrupted process would."""
     import optuna
+
+    from loka_tune.tuner._sampler import TrialSeededSampler
 
     kw: dict[str, Any] = {}
     if not _has_set_constraint():  # optuna < 5: the sampler reads the constraint through constraints_func
         kw["constraints_func"] = _constraints
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        return optuna.samplers.TPESampler(seed=cfg.study.seed + 7919 * worker_index,
-                                          n_startup_trials=cfg.trials.n_startup_trials,
+
+    def tpe(seed: int) -> Any:
+        return optuna.samplers.TPESampler(seed=seed, n_startup_trials=cfg.trials.n_startup_trials,
                                           multivariate=True, constant_liar=True, **kw)
+
+    return TrialSeededSampler(cfg.study.seed, tpe)
 
 
 ON_CHANGE = ("stop", "fresh", "resume")
 
 
 def open_study(cfg: StudyConfig, storage: Any | None = None, *, study_name: str | None = None,
-               worker_index: int = 0, on_change: str = "stop") -> Any:
+               on_change: str = "stop") -> Any:
     """Create or load the study (TPE with the loss constraint, the study's pruner).
 
     A prepared study remembers the settings its baseline and space were made with
@@ -144,7 +149,7 @@ def open_study(cfg: StudyConfig, storage: Any | None = None, *, study_name: str 
     if on_change == "fresh" and name in {s.study_name for s in optuna.get_all_study_summaries(storage)}:
         optuna.delete_study(study_name=name, storage=storage)
         _log(f"[loka-tune] study {name!r}: deleted its stored trials, baseline and space (--fresh)")
-    sampler = make_sampler(cfg, worker_index=worker_index)
+    sampler = make_sampler(cfg)
     study = _retry_db(lambda: optuna.create_study(storage=storage, study_name=name, direction="minimize",
                                                   sampler=sampler, pruner=make_pruner(cfg), load_if_exists=True))
     check_settings(study, cfg, on_change)

@@ -62,7 +62,7 @@ Layout (every section but ``[model]`` and ``[data]`` is optional)::
     price_first = false          # true: price every candidate's speed first, measure the error of the fast only
 
     [trials]
-    n_trials = 20                # and/or
+    n_trials = 20                # distinct configurations evaluated (cache copies are not counted); and/or
     timeout_s = 600
     pruner = "hopeless"          # "hopeless", "median" or "none"
     n_startup_trials = 8         # random trials before TPE models the results
