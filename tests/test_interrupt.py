@@ -20,7 +20,8 @@ REPO = Path(__file__).resolve().parents[1]
 # The real CLI, with sleeps in the preparation's baseline and in every trial evaluation, so that a
 # signal reliably lands inside the phase the test aims at (a tiny study is otherwise done in seconds).
 _SLOW_CLI = """
-import sys, time
+import signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C as in a terminal, even if started in the background
 import loka_tune.tuner.loop as loop
 import loka_tune.tuner.prepare as prepare
 _evaluate, _baseline = loop.evaluate_config, prepare.run_baseline
