@@ -27,6 +27,7 @@ draws for a trial are seeded by its position (:mod:`loka_tune.tuner._sampler`).
 Budget: ``n_trials`` counts distinct configurations evaluated; a cache copy is told (the
 sampler learns it) and recorded, but not counted, and a sampler that proposes only evaluated
 configurations :data:`MAX_COPIES_IN_A_ROW` times in a row ends the study.
+
 Trial numbers are Optuna's, from 0, everywhere (progress lines, leaderboard, MLflow, export).
 """
 
@@ -82,7 +83,7 @@ def run_study(cfg: StudyConfig, *, device: str | None = None, storage_url: str |
     the best configs (:mod:`loka_tune.tuner.confirm`). Returns the Optuna study. Safe to run in
     several processes at once. ``on_change``: what to do when the stored study has other
     settings (:func:`open_study`). Ctrl-C / SIGTERM fail the running trial (re-queued) and end
-    its MLflow run and the study's as KILLED."""
+    its MLflow run and the study's as KILLED; an error ends the study's as FAILED."""
     if timeout_s is not None and not (math.isfinite(timeout_s) and timeout_s > 0):
         raise StudyError(f"timeout_s must be a number of seconds > 0, got {timeout_s=}")
     if n_trials is not None and n_trials < 0:
