@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import shlex
 import sys
+import tempfile
 from pathlib import Path
 
 __all__ = ["atomic_write_text", "cwd_importable", "output_problem"]
@@ -25,23 +27,31 @@ def atomic_write_text(path: str | Path, text: str) -> Path:
 
 
 def output_problem(path: str | Path, *, is_dir: bool = False) -> str | None:
-    """Why ``path`` (a file, or with ``is_dir`` a folder, created with its parents if missing)
-    cannot be written, or ``None`` if it can: checked before the work that produces it."""
+    """Why ``path`` (a file, or with ``is_dir`` a folder, created if missing) cannot be written,
+    and what to do, or ``None`` if it can: checked before the work that produces it. Its parent folder must
+    exist (nothing is created silently: the answer says how to make it), and a file must be
+    creatable there: tried, not guessed from permission bits (root may "write" to ``/proc``)."""
     path = Path(path)
     if path.exists():
         if is_dir and not path.is_dir():
-            return f"{str(path)!r} is a file, not a folder"
+            return f"{str(path)!r} is a file, not a folder; choose another path"
         if not is_dir and path.is_dir():
-            return f"{str(path)!r} is a folder; give a file name inside it, e.g. {str(path / 'out.json')!r}"
-        target = path if is_dir else path.parent
+            return (f"{str(path)!r} is a folder; give a file name inside it, e.g. {str(path / 'out.json')!r},"
+                    " or choose another path")
+        folder = path if is_dir else path.parent
     else:
-        target = path.parent
-    while not target.exists():  # the nearest existing folder: the missing ones will be created in it
-        target = target.parent
-    if not target.is_dir():
-        return f"{str(target)!r} is a file, so no folder can be created under it"
-    if not os.access(target, os.W_OK | os.X_OK):
-        return f"no permission to write in {str(target)!r}"
+        folder = path.parent
+    if not folder.exists():
+        return (f"its folder {str(folder)!r} does not exist; create it first (mkdir -p {shlex.quote(str(folder))})"
+                " or choose another path")
+    if not folder.is_dir():
+        return f"{str(folder)!r} is a file, so nothing can be written under it; choose another path"
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".loka-write-test-", dir=folder)
+    except OSError as e:
+        return f"cannot create a file in {str(folder)!r} ({e.strerror or e}); choose another path"
+    os.close(fd)
+    os.unlink(probe)
     return None
 
 

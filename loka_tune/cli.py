@@ -11,17 +11,24 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from typing import Sequence
+from typing import NoReturn, Sequence
 
 from loka_tune.errors import LokaError
 
 COMMANDS = ("train", "probe", "tune", "export", "report")
 
 
+class _Parser(argparse.ArgumentParser):
+    """A usage error is one line (what is wrong, where the help is), not the usage text first."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from loka_tune.version import __version__
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="loka-tune",
         description=(
             "Autotune FP8 precision configs for recommendation models (LoKA): probe where low"

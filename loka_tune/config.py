@@ -574,4 +574,4 @@ class PrecisionConfig:
         try:
             return cls.from_json(read_text(path), source=str(Path(path)))
         except ConfigError as e:
-            raise (e if e.key == "(file)" else e.in_file(path)) from None
+            raise e.in_file(path) from None  # unchanged when it names the file already (a file-level error)

@@ -81,9 +81,7 @@ def parse_json(text: str, *, source: str = "<string>") -> Any:
     try:
         return json.loads(text, object_pairs_hook=_no_duplicate_keys)
     except json.JSONDecodeError as e:
-        raise ConfigError(
-            f"{source} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})", key="(file)"
-        ) from None
+        raise ConfigError(f"not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})", path=source) from None
 
 
 def read_text(path: str | Path) -> str:
@@ -91,14 +89,11 @@ def read_text(path: str | Path) -> str:
     one when it is missing, and why it cannot be read otherwise."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(
-            f"no such file {str(path)!r}; export one with `loka-tune export STUDY --out {path}`",
-            key="(file)",
-        )
+        raise ConfigError(f"no such file; export one with `loka-tune export STUDY --out {path}`", path=str(path))
     try:
         return path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"cannot read {str(path)!r} as a UTF-8 JSON file: {e}", key="(file)") from None
+        raise ConfigError(f"cannot read it as a UTF-8 JSON file: {e}", path=str(path)) from None
 
 
 def write_text(path: str | Path, text: str) -> Path:

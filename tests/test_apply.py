@@ -202,7 +202,7 @@ def test_config_inputs_export_and_load(tmp_path: Path) -> None:
         assert s.unchanged == ["head"]
     with pytest.raises(ConfigError) as ei:
         apply(_toy(), tmp_path / "missing.json")
-    assert ei.value.key == "(file)"
+    assert ei.value.key is None and ei.value.path == str(tmp_path / "missing.json")
     with pytest.raises(ConfigError):
         apply(_toy(), 42)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="single nn.Linear"):

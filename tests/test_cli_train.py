@@ -20,13 +20,17 @@ REAL_RUNS = {
 
 
 def run_cli(argv, capsys):
-    code = main(argv)
+    try:
+        code = main(argv)
+    except SystemExit as e:  # a usage error, found when the command line is parsed
+        code = e.code
     out = capsys.readouterr()
     return code, out.out, out.err
 
 
 def test_synthetic_run_writes_metrics(tmp_path, capsys):
     out = tmp_path / "sub" / "out.json"
+    out.parent.mkdir()  # an output's folder must exist (test_cli_outputs: the error when it does not)
     argv = ["train", "--model", "dlrm", "--preset", "tiny", "--data",
             "synthetic:num_sparse=4,cardinality=500,eval_examples=2048",
             "--steps", "30", "--window", "10", "--no-progress", "--json", str(out)]
@@ -76,8 +80,8 @@ def test_nonfinite_exits_1(tmp_path, capsys):
 @pytest.mark.parametrize(
     "extra, needle",
     [
-        (["--steps", "0"], "steps"),
-        (["--lr-dense", "-1"], "lr_dense"),
+        (["--steps", "0"], "argument --steps: expected a number of steps >= 1, got '0'"),  # parse time
+        (["--lr-dense", "-1"], "argument --lr-dense: expected a learning rate > 0, got '-1'"),
         (["--data", "criteo:/nonexistent/train.tsv"], "nonexistent"),
         (["--data", "parquet:x"], "parquet:x"),
         (["--model-arg", "no_such_option=3"], "no_such_option"),

@@ -12,7 +12,7 @@ from loka_tune.cli import main
 from loka_tune.errors import StudyError
 from loka_tune.tuner.optuna_setup import ATTR_SETTINGS, open_study
 from loka_tune.tuner.results import ATTR_BASELINE
-from loka_tune.tuner.study import load_study
+from loka_tune.tuner.study import StudyConfig, load_study
 
 STUDY = """
 [study]
@@ -43,6 +43,7 @@ speed = "modeled"
 [space]
 formats = ["e4m3"]
 granularities = ["row"]
+mods = ["no_bias"]
 [probe]
 enabled = false
 [trials]
@@ -61,6 +62,11 @@ def _study(p: Path) -> optuna.Study:
     return optuna.load_study(study_name=cfg.name, storage=cfg.storage.url)
 
 
+def _evaluated(st: optuna.Study) -> int:
+    """Trials that count toward n_trials: distinct configurations (cache copies are not counted)."""
+    return sum(1 for t in st.trials if t.state.name == "COMPLETE" and not t.user_attrs.get("cache_hit"))
+
+
 def test_edited_study_stops_then_resumes_anyway_or_starts_fresh(tmp_path: Path,
                                                                 capsys: pytest.CaptureFixture[str]) -> None:
     f = _write(tmp_path / "s.toml")
@@ -69,7 +75,8 @@ def test_edited_study_stops_then_resumes_anyway_or_starts_fresh(tmp_path: Path,
     # more trials: the same study goes on
     _write(f, n_trials=2)
     assert main(["tune", str(f), "--no-tracking"]) == 0
-    assert len(_study(f).trials) == 2
+    assert _evaluated(_study(f)) == 2
+    n = len(_study(f).trials)
     capsys.readouterr()
 
     # an edited setting: stop at once, say what changed and what to do
@@ -78,7 +85,7 @@ def test_edited_study_stops_then_resumes_anyway_or_starts_fresh(tmp_path: Path,
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("loka-tune tune: error: study 'edited' is stored with other settings")
     assert "training.steps: 4 -> 6" in err[0] and "--fresh" in err[0] and "--resume-anyway" in err[0]
-    assert "2 trial(s)" in err[0] and len(_study(f).trials) == 2
+    assert f"{n} trial(s)" in err[0] and len(_study(f).trials) == n
 
     # --resume-anyway: the stored study, said so
     assert main(["tune", str(f), "--no-tracking", "--resume-anyway"]) == 0
@@ -89,7 +96,7 @@ def test_edited_study_stops_then_resumes_anyway_or_starts_fresh(tmp_path: Path,
     assert main(["tune", str(f), "--no-tracking", "--fresh"]) == 0
     assert "deleted its stored trials" in capsys.readouterr().err
     st = _study(f)
-    assert st.user_attrs[ATTR_SETTINGS]["training.steps"] == 6 and len(st.trials) == 2
+    assert st.user_attrs[ATTR_SETTINGS]["training.steps"] == 6 and _evaluated(st) == 2
     assert main(["tune", str(f), "--no-tracking"]) == 0  # and now the edited file is the study's
 
 
@@ -99,15 +106,21 @@ def test_fresh_and_resume_anyway_exclude_each_other(tmp_path: Path, capsys: pyte
     assert e.value.code == 2 and "not allowed with" in capsys.readouterr().err
 
 
+def _as_prepared(study: optuna.Study, cfg: StudyConfig) -> None:
+    """What prepare_study stores with the baseline and space: the settings they were made with."""
+    study.set_user_attr(ATTR_SETTINGS, cfg.settings())
+    study.set_user_attr(ATTR_BASELINE, {})
+
+
 def test_a_study_stored_before_settings_were_is_checked_by_its_summary(tmp_path: Path) -> None:
     f = _write(tmp_path / "s.toml")
     cfg = load_study(f)
     study = open_study(cfg)
-    assert study.user_attrs[ATTR_SETTINGS] == cfg.settings()
-    study.set_user_attr(ATTR_SETTINGS, None)  # as an older loka-tune left it: only the summary
-    study.set_user_attr("loka.study", cfg.to_dict())
+    assert ATTR_SETTINGS not in study.user_attrs  # nothing is stored before the study is prepared
+    study.set_user_attr("loka.study", cfg.to_dict())  # as an older loka-tune left it: only the summary
     study.set_user_attr(ATTR_BASELINE, {})
     open_study(cfg)  # unchanged: fine
+    assert _study(f).user_attrs[ATTR_SETTINGS] == cfg.settings()  # and stored from now on
     with pytest.raises(StudyError, match=r"objective.budget_pct: 50.0 -> 20.0"):
         open_study(load_study(_write_budget(f, 20.0)))
 
@@ -123,7 +136,7 @@ def test_a_changed_regime_is_a_changed_study(tmp_path: Path) -> None:
     f = _write(tmp_path / "s.toml")
     cfg = load_study(f)
     assert cfg.settings()["regime.nproc"] == 1 and "nproc" not in cfg.to_dict()["regime"]
-    open_study(cfg)
+    _as_prepared(open_study(cfg), cfg)
     f.write_text(f.read_text() + "[regime]\nbatch_size = 64\nnproc = 2\n")
     with pytest.raises(StudyError, match=r"regime.batch_size: 0 -> 64; regime.nproc: 1 -> 2"):
         open_study(load_study(f))

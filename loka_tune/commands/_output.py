@@ -16,7 +16,7 @@ def check_output(path: str | Path, option: str, *, is_dir: bool = False) -> Path
     :class:`ConfigError` naming ``option``, the path and the fix, before any work is done."""
     problem = output_problem(path, is_dir=is_dir)
     if problem is not None:
-        raise ConfigError(f"cannot write {str(path)!r}: {problem}; choose another path", key=option)
+        raise ConfigError(f"cannot write {str(path)!r}: {problem}", key=option)
     return Path(path)
 
 

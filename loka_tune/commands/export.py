@@ -25,10 +25,12 @@ examples:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from loka_tune.commands._args import integer
+
     parser.add_argument("study", help="a study file (.toml), or a study name with --storage")
     parser.add_argument("--storage", default=None, help="Optuna storage URL (sqlite:///... or postgresql://...)")
     parser.add_argument("--out", default="best.json", help="output JSON (default best.json)")
-    parser.add_argument("--trial", type=int, default=None, metavar="N",
+    parser.add_argument("--trial", type=integer("a trial number", minimum=0), default=None, metavar="N",
                         help="export completed trial N instead of the best feasible one")
     parser.add_argument("--unconfirmed", action="store_true",
                         help="export the best trial of the search even where the confirmation stage chose another"

@@ -33,6 +33,7 @@ examples:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from loka_tune.commands._args import integer, number
     from loka_tune.commands.train import _model_arg
     from loka_tune.models.registry import MODEL_NAMES, PRESETS
 
@@ -48,27 +49,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="re-analyse saved probe stats (.npz) instead of training")
 
     t = parser.add_argument_group("training (with the probe attached)")
-    t.add_argument("--steps", type=int, default=200, help="training steps (default: 200)")
-    t.add_argument("--every", type=int, default=20, help="collect statistics every N steps (default: 20)")
-    t.add_argument("--batch-size", type=int, default=256, help="training batch size (default: 256)")
-    t.add_argument("--lr-dense", type=float, default=1e-3, help="dense learning rate (default: 1e-3)")
-    t.add_argument("--lr-sparse", type=float, default=1e-2, help="embedding learning rate (default: 1e-2)")
-    t.add_argument("--seed", type=int, default=0, help="model init, data order and draw seed (default: 0)")
+    t.add_argument("--steps", type=integer("a number of steps", minimum=1), default=200, help="training steps (default: 200)")
+    t.add_argument("--every", type=integer("a number of steps", minimum=1), default=20, help="collect statistics every N steps (default: 20)")
+    t.add_argument("--batch-size", type=integer("a batch size", minimum=1), default=256, help="training batch size (default: 256)")
+    t.add_argument("--lr-dense", type=number("a learning rate", minimum=0.0, strict=True), default=1e-3, help="dense learning rate (default: 1e-3)")
+    t.add_argument("--lr-sparse", type=number("a learning rate", minimum=0.0, strict=True), default=1e-2, help="embedding learning rate (default: 1e-2)")
+    t.add_argument("--seed", type=integer("a seed", minimum=0), default=0, help="model init, data order and draw seed (default: 0)")
     t.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: auto)")
 
     m = parser.add_argument_group("measurement")
     m.add_argument("--candidates", default=None, metavar="LIST",
                    help="comma-separated GEMM choices (default: bf16, e4m3 tensor/row/block, mxfp8,"
                         " e5m2+e4m3 tensor/row, all on the emulated backend)")
-    m.add_argument("--samples", type=int, default=64, help="draws per layer (default: 64)")
+    m.add_argument("--samples", type=integer("a number of draws", minimum=1), default=64, help="draws per layer (default: 64)")
     m.add_argument("--dists", default="learned,normal",
                    help="distributions: learned, normal, real (default: learned,normal)")
-    m.add_argument("--max-rows", type=int, default=None,
+    m.add_argument("--max-rows", type=integer("a number of rows", minimum=1), default=None,
                    help="cap on the rows M of sampled GEMMs (default: 4096)")
     m.add_argument("--weights", default="model", choices=("model", "current"),
                    help="learned weights: matrix-normal draws or the current weight (default: model)")
-    m.add_argument("--max-error", type=float, default=None, help="safe if MERE <= this (default: 0.2)")
-    m.add_argument("--min-speedup", type=float, default=None, help="fast if speed-up >= this (default: 1.05)")
+    m.add_argument("--max-error", type=number("an error bound", minimum=0.0, strict=True), default=None, help="safe if MERE <= this (default: 0.2)")
+    m.add_argument("--min-speedup", type=number("a speed-up", minimum=0.0), default=None, help="fast if speed-up >= this (default: 1.05)")
     m.add_argument("--cost-device", default="h200", help="GPU priced by the cost model (default: h200)")
     m.add_argument("--timing-cache", type=Path, default=None, metavar="FILE",
                    help="GPU timing cache (loka_tune.kernels.timing) for measured speeds")
@@ -102,17 +103,12 @@ def run(args: argparse.Namespace) -> int:
 
     from loka_tune.commands._output import check_output, write_error
     from loka_tune.data import parse_data_spec
-    from loka_tune.errors import ConfigError
     from loka_tune.models import build_model
     from loka_tune.probe import DEFAULT_MAX_ERROR, ProbeStats, measure
     from loka_tune.probe.measure import DEFAULT_MIN_SPEEDUP
     from loka_tune.probe.run import collect
     from loka_tune.probe.synth import MAX_ROWS
 
-    for key, v in (("--steps", args.steps), ("--every", args.every), ("--samples", args.samples),
-                   ("--batch-size", args.batch_size)):
-        if v < 1:
-            raise ConfigError(f"must be >= 1, got {v}", key=key)
     check_output(args.out, "--out", is_dir=True)  # before training, not after
     cands = None if args.candidates is None else [c for c in args.candidates.split(",") if c.strip()]
     dists = [d.strip() for d in args.dists.split(",") if d.strip()]
@@ -123,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
                         cardinalities=list(source.cardinalities), base_rate=getattr(source, "base_rate", None),
                         **dict(args.model_arg))
     try:
-        args.out.mkdir(parents=True, exist_ok=True)
+        args.out.mkdir(exist_ok=True)  # its parent exists: check_output said so
     except OSError as e:
         raise write_error(args.out, "--out", e) from None
     if args.stats is not None:

@@ -26,10 +26,13 @@ examples:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from loka_tune.commands._args import integer
+
     parser.add_argument("study", help="a study file (.toml), or a study name with --storage")
     parser.add_argument("--storage", default=None, help="Optuna storage URL")
     parser.add_argument("--out-dir", default=None, help="where the plots go (default: the study's output dir)")
-    parser.add_argument("--limit", type=int, default=20, help="rows of the leaderboard (default 20)")
+    parser.add_argument("--limit", type=integer("a number of rows", minimum=0), default=20,
+                        help="rows of the leaderboard (default 20; 0: all)")
     parser.add_argument("--no-plots", action="store_true", help="print only")
 
 
@@ -101,6 +104,10 @@ def run(args: argparse.Namespace) -> int:
     from loka_tune.space.candidates import SearchSpace
     from loka_tune.tuner.results import ATTR_BASELINE, ATTR_SPACE, ATTR_STUDY, leaderboard
 
+    if args.out_dir is not None and not args.no_plots:
+        from loka_tune.commands._output import check_output
+
+        check_output(args.out_dir, "--out-dir", is_dir=True)
     cfg, study = open_existing(args.study, args.storage)
     if ATTR_BASELINE not in study.user_attrs:  # never prepared: no baseline, no space, no trials
         from loka_tune.tuner.prepare import ATTR_PREPARE_FAILED

@@ -67,6 +67,7 @@ def _model_arg(text: str) -> tuple[str, Any]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from loka_tune.commands._args import integer, number
     from loka_tune.models.registry import MODEL_NAMES, PRESETS
 
     g = parser.add_argument_group("model and data")
@@ -88,22 +89,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         " without --model, build the model it was tuned on")
 
     t = parser.add_argument_group("training")
-    t.add_argument("--steps", type=int, default=None,
+    t.add_argument("--steps", type=integer("a number of steps", minimum=1), default=None,
                    help="optimizer steps (default: 300; on a file with fewer rows than that needs,"
                         " one epoch: a short run must not overfit a small sample)")
-    t.add_argument("--batch-size", type=int, default=None,
+    t.add_argument("--batch-size", type=integer("a batch size", minimum=1), default=None,
                    help="training batch size (default: 256; on a file of under 25,600 training rows,"
                         " rows/100 but at least 16, so one epoch is about 100 steps)")
-    t.add_argument("--lr-dense", type=float, default=1e-3, help="Adam learning rate (default: 1e-3)")
-    t.add_argument("--lr-sparse", type=float, default=1e-2,
+    t.add_argument("--lr-dense", type=number("a learning rate", minimum=0.0, strict=True), default=1e-3, help="Adam learning rate (default: 1e-3)")
+    t.add_argument("--lr-sparse", type=number("a learning rate", minimum=0.0, strict=True), default=1e-2,
                    help="embedding-table learning rate (default: 1e-2)")
     t.add_argument("--sparse-optimizer", default="rowwise_adagrad",
                    choices=("rowwise_adagrad", "sparse_adam"),
                    help="optimizer of the embedding tables (default: rowwise_adagrad)")
-    t.add_argument("--seed", type=int, default=0, help="model init and data order seed (default: 0)")
-    t.add_argument("--window", type=int, default=50,
+    t.add_argument("--seed", type=integer("a seed", minimum=0), default=0, help="model init and data order seed (default: 0)")
+    t.add_argument("--window", type=integer("a number of steps", minimum=1), default=50,
                    help="steps per point of the training loss curve (default: 50)")
-    t.add_argument("--eval-batches", type=int, default=None,
+    t.add_argument("--eval-batches", type=integer("a number of batches", minimum=1), default=None,
                    help="evaluate on at most this many batches (default: the whole eval split)")
     t.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: auto)")
     t.add_argument("--autocast", default="auto", choices=("auto", "bf16", "off"),
@@ -111,11 +112,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--compile", action="store_true", help="torch.compile the model")
     t.add_argument("--cuda-graphs", action="store_true",
                    help="capture the whole training step in one CUDA graph and replay it (CUDA only)")
-    t.add_argument("--nproc", type=int, default=1, metavar="N",
+    t.add_argument("--nproc", type=integer("a number of processes", minimum=1), default=1, metavar="N",
                    help="data-parallel over N processes on this host (torchrun; gloo on the CPU, NCCL with one"
                         " GPU per process); --batch-size stays the global batch, so the run takes the same"
                         " steps on the same examples as one process (default: 1)")
-    t.add_argument("--cpu-threads", type=int, default=None, metavar="N",
+    t.add_argument("--cpu-threads", type=integer("a number of threads", minimum=1), default=None, metavar="N",
                    help="torch CPU threads for the run (default: torch's; 1 is fastest for tiny "
                    "models on a busy machine)")
 
@@ -242,8 +243,6 @@ def run(args: argparse.Namespace) -> int:
     from loka_tune.objectives.trainer import TrainConfig, resolve_device, train
 
     env = dist_env()
-    if args.nproc < 1:
-        raise ConfigError(f"got {args.nproc}; expected the number of processes (>= 1)", key="--nproc")
     main_rank = env is None or env.is_main
     if args.json is not None and main_rank:
         check_output(args.json, "--json")
@@ -309,7 +308,6 @@ def run(args: argparse.Namespace) -> int:
     print(format_table(d))
     if args.json is not None:
         try:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps(d, indent=2) + "\n")
         except OSError as e:
             raise write_error(args.json, "--json", e, "the metrics are printed above") from None

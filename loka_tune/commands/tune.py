@@ -20,11 +20,16 @@ spent, then the confirmation stage ([confirm]: the best 3 feasible configs re-ru
 seeds against bf16 with the same Mods). Prints progress and one line per trial to stderr;
 results live in the study's output dir (runs/<name>/: optuna.db, mlflow.db, plots).
 
-Resume: run the same command again; completed trials are kept and never re-run. The stored
+Resume: run the same command again; completed trials are kept and never re-run, and the
+resumed study draws what an uninterrupted one would (the sampler is seeded per trial position).
+--n-trials counts distinct configurations evaluated: a repeated one is a cache copy, recorded
+but not counted. The stored
 study remembers the settings it was made with ([model], [data], [training], [objective],
 [space], [probe], [regime]); after an edit of those, tune stops and says what changed: --fresh starts
 over (deletes the stored study), --resume-anyway goes on with the stored baseline, space and
 trials. [trials] (e.g. a larger n_trials), [confirm], [storage] and [tracking] may change freely.
+A preparation that failed (a bad setting, a budget below the noise floor) stores nothing but its
+reason (`loka-tune report` prints it): fix the study file and run the same command again.
 Ctrl-C (or SIGTERM) marks the running trial failed ("interrupted", not counted), queues its
 configuration again, ends its MLflow run and the study's as KILLED and exits with status 130.
 Trial numbers are Optuna's, from 0, in the progress lines as in report, export and MLflow.
@@ -45,14 +50,19 @@ examples:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from loka_tune.commands._args import integer, number
+
     parser.add_argument("study", help="the study file (TOML)")
     parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: the study's training.device)")
     parser.add_argument("--storage", default=None,
                         help="Optuna storage URL: sqlite:///PATH or postgresql://USER:PW@HOST:PORT/DB"
                              " (default: the study's [storage] url, a SQLite file in its output dir)")
-    parser.add_argument("--n-trials", type=int, default=None, help="total trials of the study (overrides the file)")
-    parser.add_argument("--timeout", type=float, default=None, help="stop starting trials after this many seconds")
-    parser.add_argument("--workers", type=int, default=1, help="local worker processes (default 1)")
+    parser.add_argument("--n-trials", type=integer("a number of trials", minimum=1), default=None,
+                        help="total trials of the study: distinct configurations evaluated (overrides the file)")
+    parser.add_argument("--timeout", type=number("seconds", minimum=0.0, strict=True), default=None,
+                        help="stop starting trials after this many seconds (> 0)")
+    parser.add_argument("--workers", type=integer("a number of worker processes", minimum=1), default=1,
+                        help="local worker processes (default 1)")
     parser.add_argument("--force", action="store_true",
                         help="run even if the loss budget is below the baseline's noise floor")
     parser.add_argument("--no-tracking", action="store_true", help="do not log to MLflow")
@@ -62,8 +72,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="start the study over: delete its stored trials, baseline and space first")
     again.add_argument("--resume-anyway", action="store_true",
                        help="resume even though the study file's settings differ from the stored study's")
-    parser.add_argument("--worker-index", type=int, default=0,
-                        help="this worker's index (varies the sampler's seed between workers)")
+    parser.add_argument("--worker-index", type=integer("a worker index", minimum=0), default=0,
+                        help="this worker's index (worker 0 runs the confirmation stage)")
 
 
 def _load(args: argparse.Namespace):  # noqa: ANN202
@@ -76,10 +86,6 @@ def _load(args: argparse.Namespace):  # noqa: ANN202
 def run(args: argparse.Namespace) -> int:
     from loka_tune.errors import StudyError
 
-    if args.workers < 1:
-        raise StudyError(f"--workers must be >= 1, got {args.workers}")
-    if args.n_trials is not None and args.n_trials < 1:
-        raise StudyError(f"--n-trials must be >= 1, got {args.n_trials}")
     cfg = _load(args)
     nproc = cfg.regime.nproc
     if nproc > 1 and args.workers > 1:

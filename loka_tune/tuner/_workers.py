@@ -1,6 +1,11 @@
 """Several workers on one study: heartbeats, dead workers' trials, the shared trial budget and
 configurations evaluated once (a repeated one waits for, or copies, the earlier trial).
 
+Interruptions and resumes: a trial failed by an interruption or a dead worker is re-queued and
+stands for nothing in an uninterrupted study (:func:`_requeued`); a trial's *position* is its
+number without those (:func:`_position`: what seeds the sampler's draws for it), and the queue
+keeps the order of the trials its entries stand for (:func:`_keep_queue_order`).
+
 Private to the loop (:mod:`loka_tune.tuner.loop`). Optuna is imported inside the functions.
 """
 
@@ -19,6 +24,8 @@ from typing import Any, Self
 
 from loka_tune.tuner.build import _log
 from loka_tune.tuner.results import TrialRecord
+
+ATTR_REQUEUED_FROM = "requeued_from"  # trial user attr: the number of the trial a re-queued one stands for
 
 
 class _Heartbeat:
@@ -117,7 +124,7 @@ def _fail_and_requeue(study: Any, storage: Any, t: Any, why: str) -> None:
     if callback is not None:
         callback(study, storage.get_trial(t._trial_id))
     else:
-        study.enqueue_trial(t.params)
+        study.enqueue_trial(t.params, user_attrs=_requeue_attrs(t))
     _log(f"[loka-tune] trial {t.number}: {why}; failed and re-queued")
 
 
@@ -137,30 +144,115 @@ def _fail_stale(study: Any, grace_s: float | None = None) -> None:
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         optuna.storages.fail_stale_trials(study)
     _fail_dead_local(study)
-    if grace_s is None:
+    if grace_s is not None:
+        now = datetime.datetime.now()
+        for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            if TrialRecord.of(t).worker is not None or t.datetime_start is None:
+                continue
+            if (now - t.datetime_start).total_seconds() <= grace_s:
+                continue
+            _fail_and_requeue(study, study._storage, t, "its worker died before its first heartbeat")
+    _keep_queue_order(study)
+
+
+def _requeued(t: Any) -> bool:
+    """A trial failed by an interruption or a dead worker, not by its configuration (no
+    ``fail_reason``): re-queued, not counted, and no trial of an uninterrupted study."""
+    from optuna.trial import TrialState
+
+    return t.state == TrialState.FAIL and not TrialRecord.of(t).counts
+
+
+def _position(trials: Iterable[Any], number: int) -> int:
+    """Trial ``number``'s position: the trials before it that an uninterrupted study has too."""
+    return sum(1 for t in trials if t.number < number and not _requeued(t))
+
+
+def _origin(t: Any) -> int:
+    """The number of the trial that ``t`` stands for: a re-queued trial's (ours record it in
+    ``requeued_from``, Optuna's retry callback in the system attribute ``failed_trial``), else its own."""
+    o = t.user_attrs.get(ATTR_REQUEUED_FROM)
+    if o is None:
+        o = t.system_attrs.get("failed_trial")
+    return t.number if o is None else int(o)
+
+
+def _requeue_attrs(t: Any) -> dict[str, Any]:
+    """The user attributes of ``t``'s configuration queued again: its start label and its origin."""
+    attrs: dict[str, Any] = {ATTR_REQUEUED_FROM: _origin(t)}
+    if t.user_attrs.get("seeded"):
+        attrs["seeded"] = t.user_attrs["seeded"]
+    return attrs
+
+
+def _keep_queue_order(study: Any) -> None:
+    """Keep the queue in the order of the trials its entries stand for.
+
+    Optuna runs waiting trials lowest number first, and a re-queued trial takes a new number: a
+    trial interrupted while later enqueued ones waited (the starts) would run after them, and
+    TPE, which reads the study's trials in number order, would then explore differently than an
+    uninterrupted study. So when the waiting trials' origins are out of order, they are taken off
+    the queue (failed, not counted: they stand for nothing) and queued again in the right order.
+    Best effort with several workers: a trial another worker took meanwhile stays theirs."""
+    import optuna
+    from optuna.trial import TrialState
+
+    waiting = study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
+    order = sorted(waiting, key=lambda t: (_origin(t), t.number))
+    if [t.number for t in order] == [t.number for t in waiting]:
         return
-    now = datetime.datetime.now()
-    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        if TrialRecord.of(t).worker is not None or t.datetime_start is None:
+    storage = study._storage
+    taken = []
+    for t in order:
+        try:
+            if storage.set_trial_state_values(t._trial_id, state=TrialState.RUNNING):
+                taken.append(t)
+        except optuna.exceptions.UpdateFinishedTrialError:
             continue
-        if (now - t.datetime_start).total_seconds() <= grace_s:
-            continue
-        _fail_and_requeue(study, study._storage, t, "its worker died before its first heartbeat")
+    for t in taken:
+        storage.set_trial_user_attr(t._trial_id, "reason", "re-queued in its place behind an interrupted trial")
+        storage.set_trial_state_values(t._trial_id, state=TrialState.FAIL)
+    for t in taken:
+        params = {**t.system_attrs.get("fixed_params", {}), **t.params}
+        study.enqueue_trial(params, user_attrs=_requeue_attrs(t))
 
 
 def _n_counted(trials: Iterable[Any]) -> tuple[int, int]:
-    """(finished trials that count toward n_trials, running trials)."""
+    """(finished trials that count toward n_trials, running trials that will).
+
+    ``n_trials`` counts distinct configurations evaluated: a cache copy (a repeated
+    configuration, given the earlier trial's result) is recorded but not counted, nor is a
+    running trial whose configuration an earlier trial has (it will be one). A failed trial counts
+    when its configuration failed it; one of an interruption or a dead worker is re-queued instead."""
     from optuna.trial import TrialState
 
     done = running = 0
-    for t in trials:
-        if t.state in (TrialState.COMPLETE, TrialState.PRUNED):
-            done += 1
-        elif t.state == TrialState.FAIL and TrialRecord.of(t).counts:
-            done += 1  # failed by its config (stale trials of dead workers are re-queued, not counted)
+    keys: set[str] = set()
+    for t in sorted(trials, key=lambda t: t.number):
+        r = TrialRecord.of(t)
+        if t.state in (TrialState.COMPLETE, TrialState.PRUNED) or (t.state == TrialState.FAIL and r.counts):
+            if not r.cache_hit:
+                done += 1
         elif t.state == TrialState.RUNNING:
-            running += 1
+            if r.config_key is None or r.config_key not in keys:
+                running += 1
+        else:
+            continue
+        if r.config_key is not None:
+            keys.add(r.config_key)
     return done, running
+
+
+def _copies_in_a_row(trials: Iterable[Any]) -> int:
+    """How many of the last finished trials are cache copies, back to the last evaluated one."""
+    n = 0
+    for t in sorted(trials, key=lambda t: t.number, reverse=True):
+        if t.state.name not in ("COMPLETE", "PRUNED", "FAIL") or _requeued(t):
+            continue
+        if not TrialRecord.of(t).cache_hit:
+            break
+        n += 1
+    return n
 
 
 def _find_duplicate(study: Any, key: str, number: int) -> Any:

@@ -19,8 +19,15 @@ them. Heartbeats mark a killed worker's trial failed and re-queue it; a configur
 evaluated once (trials carry their config key; a repeated key copies the earlier result).
 
 Interruption: Ctrl-C (SIGINT) or SIGTERM during a trial fails that trial (reason "interrupted"),
-re-queues its configuration, ends its MLflow run and the study's as KILLED and re-raises
-``KeyboardInterrupt`` (``loka-tune`` exits 130); the next run resumes without waiting on it.
+re-queues its configuration (ahead of the trials that waited behind it), ends its MLflow run and
+the study's as KILLED and re-raises ``KeyboardInterrupt`` (``loka-tune`` exits 130); the next run
+resumes without waiting on it, and explores as the uninterrupted study would: the sampler's
+draws for a trial are seeded by its position (:mod:`loka_tune.tuner._sampler`).
+
+Budget: ``n_trials`` counts distinct configurations evaluated; a cache copy is told (the
+sampler learns it) and recorded, but not counted, and a sampler that proposes only evaluated
+configurations :data:`MAX_COPIES_IN_A_ROW` times in a row ends the study.
+
 Trial numbers are Optuna's, from 0, everywhere (progress lines, leaderboard, MLflow, export).
 """
 
@@ -37,12 +44,16 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from loka_tune.config import PrecisionConfig
+from loka_tune.errors import StudyError
 from loka_tune.space.encode import config_from_params, distributions
 from loka_tune.tuner._workers import (
+    _copies_in_a_row,
     _fail_stale,
     _find_duplicate,
     _Heartbeat,
+    _keep_queue_order,
     _n_counted,
+    _requeue_attrs,
     _sigterm_as_interrupt,
     _wait_for,
 )
@@ -56,6 +67,12 @@ from loka_tune.tuner.trial import evaluate_config
 
 __all__ = ["run_study"]
 
+# A sampler that proposes only configurations already evaluated, this many times in a row, has
+# run out of new ones (a small space, or TPE sure of its answer): the study stops there, since
+# cache copies do not count toward n_trials. Cheap (a copy is a lookup, no training), and rare
+# in a space with room: 1 copy in 12 trials in issue 19's studies.
+MAX_COPIES_IN_A_ROW = 20
+
 
 def run_study(cfg: StudyConfig, *, device: str | None = None, storage_url: str | None = None,
               n_trials: int | None = None, timeout_s: float | None = None, force: bool = False,
@@ -66,31 +83,36 @@ def run_study(cfg: StudyConfig, *, device: str | None = None, storage_url: str |
     the best configs (:mod:`loka_tune.tuner.confirm`). Returns the Optuna study. Safe to run in
     several processes at once. ``on_change``: what to do when the stored study has other
     settings (:func:`open_study`). Ctrl-C / SIGTERM fail the running trial (re-queued) and end
-    its MLflow run and the study's as KILLED."""
+    its MLflow run and the study's as KILLED; an error ends the study's as FAILED."""
+    if timeout_s is not None and not (math.isfinite(timeout_s) and timeout_s > 0):
+        raise StudyError(f"timeout_s must be a number of seconds > 0, got {timeout_s=}")
+    if n_trials is not None and n_trials < 0:
+        raise StudyError(f"n_trials must be >= 0 (0: prepare only), got {n_trials=}")
     dev = resolve_device(device or cfg.training.device)
     storage = make_storage(cfg, storage_url)
-    study = open_study(cfg, storage, worker_index=worker_index, on_change=on_change)
+    study = open_study(cfg, storage, on_change=on_change)
     n_total = n_trials if n_trials is not None else cfg.trials.n_trials
     timeout = timeout_s if timeout_s is not None else cfg.trials.timeout_s
     tracker = None
     if tracking is not False and cfg.tracking.enabled is not False:
-        tracker = Tracker.for_study(cfg, study, required=(cfg.tracking.enabled is True or tracking is True))
+        tracker = Tracker.for_study(cfg, study, required=(cfg.tracking.enabled is True or tracking is True),
+                                    attach=False)  # prepare_study attaches its run: none for a failed preparation
     if cfg.regime.compiled(dev, cfg.training.compile):
         # inductor's on-disk graph cache beside the study: every compiled run (and worker, and
         # resume) of this model reuses what an earlier one compiled (unless the user chose a dir)
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cfg.output_dir / "inductor_cache"))
     with _sigterm_as_interrupt():
         try:
-            ctx = prepare_study(cfg, study, device=dev, force=force, tracker=tracker)
+            ctx = prepare_study(cfg, study, device=dev, force=force, tracker=tracker, on_change=on_change)
             _trials(ctx, study, storage, tracker, n_total=n_total, timeout=timeout, worker_id=worker_id,
                     progress=progress)
             if confirm if confirm is not None else (worker_index == 0 and cfg.confirm.enabled):
                 from loka_tune.tuner.confirm import confirm_best
 
                 confirm_best(ctx)
-        except KeyboardInterrupt:
+        except BaseException as e:
             if tracker is not None:
-                tracker.interrupted()
+                tracker.interrupted("KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
             raise
     if tracker is not None:
         tracker.finish(ctx)
@@ -107,11 +129,21 @@ def _trials(ctx: StudyContext, study: Any, storage: Any, tracker: Tracker | None
     budget = cfg.objective.budget_pct
     t_start = time.time()
     worker = worker_id or f"{platform.node()}:{os.getpid()}"
+    n_configs = math.prod(len(d.choices) for d in dists.values())  # at most this many distinct ones
+    if n_total is not None and n_total > n_configs:
+        _log(f"[loka-tune] the space has {n_configs} configuration(s): the study stops after evaluating them"
+             f" (n_trials {n_total})")
+        n_total = n_configs
     while True:
         if timeout is not None and time.time() - t_start > timeout:
             break
         _fail_stale(study, grace_s=cfg.storage.grace_s)
-        done, running = _n_counted(study.get_trials(deepcopy=False))
+        trials = study.get_trials(deepcopy=False)
+        done, running = _n_counted(trials)
+        if _copies_in_a_row(trials) >= MAX_COPIES_IN_A_ROW:
+            _log(f"[loka-tune] the sampler proposed only evaluated configurations in the last {MAX_COPIES_IN_A_ROW}"
+                 f" trials: the space looks exhausted after {done} distinct ones; stopping")
+            break
         if n_total is not None and done + running >= n_total:
             if done >= n_total:
                 break
@@ -177,18 +209,19 @@ def _one_trial(ctx: StudyContext, study: Any, trial: Any, worker: str, budget: f
 
 def _tell_interrupted(ctx: StudyContext, study: Any, trial: Any, tracker: Tracker | None) -> None:
     """A trial stopped by Ctrl-C / SIGTERM: FAIL it (not counted: no ``fail_reason``), queue its
-    configuration again for the next run, and end its MLflow run as KILLED. Best effort: nothing
-    here may hide the interrupt."""
+    configuration again for the next run, ahead of the trials that were waiting behind it, and
+    end its MLflow run as KILLED. Best effort: nothing here may hide the interrupt."""
     from optuna.trial import TrialState
 
     params = dict(trial.params)
     attrs = {"status": "failed", "reason": "interrupted (Ctrl-C or SIGTERM); re-queued"}
     try:
-        seeded = trial.user_attrs.get("seeded")
+        again = _requeue_attrs(study._storage.get_trial(trial._trial_id))  # the frozen trial: its system attrs
         for k, v in attrs.items():
             trial.set_user_attr(k, v)
         study.tell(trial, state=TrialState.FAIL)
-        study.enqueue_trial(params, user_attrs={"seeded": seeded} if seeded else None)
+        study.enqueue_trial(params, user_attrs=again)
+        _keep_queue_order(study)  # it runs first on resuming, as it would have without the stop
         _log(f"[loka-tune] trial {trial.number}: interrupted; marked failed, its configuration re-queued")
         if tracker is not None:
             tracker.log_trial(trial.number, params, config_from_params(ctx.space, params), attrs, "FAIL", ctx,

@@ -17,13 +17,13 @@ from typing import Any
 
 from loka_tune.errors import StudyError
 from loka_tune.tuner.build import _log
-from loka_tune.tuner.results import ATTR_STUDY, TrialRecord, constraint
+from loka_tune.tuner.results import ATTR_BASELINE, ATTR_SPACE, ATTR_STUDY, TrialRecord, constraint
 from loka_tune.tuner.study import StudyConfig, settings_changes, settings_of
 
-__all__ = ["make_storage", "make_sampler", "make_pruner", "open_study", "set_constraint"]
+__all__ = ["make_storage", "make_sampler", "make_pruner", "open_study", "set_constraint", "check_settings"]
 
 CONSTRAINT_NAME = "rel_logloss_minus_budget_pct"
-ATTR_SETTINGS = "loka.settings"  # study user attr: the settings it was created with (StudyConfig.settings)
+ATTR_SETTINGS = "loka.settings"  # study user attr: the settings its baseline and space were made with
 
 
 def _retry_db(fn: Callable[[], Any], tries: int = 8) -> Any:
@@ -105,31 +105,39 @@ def make_pruner(cfg: StudyConfig) -> Any:
                                           n_warmup_steps=cfg.trials.prune_warmup_steps)
 
 
-def make_sampler(cfg: StudyConfig, *, worker_index: int = 0) -> Any:
-    """TPE with the loss constraint, seeded per worker (``study.seed + 7919 x worker_index``)."""
+def make_sampler(cfg: StudyConfig) -> Any:
+    """TPE with the loss constraint, its draws for each trial seeded by ``study.seed`` and the
+    trial's position (:mod:`loka_tune.tuner._sampler`): a resumed study, and every worker of a
+    shared one, draws at each position what one uninterrupted process would."""
     import optuna
+
+    from loka_tune.tuner._sampler import TrialSeededSampler
 
     kw: dict[str, Any] = {}
     if not _has_set_constraint():  # optuna < 5: the sampler reads the constraint through constraints_func
         kw["constraints_func"] = _constraints
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        return optuna.samplers.TPESampler(seed=cfg.study.seed + 7919 * worker_index,
-                                          n_startup_trials=cfg.trials.n_startup_trials,
+
+    def tpe(seed: int) -> Any:
+        return optuna.samplers.TPESampler(seed=seed, n_startup_trials=cfg.trials.n_startup_trials,
                                           multivariate=True, constant_liar=True, **kw)
+
+    return TrialSeededSampler(cfg.study.seed, tpe)
 
 
 ON_CHANGE = ("stop", "fresh", "resume")
 
 
 def open_study(cfg: StudyConfig, storage: Any | None = None, *, study_name: str | None = None,
-               worker_index: int = 0, on_change: str = "stop") -> Any:
+               on_change: str = "stop") -> Any:
     """Create or load the study (TPE with the loss constraint, the study's pruner).
 
-    A stored study remembers its settings (:meth:`StudyConfig.settings`); when the study file's
-    differ, ``on_change`` decides: "stop" raises :class:`StudyError` listing the changes,
-    "resume" goes on with the stored baseline, space and trials (and says so), "fresh" deletes
-    the stored study (trials, baseline, space) and starts over, changed or not.
+    A prepared study remembers the settings its baseline and space were made with
+    (:meth:`StudyConfig.settings`, stored by :func:`~loka_tune.tuner.prepare.prepare_study`); when
+    the study file's differ, ``on_change`` decides: "stop" raises :class:`StudyError` listing the
+    changes, "resume" goes on with the stored baseline, space and trials (and says so), "fresh"
+    deletes the stored study (trials, baseline, space) and starts over, changed or not. A study
+    whose preparation never finished (it failed, or was interrupted) holds nothing made from its
+    settings, so they bind nothing: the next run prepares it with the study file's.
     """
     import optuna
 
@@ -141,23 +149,26 @@ def open_study(cfg: StudyConfig, storage: Any | None = None, *, study_name: str 
     if on_change == "fresh" and name in {s.study_name for s in optuna.get_all_study_summaries(storage)}:
         optuna.delete_study(study_name=name, storage=storage)
         _log(f"[loka-tune] study {name!r}: deleted its stored trials, baseline and space (--fresh)")
-    sampler = make_sampler(cfg, worker_index=worker_index)
+    sampler = make_sampler(cfg)
     study = _retry_db(lambda: optuna.create_study(storage=storage, study_name=name, direction="minimize",
                                                   sampler=sampler, pruner=make_pruner(cfg), load_if_exists=True))
-    _check_settings(study, cfg, on_change)
+    check_settings(study, cfg, on_change)
     return study
 
 
-def _check_settings(study: Any, cfg: StudyConfig, on_change: str) -> None:
-    """Store the study's settings when it has none; compare them with ``cfg``'s otherwise."""
+def check_settings(study: Any, cfg: StudyConfig, on_change: str = "stop") -> None:
+    """Compare the settings a prepared study was made with with ``cfg``'s (see :func:`open_study`);
+    a study with no baseline, space or trial yet has nothing to compare."""
     attrs = study.user_attrs
+    if ATTR_BASELINE not in attrs and ATTR_SPACE not in attrs and not study.get_trials(deepcopy=False):
+        return  # new, or its preparation failed: nothing stored was made from any settings
     stored = attrs.get(ATTR_SETTINGS)
     if stored is None and ATTR_STUDY in attrs:  # a study stored before settings were: its summary has them
         stored = settings_of(attrs[ATTR_STUDY])
     new = cfg.settings()
     changes = [] if stored is None else settings_changes(stored, new)
     if not changes:
-        if ATTR_SETTINGS not in attrs:
+        if attrs.get(ATTR_SETTINGS) is None:  # an older study's: stored from now on
             study.set_user_attr(ATTR_SETTINGS, new)
         return
     shown = "; ".join(changes[:6]) + (f"; and {len(changes) - 6} more" if len(changes) > 6 else "")

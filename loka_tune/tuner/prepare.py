@@ -36,6 +36,7 @@ from loka_tune.space.encode import distributions, mods_dims, params_from_config,
 from loka_tune.space.sites import Site, discover_sites
 from loka_tune.tuner.baseline import Baseline, check_budget, price_baseline, run_baseline
 from loka_tune.tuner.build import _first_batch, _log, make_model, make_source, speed_source
+from loka_tune.tuner.optuna_setup import ATTR_SETTINGS, check_settings
 from loka_tune.tuner.results import ATTR_BASELINE, ATTR_PREPARE_S, ATTR_SPACE, ATTR_STUDY
 from loka_tune.tuner.study import StudyConfig
 
@@ -169,12 +170,19 @@ def _prepared(study: Any) -> bool:
 
 
 def prepare_study(cfg: StudyConfig, study: Any, *, device: str, force: bool = False,
-                  tracker: Any = None) -> StudyContext:
+                  tracker: Any = None, on_change: str = "stop") -> StudyContext:
     """Load the study's baseline and space, computing (and storing) them if this is the first worker.
 
-    A preparation that fails or is interrupted leaves no private ``.prepare-<pid>/`` folder behind."""
+    The baseline, the space and the settings they were made with (``loka.settings``, which later
+    runs are checked against) are stored together at the end, so a preparation that fails or is
+    interrupted (even by ``kill -9``) leaves nothing that binds the next run: after a fix of the
+    study file, ``tune`` simply prepares again. Its reason is kept for ``loka-tune report``
+    (``loka.prepare_failed``) and its private ``.prepare-<pid>/`` folder removed; no MLflow study run
+    was started (``tracker`` attaches the study's run once it is prepared, with its settings).
+    ``on_change``: as :func:`~loka_tune.tuner.optuna_setup.open_study`'s, for a study another
+    worker prepared meanwhile."""
     try:
-        return _prepare(cfg, study, device=device, force=force, tracker=tracker)
+        return _prepare(cfg, study, device=device, force=force, tracker=tracker, on_change=on_change)
     except BaseException as e:
         shutil.rmtree(_private_dir(cfg), ignore_errors=True)
         if not _prepared(study):  # for `loka-tune report`: why there is nothing to show
@@ -192,12 +200,14 @@ def _private_dir(cfg: StudyConfig) -> Path:
 
 
 def _prepare(cfg: StudyConfig, study: Any, *, device: str, force: bool = False,
-             tracker: Any = None) -> StudyContext:
+             tracker: Any = None, on_change: str = "stop") -> StudyContext:
     source = make_source(cfg)
     speed = speed_source(cfg, device)
     batch = _first_batch(source, cfg, max_rows=64)  # shapes per example: a small CPU batch is enough
     if _prepared(study):
         baseline, space = _loaded(cfg, study, force=force)
+        if tracker is not None:
+            tracker.attach_parent(study, cfg)
         return StudyContext(cfg, study, source, baseline, space, device, speed, tracker, batch)
 
     out = cfg.output_dir
@@ -235,18 +245,21 @@ def _prepare(cfg: StudyConfig, study: Any, *, device: str, force: bool = False,
     # store, unless another worker was faster (then use theirs: every worker must share one space)
     if _prepared(study):
         shutil.rmtree(prep, ignore_errors=True)
-        return prepare_study(cfg, study, device=device, force=force, tracker=tracker)
+        check_settings(study, cfg, on_change)  # it was prepared from another study file's settings?
+        return prepare_study(cfg, study, device=device, force=force, tracker=tracker, on_change=on_change)
     for f in prep.iterdir():  # publish the probe files
         os.replace(f, out / f.name)
     prep.rmdir()
     study.set_user_attr(ATTR_SPACE, space.to_dict())
     study.set_user_attr(ATTR_STUDY, cfg.to_dict())
+    study.set_user_attr(ATTR_SETTINGS, cfg.settings())  # what later runs of the study are checked against
     study.set_user_attr(ATTR_BASELINE, baseline.to_dict())
     study.set_user_attr(ATTR_PREPARE_S, time.perf_counter() - t0)  # baselines + probe + space (a receipt's prepare_s)
     ctx = StudyContext(cfg, study, source, baseline, space, device, speed, tracker, batch)
     for label, params in _starts(cfg, space, report):
         study.enqueue_trial(params, user_attrs={"seeded": label}, skip_if_exists=True)
     if tracker is not None:
+        tracker.attach_parent(study, cfg)  # the study's MLflow run, with the settings it was prepared with
         tracker.log_baseline(baseline, space, out / "probe_report.json" if report is not None else None,
                              curves=curves)
     return ctx

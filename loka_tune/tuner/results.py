@@ -197,8 +197,11 @@ def chosen_trial(study: Any, number: int) -> Any:
     trials = study.get_trials(deepcopy=False)
     t = next((t for t in trials if t.number == number), None)
     if t is None:
-        raise StudyError(f"study {study.study_name!r} has no trial {number} (trials 0 to {len(trials) - 1});"
-                         " see `loka-tune report` for their numbers")
+        if not trials:
+            raise StudyError(f"study {study.study_name!r} has no trial {number}: it has no trials yet; run"
+                             " `loka-tune tune` first")
+        raise StudyError(f"study {study.study_name!r} has no trial {number} (trials 0 to"
+                         f" {max(t.number for t in trials)}); see `loka-tune report` for their numbers")
     if t.state.name != "COMPLETE" or not TrialRecord.of(t).config:
         raise StudyError(f"trial {number} of {study.study_name!r} is {t.state.name}, not COMPLETE: only a completed"
                          " trial has measured metrics to export; choose another (`loka-tune report`)")

@@ -347,7 +347,9 @@ class ProbeSection:
 
 @dataclass(frozen=True)
 class TrialsSection:
-    """The trial budget and the pruner."""
+    """The trial budget and the pruner. ``n_trials`` counts distinct configurations evaluated: a
+    trial the sampler gives an already evaluated configuration copies its result (a cache copy,
+    recorded) and does not spend the budget."""
 
     n_trials: int | None = 20
     timeout_s: float | None = None

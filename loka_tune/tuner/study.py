@@ -62,7 +62,7 @@ Layout (every section but ``[model]`` and ``[data]`` is optional)::
     price_first = false          # true: price every candidate's speed first, measure the error of the fast only
 
     [trials]
-    n_trials = 20                # and/or
+    n_trials = 20                # distinct configurations evaluated (cache copies are not counted); and/or
     timeout_s = 600
     pruner = "hopeless"          # "hopeless", "median" or "none"
     n_startup_trials = 8         # random trials before TPE models the results
@@ -279,12 +279,11 @@ def load_study(path: str | Path, *, cwd: Path | None = None) -> StudyConfig:
     """Read and validate a study TOML file (errors name the file and the dotted key)."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"no such study file {str(path)!r}; see studies/quickstart.toml for an example",
-                          key="(file)")
+        raise ConfigError(f"no such study file {str(path)!r}; see studies/quickstart.toml for an example")
     try:
         doc = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{path} is not valid TOML: {e}", key="(file)") from None
+        raise ConfigError(f"not valid TOML: {e}", path=str(path)) from None
     try:
         return parse_study(doc, base_dir=path.resolve().parent, source_path=path.resolve(), cwd=cwd)
     except ConfigError as e:

@@ -115,8 +115,10 @@ class Tracker:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def for_study(cls, cfg: Any, study: Any, *, required: bool = False) -> Tracker | None:
-        """The study's tracker with its parent run (created once, shared through the Optuna study).
+    def for_study(cls, cfg: Any, study: Any, *, required: bool = False, attach: bool = True) -> Tracker | None:
+        """The study's tracker with its parent run (created once, shared through the Optuna study;
+        ``attach=False``: later, by :meth:`attach_parent`, as the loop does once the study is
+        prepared, so that a preparation that fails leaves no run behind).
 
         With ``[tracking] enabled = "auto"`` a missing mlflow gives a warning and None.
         """
@@ -128,7 +130,8 @@ class Tracker:
                 raise
             warnings.warn("mlflow is not installed: this study is not tracked (pip install mlflow)", stacklevel=2)
             return None
-        tr.attach_parent(study, cfg)
+        if attach:
+            tr.attach_parent(study, cfg)
         return tr
 
     def attach_parent(self, study: Any, cfg: Any) -> str:
@@ -239,11 +242,12 @@ class Tracker:
         retry(self.client.set_terminated, rid, status, end_time=max(end_ms, start_ms))
         return rid
 
-    def interrupted(self) -> None:
-        """End the study's run as KILLED (Ctrl-C / SIGTERM); the next run of the study reopens it."""
+    def interrupted(self, status: str = "KILLED") -> None:
+        """End the study's run as KILLED (Ctrl-C / SIGTERM), or ``status`` ("FAILED": an error);
+        the next run of the study reopens it."""
         if self.parent_run_id is not None:
             try:
-                retry(self.client.set_terminated, self.parent_run_id, "KILLED")
+                retry(self.client.set_terminated, self.parent_run_id, status)
             except Exception:  # noqa: BLE001 - never hide the interrupt
                 pass
 
