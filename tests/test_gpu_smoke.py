@@ -1,0 +1,172 @@
+"""GPU smoke suite: every reference model compiles and trains on the GPU, the probe forms its
+report, and one study runs end to end. The first thing every device call runs.
+
+Every test is marked ``gpu`` (skipped without CUDA; on a CPU this whole file shows skipped).
+The code it runs lives in ``tests/gpu_smoke.py``, which ``tests/test_smoke_helpers.py``
+runs on a CPU (a tiny model, eager, emulated FP8), so that CI exercises it too.
+
+- **Models x variants**: DLRM, DCNv2, Wukong and Interformer at the ``large`` preset (the
+  widths where FP8 has work: torchao's tensorwise size filter keeps no Linear of the ``paper``
+  DLRM or Interformer; ``LOKA_SMOKE_PRESET=paper`` runs that one instead; both have the same
+  layers, so the compile time, which dominates, is about the same) x {``bf16``, ``bf16_mods``
+  (No Bias, BlockNorm 256, Hard Swish), ``fp8_tensorwise`` (the Mods and tensorwise e4m3
+  ``torch_scaled_mm`` on torchao's tensorwise-filter sites: ``benchmarks/e2e.py``'s
+  ``scaled_mm_tensorwise_filter``), ``dispatch`` (the Mods and the Dispatch plan from the probe
+  report, priced by the cost model at 65,536 rows)}: each compiled under ``strict_compile`` (a
+  graph break, an eager fallback or a recompile-limit hit fails it), 20 training steps at
+  batch 1,024 (26 sparse features; Interformer with 16-event sequences) through the real
+  trainer; finite losses, and the mean of the last 5 steps below the mean of the first 5.
+- **Probe**: per model, the probe attached to the bf16 baseline as a study attaches it (an
+  eager run with ``Probe(step_on="manual")``, even in a compiled regime), 8 steps with 2
+  collections, measured (2 draws, bf16 / tensorwise / rowwise ``torch_scaled_mm``); its
+  report covers every probed site (or names it unprobed), saves and loads back.
+- **Study**: ``loka-tune tune studies/gpu_smoke.toml --device cuda`` (compiled regime, measured
+  speed: 2 bf16 baselines with the probe, 2 trials, the confirmation) then ``export``; the
+  exported config says it was confirmed in the compiled regime on 2 seeds.
+
+Time on one H200 (an estimate, to be replaced by the measured one in BENCHMARKS.md): cold
+compiles dominate, ~10-40 s per model variant (Interformer the longest), so ~4 x 4 compiled
+variants ~ 5-6 min, the four probes ~30 s, the study ~1.5 min: ~7 min run serially, ~3 min with
+``pytest -n 4 --dist loadscope`` (pytest-xdist is on the H200 image; one class per model, so
+a model's probe is computed once on its worker, and the longest classes come first). The
+device script ``benchmarks/gpu_smoke_h200.sh`` runs it that way and prints the summary.
+
+Output: each test prints one ``[smoke] ...`` line (model, variant, graphs, FP8 GEMMs, first
+and last losses, ms per step, seconds) straight to the terminal, records it as a JUnit
+property, and appends it to ``$LOKA_SMOKE_LOG`` (JSON lines) when that is set;
+``python tests/gpu_smoke.py $LOKA_SMOKE_LOG`` prints the table.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+from gpu_smoke import VARIANTS, case_for, make_source, probe_report, record, report_problem, run_variant
+
+pytestmark = pytest.mark.gpu
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _say(capsys: pytest.CaptureFixture[str], record_property: Callable[[str, Any], None], line: str) -> None:
+    with capsys.disabled():
+        print("\n" + line, flush=True)
+    record_property("smoke", line)
+
+
+class _ModelSmoke:
+    """One model: its probe report, then each variant compiled and trained (see the module docstring)."""
+
+    model = ""
+
+    @pytest.fixture(scope="class")
+    def setup(self) -> tuple[Any, Any]:
+        case = case_for(self.model)
+        return case, make_source(case)
+
+    @pytest.fixture(scope="class")
+    def probed(self, setup: tuple[Any, Any], tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any, dict, Path]:
+        case, source = setup
+        out = tmp_path_factory.mktemp(f"probe_{self.model}") / "probe_report.json"
+        report, stats, info = probe_report(case, source, out=out)
+        return report, stats, info, out
+
+    def test_probe_report_is_formed(self, setup: tuple[Any, Any], probed: tuple[Any, Any, dict, Path],
+                                    capsys: pytest.CaptureFixture[str],
+                                    record_property: Callable[[str, Any], None]) -> None:
+        from loka_tune.probe import ProbeReport
+
+        case, _ = setup
+        report, stats, info, out = probed
+        problem = report_problem(report, stats)
+        if problem is None and info["status"] != "ok":
+            problem = f"the probed baseline run ended {info['status']!r}"
+        if problem is None and len(ProbeReport.load(out).results) != len(report.results):
+            problem = "the saved report does not load back whole"
+        entry = {"what": f"probe {case.model}/{case.preset}", **info, "problem": problem}
+        record(entry)
+        _say(capsys, record_property, f"[smoke] probe {case.model}/{case.preset}: {info}"
+             + ("" if problem is None else f" FAIL: {problem}"))
+        assert problem is None, problem
+
+    @pytest.mark.parametrize("variant", VARIANTS)
+    def test_variant_compiles_and_trains(self, variant: str, setup: tuple[Any, Any], request: pytest.FixtureRequest,
+                                         capsys: pytest.CaptureFixture[str],
+                                         record_property: Callable[[str, Any], None]) -> None:
+        case, source = setup
+        report = request.getfixturevalue("probed")[0] if variant == "dispatch" else None
+        result = run_variant(case, variant, source, report)
+        record(result.to_dict())
+        _say(capsys, record_property, result.line())
+        assert result.problem is None, result.line()
+        if variant == "fp8_tensorwise":
+            assert result.fp8_gemms > 0, f"no FP8 GEMM on torchao's filter sites at the {case.preset} preset"
+
+
+# the longest first: pytest-xdist's loadscope hands classes to free workers in this order
+class TestInterformer(_ModelSmoke):
+    model = "interformer"
+
+
+class TestStudy:
+    """``loka-tune tune`` of studies/gpu_smoke.toml on the GPU, then ``export``."""
+
+    def test_tune_confirm_export(self, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                 record_property: Callable[[str, Any], None]) -> None:
+        import optuna
+
+        from loka_tune.cli import main
+        from loka_tune.tuner.study import load_study
+
+        study_file = REPO / "studies" / "gpu_smoke.toml"
+        out_dir = tmp_path / "gpu_smoke"
+        t0 = time.perf_counter()
+        rc = main(["tune", str(study_file), "--device", "cuda", "--no-tracking", "--out-dir", str(out_dir)])
+        tune_s = time.perf_counter() - t0
+        storage = load_study(study_file).with_output_dir(out_dir).storage.url
+        best = tmp_path / "best.json"
+        rc_export = main(["export", "gpu_smoke", "--storage", storage, "--out", str(best)]) if rc == 0 else None
+        problems = []
+        if rc != 0:
+            problems.append(f"tune exited {rc}")
+        elif rc_export != 0:
+            problems.append(f"export exited {rc_export}")
+        prov: dict[str, Any] = {}
+        trials: list[Any] = []
+        if not problems:
+            prov = json.loads(best.read_text())["provenance"]
+            study = optuna.load_study(study_name="gpu_smoke", storage=storage)
+            trials = [t for t in study.trials if t.state.name in ("COMPLETE", "PRUNED")]
+            if len(trials) != 2:
+                problems.append(f"{len(trials)} trials finished, 2 expected")
+            if prov.get("speed_source") != "measured":
+                problems.append(f"the export's speed_source is {prov.get('speed_source')!r}, not 'measured'")
+            if not (prov.get("confirmed_regime") or {}).get("compile"):
+                problems.append(f"the export was not confirmed in the compiled regime: {prov.get('confirmed_regime')}")
+            if len(prov.get("confirmed_seeds") or []) < 2:
+                problems.append(f"confirmed on seeds {prov.get('confirmed_seeds')}, 2 expected")
+            if not (out_dir / "probe_report.json").is_file():
+                problems.append("the study wrote no probe_report.json")
+        problem = "; ".join(problems) or None
+        entry = {"what": "study gpu_smoke", "tune_s": round(tune_s, 1), "trials": len(trials),
+                 "confirmed": prov.get("confirmed"), "speedup": prov.get("confirmed_speedup"),
+                 "rel_logloss_pct": prov.get("confirmed_rel_logloss_pct"), "problem": problem}
+        record(entry)
+        _say(capsys, record_property, f"[smoke] study gpu_smoke: {entry}")
+        assert problem is None, problem
+
+
+class TestWukong(_ModelSmoke):
+    model = "wukong"
+
+
+class TestDCNv2(_ModelSmoke):
+    model = "dcnv2"
+
+
+class TestDLRM(_ModelSmoke):
+    model = "dlrm"
