@@ -47,7 +47,7 @@ from loka_tune.objectives.compiled import strict_compile
 from loka_tune.objectives.trainer import TrainConfig, train
 
 __all__ = ["VARIANTS", "MODELS", "ALL_MODS", "COST_ROWS", "SmokeCase", "SmokeResult", "make_source", "make_model",
-           "variant_config", "probe_report", "run_variant", "learning_problem", "report_problem", "record", "summary", "case_for"]
+           "variant_config", "probe_report", "run_variant", "learning_problem", "report_problem", "modeled_report", "record", "summary", "case_for"]
 
 MODELS = ("dlrm", "dcnv2", "wukong", "interformer")
 VARIANTS = ("bf16", "bf16_mods", "fp8_tensorwise", "dispatch")
@@ -192,6 +192,35 @@ def probe_report(case: SmokeCase, source: SyntheticCTR, out: Path | None = None)
             "results": len(report.results), "collect_s": round(t1 - t0, 2),
             "measure_s": round(time.perf_counter() - t1, 2)}
     return report, stats, info
+
+
+def modeled_report(case: SmokeCase, source: SyntheticCTR) -> list[dict[str, Any]]:
+    """Dispatch records from the cost model alone (``benchmarks/modeled_plan.py``'s rule: errors
+    not consulted, every e4m3 candidate counted safe), for each site of a fresh model at
+    :data:`COST_ROWS` rows: the Dispatch plan's input when the probe could not form its report,
+    so that the plan's compile and training are still checked."""
+    from loka_tune.config import ROLES
+    from loka_tune.data.base import model_inputs
+    from loka_tune.errors import UnsupportedChoiceError
+    from loka_tune.kernels.costmodel import modeled_speedup
+    from loka_tune.space.sites import discover_sites
+
+    model = make_model(case, source)
+    batch = next(iter(source.batches("train", 64, seed=0, device=case.device)))
+    records = []
+    for site in discover_sites(model, *model_inputs(model, batch)):
+        for role in ROLES:
+            m, k, n = site.shape(role, COST_ROWS)
+            for cid in case.candidates:
+                if cid == "bf16":
+                    continue
+                try:
+                    sp = modeled_speedup(cid, m, k, n, role, "h200")
+                except UnsupportedChoiceError:
+                    continue
+                records.append({"site": site.name, "role": role.value, "choice": cid, "m": m, "k": k, "n": n,
+                                "mere": 0.0, "speedup": sp, "time_source": "modeled"})
+    return records
 
 
 def report_problem(report: Any, stats: Any) -> str | None:

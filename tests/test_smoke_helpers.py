@@ -18,6 +18,7 @@ from gpu_smoke import (
     learning_problem,
     make_model,
     make_source,
+    modeled_report,
     probe_report,
     record,
     report_problem,
@@ -60,6 +61,10 @@ def test_the_smoke_helpers_run_a_tiny_model_on_the_cpu(tmp_path: Path, monkeypat
     plan = variant_config(CPU_CASE, "dispatch", make_model(CPU_CASE, source), report)
     assert plan.provenance["source"] == "loka-tune dispatch" and plan.mods == CPU_CASE.mods
     assert plan.provenance["fp8_gemms"] == results["dispatch"].fp8_gemms
+    modeled = modeled_report(CPU_CASE, source)  # the plan's input when the probe fails
+    assert {r["site"] for r in modeled} == set(stats.sites) and all(r["mere"] == 0.0 for r in modeled)
+    fallback = run_variant(CPU_CASE, "dispatch", source, modeled)
+    assert fallback.problem is None, fallback.line()
     assert "dlrm/tiny fp8_tensorwise" in results["fp8_tensorwise"].line() and " ok" in results["bf16"].line()
     rows = [json.loads(x) for x in log.read_text().splitlines()]
     assert len(rows) == 1 + len(VARIANTS)
