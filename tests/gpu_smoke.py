@@ -114,13 +114,14 @@ class SmokeResult:
         verdict = "ok" if self.problem is None else f"FAIL: {self.problem}"
         return (f"[smoke] {c.model}/{c.preset} {self.variant:<14} {'compiled' if c.compile else 'eager'}"
                 f"{graphs} fp8 {self.fp8_gemms}/{self.gemms} GEMMs, {len(self.losses)} steps loss"
-                f" {head:.4f} -> {tail:.4f}, {self.step_ms:.1f} ms/step, {self.wall_s:.1f} s {verdict}"
+                f" {head:.4f} -> {tail:.4f} (step 0: {self.losses[0] if self.losses else math.nan:.4f}),"
+                f" {self.step_ms:.1f} ms/step, {self.wall_s:.1f} s {verdict}"
                 + (f" ({self.notes})" if self.notes else ""))
 
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.case.model, "preset": self.case.preset, "variant": self.variant,
                 "compile": self.case.compile, "status": self.status, "steps": len(self.losses),
-                "loss_first": self.losses[:HEAD], "loss_last": self.losses[-HEAD:], "wall_s": round(self.wall_s, 2),
+                "loss_step0": self.losses[0] if self.losses else None, "loss_first": self.losses[:HEAD], "loss_last": self.losses[-HEAD:], "wall_s": round(self.wall_s, 2),
                 "step_ms": round(self.step_ms, 3), "fp8_gemms": self.fp8_gemms, "gemms": self.gemms,
                 "graphs": self.dynamo.get("unique_graphs"), "problem": self.problem, "notes": self.notes}
 
@@ -239,7 +240,9 @@ def report_problem(report: Any, stats: Any) -> str | None:
 def learning_problem(losses: tuple[float, ...], steps: int, status: str) -> str | None:
     """Why a run's loss curve fails the smoke: not finished, non-finite, or not decreasing
     (the mean of the last :data:`HEAD` steps must be below the mean of the first ones: one
-    step's noise at these batch sizes is ~1% of the loss, the first steps' fall is more)."""
+    step's noise at these batch sizes is ~1% of the loss, the first steps' fall is more). It says
+    the run trains, not that it learns: a curve that spikes early and settles back at its
+    step-0 loss passes (the summary line shows step 0 beside the two means)."""
     if status != "ok":
         return f"status {status!r}"
     if len(losses) != steps:
@@ -292,7 +295,8 @@ def summary(path: str | Path) -> str:
             first, last = r.get("loss_first") or [math.nan], r.get("loss_last") or [math.nan]
             out.append(f"{r['model']:<12} {r['preset']:<6} {r['variant']:<14} graphs {r.get('graphs')!s:<4}"
                        f" fp8 {r['fp8_gemms']:>3}/{r['gemms']:<3} loss {statistics.fmean(first):.4f} ->"
-                       f" {statistics.fmean(last):.4f} {r['step_ms']:8.2f} ms/step {r['wall_s']:7.1f} s  {ok}")
+                       f" {statistics.fmean(last):.4f} (step 0 {r.get('loss_step0') or math.nan:.4f})"
+                       f" {r['step_ms']:8.2f} ms/step {r['wall_s']:7.1f} s  {ok}")
         else:
             out.append(f"{r.get('what', '?'):<34} " + ", ".join(f"{k} {v}" for k, v in r.items() if k != "what"))
     bad = sum(1 for r in rows if r.get("problem"))
