@@ -47,7 +47,7 @@ from loka_tune.objectives.compiled import strict_compile
 from loka_tune.objectives.trainer import TrainConfig, train
 
 __all__ = ["VARIANTS", "MODELS", "ALL_MODS", "COST_ROWS", "SmokeCase", "SmokeResult", "make_source", "make_model",
-           "variant_config", "probe_report", "run_variant", "learning_problem", "report_problem", "modeled_report", "record", "summary", "case_for"]
+           "variant_config", "probe_report", "run_variant", "learning_problem", "report_problem", "modeled_report", "record", "summary", "case_for", "run_study"]
 
 MODELS = ("dlrm", "dcnv2", "wukong", "interformer")
 VARIANTS = ("bf16", "bf16_mods", "fp8_tensorwise", "dispatch")
@@ -275,6 +275,52 @@ def run_variant(case: SmokeCase, variant: str, source: SyntheticCTR, report: Any
     losses = tuple(float(x) for x in res.step_losses)
     return SmokeResult(case, variant, res.status, losses, wall, 1e3 * float(res.step_time_s), fp8, gemms,
                        dict(dynamo), learning_problem(losses, tcfg.steps, res.status), notes)
+
+
+def run_study(study_file: Path, out_dir: Path, device: str) -> dict[str, Any]:
+    """``loka-tune tune STUDY --device DEVICE --out-dir OUT`` then ``loka-tune export`` of it (the
+    CLI, in this process), checked: 0 exit statuses, the trials of ``[trials] n_trials``
+    finished, a ``probe_report.json``, an export confirmed on 2+ seeds, in the study's regime
+    (compiled on CUDA: ``[regime] compile = "auto"``) and with the study's speed source. Returns
+    the summary entry (``problem``: None when all of that holds)."""
+    import optuna
+
+    from loka_tune.cli import main
+    from loka_tune.tuner.study import load_study
+
+    cfg = load_study(study_file).with_output_dir(out_dir)
+    t0 = time.perf_counter()
+    rc = main(["tune", str(study_file), "--device", device, "--no-tracking", "--out-dir", str(out_dir)])
+    tune_s = time.perf_counter() - t0
+    best = out_dir / "best.json"
+    rc_export = main(["export", cfg.name, "--storage", cfg.storage.url, "--out", str(best)]) if rc == 0 else None
+    problems: list[str] = []
+    prov: dict[str, Any] = {}
+    finished = 0
+    if rc != 0:
+        problems.append(f"tune exited {rc}")
+    elif rc_export != 0:
+        problems.append(f"export exited {rc_export}")
+    else:
+        prov = json.loads(best.read_text())["provenance"]
+        study = optuna.load_study(study_name=cfg.name, storage=cfg.storage.url)
+        finished = sum(1 for t in study.trials if t.state.name in ("COMPLETE", "PRUNED"))
+        if finished != cfg.trials.n_trials:
+            problems.append(f"{finished} trials finished, {cfg.trials.n_trials} expected")
+        speed = "measured" if cfg.objective.speed == "auto" and device.startswith("cuda") else cfg.objective.speed
+        if cfg.objective.speed != "auto" and prov.get("speed_source") != speed:
+            problems.append(f"the export's speed_source is {prov.get('speed_source')!r}, not {speed!r}")
+        compiled = cfg.regime.compiled(device)
+        if (prov.get("confirmed_regime") or {}).get("compile") != compiled:
+            problems.append(f"the export was not confirmed {'compiled' if compiled else 'eager'}:"
+                            f" {prov.get('confirmed_regime')}")
+        if len(prov.get("confirmed_seeds") or []) < 2:
+            problems.append(f"confirmed on seeds {prov.get('confirmed_seeds')}, 2 or more expected")
+        if not (out_dir / "probe_report.json").is_file():
+            problems.append("the study wrote no probe_report.json")
+    return {"what": f"study {cfg.name}", "device": device, "tune_s": round(tune_s, 1), "trials": finished,
+            "confirmed": prov.get("confirmed"), "speedup": prov.get("confirmed_speedup"),
+            "rel_logloss_pct": prov.get("confirmed_rel_logloss_pct"), "problem": "; ".join(problems) or None}
 
 
 def record(entry: dict[str, Any]) -> None:

@@ -41,8 +41,6 @@ property, and appends it to ``$LOKA_SMOKE_LOG`` (JSON lines) when that is set;
 
 from __future__ import annotations
 
-import json
-import time
 import traceback
 from pathlib import Path
 from typing import Any, Callable
@@ -56,6 +54,7 @@ from gpu_smoke import (
     probe_report,
     record,
     report_problem,
+    run_study,
     run_variant,
 )
 
@@ -144,47 +143,10 @@ class TestStudy:
 
     def test_tune_confirm_export(self, tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                  record_property: Callable[[str, Any], None]) -> None:
-        import optuna
-
-        from loka_tune.cli import main
-        from loka_tune.tuner.study import load_study
-
-        study_file = REPO / "studies" / "gpu_smoke.toml"
-        out_dir = tmp_path / "gpu_smoke"
-        t0 = time.perf_counter()
-        rc = main(["tune", str(study_file), "--device", "cuda", "--no-tracking", "--out-dir", str(out_dir)])
-        tune_s = time.perf_counter() - t0
-        storage = load_study(study_file).with_output_dir(out_dir).storage.url
-        best = tmp_path / "best.json"
-        rc_export = main(["export", "gpu_smoke", "--storage", storage, "--out", str(best)]) if rc == 0 else None
-        problems = []
-        if rc != 0:
-            problems.append(f"tune exited {rc}")
-        elif rc_export != 0:
-            problems.append(f"export exited {rc_export}")
-        prov: dict[str, Any] = {}
-        trials: list[Any] = []
-        if not problems:
-            prov = json.loads(best.read_text())["provenance"]
-            study = optuna.load_study(study_name="gpu_smoke", storage=storage)
-            trials = [t for t in study.trials if t.state.name in ("COMPLETE", "PRUNED")]
-            if len(trials) != 2:
-                problems.append(f"{len(trials)} trials finished, 2 expected")
-            if prov.get("speed_source") != "measured":
-                problems.append(f"the export's speed_source is {prov.get('speed_source')!r}, not 'measured'")
-            if not (prov.get("confirmed_regime") or {}).get("compile"):
-                problems.append(f"the export was not confirmed in the compiled regime: {prov.get('confirmed_regime')}")
-            if len(prov.get("confirmed_seeds") or []) < 2:
-                problems.append(f"confirmed on seeds {prov.get('confirmed_seeds')}, 2 expected")
-            if not (out_dir / "probe_report.json").is_file():
-                problems.append("the study wrote no probe_report.json")
-        problem = "; ".join(problems) or None
-        entry = {"what": "study gpu_smoke", "tune_s": round(tune_s, 1), "trials": len(trials),
-                 "confirmed": prov.get("confirmed"), "speedup": prov.get("confirmed_speedup"),
-                 "rel_logloss_pct": prov.get("confirmed_rel_logloss_pct"), "problem": problem}
+        entry = run_study(REPO / "studies" / "gpu_smoke.toml", tmp_path / "gpu_smoke", "cuda")
         record(entry)
         _say(capsys, record_property, f"[smoke] study gpu_smoke: {entry}")
-        assert problem is None, problem
+        assert entry["problem"] is None, entry["problem"]
 
 
 class TestWukong(_ModelSmoke):

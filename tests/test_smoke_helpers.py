@@ -22,6 +22,7 @@ from gpu_smoke import (
     probe_report,
     record,
     report_problem,
+    run_study,
     run_variant,
     summary,
     variant_config,
@@ -98,3 +99,25 @@ def test_the_gpu_smoke_study_file_is_the_tiny_compiled_measured_study() -> None:
     cfg = load_study(REPO / "studies" / "gpu_smoke.toml")
     assert cfg.training.device == "cuda" and cfg.regime.compiled("cuda") and cfg.objective.speed == "measured"
     assert cfg.trials.n_trials == 2 and cfg.confirm.enabled and len(cfg.training.seeds) == 2
+
+
+def _cpu_study(tmp_path: Path) -> Path:
+    """studies/gpu_smoke.toml for a CPU: emulated FP8, eager, smaller and shorter (the same tables)."""
+    text = (REPO / "studies" / "gpu_smoke.toml").read_text()
+    for old, new in (('device = "cuda"', 'device = "cpu"'), ('backends = ["torch_scaled_mm"]', 'backends = ["emulated"]'),
+                     ("top_mlp = [1024, 1024]", "top_mlp = [64]"), ("bottom_mlp = [256]", "bottom_mlp = [32]"),
+                     ("batch_size = 1024", "batch_size = 64"), ("steps = 30", "steps = 8"), ("window = 10", "window = 4"),
+                     ("warmup_steps = 5", "warmup_steps = 1"), ("every = 10", "every = 4"),
+                     ("eval_examples = 8192", "eval_examples = 256"), ('speed = "measured"', 'speed = "modeled"')):
+        assert text.count(old) == 1, f"studies/gpu_smoke.toml has no single {old!r} line any more: update this test"
+        text = text.replace(old, new)
+    path = tmp_path / "gpu_smoke.toml"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.slow
+def test_run_study_tunes_confirms_and_exports_the_smoke_study_on_the_cpu(tmp_path: Path) -> None:
+    entry = run_study(_cpu_study(tmp_path), tmp_path / "out", "cpu")
+    assert entry["problem"] is None, entry
+    assert entry["trials"] == 2 and entry["confirmed"] is not None
