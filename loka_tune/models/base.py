@@ -236,10 +236,11 @@ class EmbeddingTables(nn.Module):
         ``ids`` (B, L) index feature ``feature``'s table and must already be checked (in
         ``[0, cardinalities[feature])``) by the caller, whose error can say what they are (a
         behaviour sequence, say). Two lookups of the table would give autograd two sparse
-        gradients to add (``aten.add`` of two COO tensors), which inductor cannot compile (a
-        wrong-stride assert on its fake sparse add), and hand the optimizer one gradient with
-        both sets of rows anyway; one gather of the concatenated ids gives the same outputs
-        and one sparse gradient (the same rows and, coalesced, the same sums).
+        gradients to add (``aten.add`` of two COO tensors), which inductor lowers as a dense
+        op: its generated code asserts dense strides on the sparse sum ("expected size
+        381520==381520, stride 0==256 ... aten.add.Tensor" on the H200); one gather of the
+        concatenated ids gives the same outputs and one sparse gradient (the same rows and,
+        coalesced, the same sums), which the optimizer updates in one pass.
         """
         self._check_ids(sparse)
         n = sparse.shape[1]

@@ -12,9 +12,9 @@ instead of falling back, and afterwards checks dynamo's counters: a graph break,
 compiled at all, raises :class:`CompileHealthError`. The counters it read are in the report
 it yields, for the run's JSON.
 
-:func:`allow_sparse_gradients` works around an inductor bug that the sparse embedding
-gradients of every reference model run into (:class:`~loka_tune.objectives.step.TrainStep`
-calls it before compiling): see its docstring.
+:func:`allow_sparse_gradients` works around an inductor bug that a sparse embedding gradient
+can run into (:class:`~loka_tune.objectives.step.TrainStep` calls it before compiling): see
+its docstring.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ def allow_sparse_gradients() -> bool:
     the old one's (``torch._inductor.fx_utils.get_storage``); a sparse COO tensor has no
     storage, so a sparse gradient downstream of any re-inplaced op fails the compile with
     ``NotImplementedError: Cannot access storage of SparseTensorImpl`` (torch 2.13 on the
-    Interformer's backward; pytorch/pytorch#170761, open). Small graphs (DLRM's) happen to
-    escape it. The patch answers, for a tensor without storage, an identity of its own: "not
+    Interformer's backward; pytorch/pytorch#170761, open); a graph without a re-inplaced op
+    before its sparse gradient (the tiny DLRM's, Wukong's) escapes it. The patch answers, for a tensor without storage, an identity of its own: "not
     the same storage", so the updater takes the recomputed fake tensor (always correct, only
     conservative). Applied only when this torch still fails on a sparse tensor; idempotent.
     """
