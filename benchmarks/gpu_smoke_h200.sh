@@ -9,8 +9,8 @@
 # from the repo root. Writes into $OUT: env.txt, gpu_smoke.log (pytest's output), gpu_smoke.xml
 # (JUnit), gpu_smoke.jsonl (one JSON line per model variant, probe and study) and
 # gpu_smoke_summary.txt (their table, also printed last). Exit status: pytest's.
-# Settings (environment): SMOKE_WORKERS (4: pytest-xdist workers, one class per model on each,
-# --dist loadscope; 0 runs serially), SMOKE_TIMEOUT (480 s for the whole pytest run),
+# Settings (environment): SMOKE_WORKERS (6 pytest-xdist workers, --dist load: each test goes to a
+# free worker, the longest come first; 0 runs serially), SMOKE_TIMEOUT (480 s for the whole run),
 # TEST_TIMEOUT (300 s per test, where pytest-timeout is installed), LOKA_SMOKE_PRESET (large).
 set -uo pipefail
 out=${1:?usage: gpu_smoke_h200.sh OUT [TEST ...]}
@@ -37,9 +37,9 @@ fi
 export LOKA_SMOKE_LOG="$out/gpu_smoke.jsonl"
 : > "$LOKA_SMOKE_LOG"
 args=(-q -m gpu -p no:cacheprovider -rfEs --junitxml "$out/gpu_smoke.xml")
-workers=${SMOKE_WORKERS:-4}
+workers=${SMOKE_WORKERS:-6}
 if [ "$workers" -gt 0 ] && python3 -c "import xdist" 2>/dev/null; then
-  args+=(-n "$workers" --dist loadscope)
+  args+=(-n "$workers" --dist load)
 fi
 if python3 -c "import pytest_timeout" 2>/dev/null; then
   args+=(--timeout "${TEST_TIMEOUT:-300}")

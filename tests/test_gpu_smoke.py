@@ -27,11 +27,13 @@ runs on a CPU (a tiny model, eager, emulated FP8), so that CI exercises it too.
   exported config says it was confirmed in the compiled regime on 2 seeds.
 
 Time on one H200 (an estimate, to be replaced by the measured one in BENCHMARKS.md): cold
-compiles dominate, ~10-40 s per model variant (Interformer the longest), so ~4 x 4 compiled
-variants ~ 5-6 min, the four probes ~30 s, the study ~1.5 min: ~7 min run serially, ~3 min with
-``pytest -n 4 --dist loadscope`` (pytest-xdist is on the H200 image; one class per model, so
-a model's probe is computed once on its worker, and the longest classes come first). The
-device script ``benchmarks/gpu_smoke_h200.sh`` runs it that way and prints the summary.
+compiles dominate, ~10-60 s per model variant (Interformer's the longest: 3 interleaved layers
+of attention, PFFN and interaction), so the 16 compiled variants take ~6-10 min of one
+process, the four probes ~1-2 min, the study ~1.5 min: ~8-13 min serially, ~2-4 min with
+``pytest -n 6 --dist load`` (pytest-xdist is on the H200 image; 16 cores, one GPU shared: each
+test goes to a free worker, the longest classes are first in the file; a model's probe is then
+computed on up to two workers, its own test's and its Dispatch variant's). The device script
+``benchmarks/gpu_smoke_h200.sh`` runs it that way and prints the summary.
 
 Output: each test prints one ``[smoke] ...`` line (model, variant, graphs, FP8 GEMMs, first
 and last losses, ms per step, seconds) straight to the terminal, records it as a JUnit
@@ -133,7 +135,7 @@ class _ModelSmoke:
             assert result.fp8_gemms > 0, f"no FP8 GEMM on torchao's filter sites at the {case.preset} preset"
 
 
-# the longest first: pytest-xdist's loadscope hands classes to free workers in this order
+# the longest first: pytest-xdist hands the tests to free workers in this order
 class TestInterformer(_ModelSmoke):
     model = "interformer"
 
