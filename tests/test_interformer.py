@@ -75,6 +75,32 @@ def test_empty_arm_is_the_same_with_no_all_masked_or_empty_sequences():
     torch.testing.assert_close(masked, none, rtol=0, atol=1e-12)
 
 
+def test_one_gather_gives_what_two_lookups_gave():
+    """The features and the events come from one gather of the shared table (what lets inductor
+    compile the backward, see EmbeddingTables.lookup_with): the model's outputs are those of the
+    former two lookups, bit for bit, and its one sparse gradient coalesces to their sum."""
+    model = _model().double()
+    dense, sparse, seq, mask = _inputs(8, 5)
+    fused = model(dense.double(), sparse, seq, mask)
+    fused.sum().backward()
+    one = model.embeddings.table.weight.grad
+    n, L = sparse.shape[1], seq.shape[1]
+    assert one.is_sparse and one._nnz() == 8 * (n + L)  # one gradient: the features' and the events' slices
+    model.zero_grad(set_to_none=True)
+    emb = model.embeddings
+
+    def two_lookups(sp: torch.Tensor, feature: int, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return emb(sp), emb.table(ids + emb.starts[feature])  # the former code: two sparse gradients
+
+    emb.lookup_with = two_lookups  # type: ignore[method-assign]
+    ref = model(dense.double(), sparse, seq, mask)
+    ref.sum().backward()
+    assert torch.equal(fused, ref)
+    two, one = model.embeddings.table.weight.grad.coalesce(), one.coalesce()
+    assert torch.equal(one.indices(), two.indices())
+    torch.testing.assert_close(one.values(), two.values(), rtol=1e-12, atol=1e-14)
+
+
 def test_deterministic_init_and_forward():
     a, b = _model(), _model()
     inputs = _inputs(4, 5)

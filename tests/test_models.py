@@ -25,6 +25,7 @@ from loka_tune.models import (
 from loka_tune.models.base import EmbeddingTables
 from loka_tune.models.dcnv2 import CrossLayer
 from loka_tune.models.wukong import FactorizationMachineBlock, LinearCompressBlock
+from loka_tune.objectives.compiled import strict_compile
 
 NUM_DENSE = 5  # a handful of dense features
 CARDS = [7, 11, 13, 17]  # four small tables of different sizes
@@ -485,6 +486,33 @@ def test_embedding_tables_one_sparse_gradient_equal_to_the_per_feature_ones():
         torch.testing.assert_close(dense[new.starts[f] : new.starts[f + 1]], t.weight.grad.to_dense())
 
 
+def test_embedding_tables_lookup_with_is_one_gather_equal_to_two_lookups():
+    """lookup_with: the features' rows and another id tensor's rows of feature f's table in ONE
+    gather; the same values as two lookups, and one sparse gradient whose coalesced sums are
+    the two lookups' (float64: only the order of the sums may differ)."""
+    cards = [5, 7, 3]
+    torch.manual_seed(0)
+    new = EmbeddingTables(cards, 4).double()
+    _, sparse = _inputs(16, cards=cards)
+    ids = torch.randint(0, cards[1], (16, 6), generator=torch.Generator().manual_seed(2))  # feature 1's ids
+    dx, ds = torch.randn(16, 3, 4, dtype=torch.float64), torch.randn(16, 6, 4, dtype=torch.float64)
+    x, s = new.lookup_with(sparse, 1, ids)
+    assert x.shape == (16, 3, 4) and s.shape == (16, 6, 4)
+    (x * dx).sum().add((s * ds).sum()).backward()
+    one = new.table.weight.grad
+    assert one.is_sparse and one._nnz() == 16 * (3 + 6)  # one gradient: every lookup's slice, uncoalesced
+    new.table.weight.grad = None
+    x2, s2 = new(sparse), new.table(ids + new.starts[1])  # the two lookups it replaces
+    assert torch.equal(x, x2) and torch.equal(s, s2)
+    (x2 * dx).sum().add((s2 * ds).sum()).backward()
+    two = new.table.weight.grad.coalesce()
+    one = one.coalesce()
+    assert torch.equal(one.indices(), two.indices())
+    torch.testing.assert_close(one.values(), two.values(), rtol=1e-12, atol=1e-14)
+    with pytest.raises(DataError, match="sparse feature 2 has id 3"):  # the features' ids are still checked
+        new.lookup_with(torch.tensor([[0, 0, 3]]), 1, ids[:1])
+
+
 def test_embedding_tables_refuse_ids_outside_their_table():
     new = EmbeddingTables([5, 7], 4)
     with pytest.raises(DataError, match=r"sparse feature 0 has id 5 at row 1, outside its table of 5 rows"):
@@ -516,3 +544,43 @@ def test_compiled_model_gives_sparse_embedding_gradients():
     ref.load_state_dict(model.state_dict())
     ref(dense, sparse).sum().backward()
     torch.testing.assert_close(g.to_dense(), ref.embeddings.table.weight.grad.to_dense(), rtol=1e-4, atol=1e-6)
+
+
+class _Lookup(torch.nn.Module):
+    """The Interformer's pattern in small: one gather of features and events, then slices of the
+    events (the recent tokens), whose backward inductor re-inplaces before the sparse gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = EmbeddingTables([7, 5, 9], 4)
+
+    def forward(self, sparse: torch.Tensor, seq: torch.Tensor) -> torch.Tensor:
+        x, s = self.emb.lookup_with(sparse, 0, seq)
+        return x.sum() + s[:, -2:].pow(2).sum()
+
+
+@pytest.mark.slow
+def test_inductor_compiles_a_sparse_embedding_gradient_behind_reinplaced_ops() -> None:
+    """allow_sparse_gradients (which TrainStep applies before compiling): without it torch 2.13's
+    inductor fails this backward with "Cannot access storage of SparseTensorImpl"."""
+    from torch._inductor import fx_utils
+
+    from loka_tune.objectives.compiled import allow_sparse_gradients
+    from loka_tune.objectives.step import TrainStep
+
+    TrainStep(torch.nn.Linear(2, 1), [], device=torch.device("cpu"), dtype=None, compile=True)  # applies it
+    sp = torch.sparse_coo_tensor(torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, 2), (3, 2),
+                                 check_invariants=True)
+    assert isinstance(fx_utils.get_storage(sp), int)  # a storage-less tensor has an identity now
+    allow_sparse_gradients()  # idempotent
+    g = torch.Generator().manual_seed(1)
+    sparse = torch.stack([torch.randint(0, c, (6,), generator=g) for c in (7, 5, 9)], 1)
+    seq = torch.randint(0, 7, (6, 5), generator=g)
+    model, ref = _Lookup(), _Lookup()
+    with strict_compile():  # no graph break, no eager fallback
+        torch.compile(model)(sparse, seq).backward()
+    ref(sparse, seq).backward()
+    got = model.emb.table.weight.grad
+    assert got is not None and got.is_sparse
+    torch.testing.assert_close(got.to_dense(), ref.emb.table.weight.grad.to_dense(), rtol=1e-5, atol=1e-6)

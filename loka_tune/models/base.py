@@ -230,6 +230,26 @@ class EmbeddingTables(nn.Module):
         self._check_ids(sparse)
         return self.table(sparse + self.offsets)  # (B, n) ids -> (B, n, dim)
 
+    def lookup_with(self, sparse: torch.Tensor, feature: int, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(self(sparse) (B, n, dim), feature f's rows of ids (B, L, dim))`` from ONE gather.
+
+        ``ids`` (B, L) index feature ``feature``'s table and must already be checked (in
+        ``[0, cardinalities[feature])``) by the caller, whose error can say what they are (a
+        behaviour sequence, say). Two lookups of the table would give autograd two sparse
+        gradients to add (``aten.add`` of two COO tensors), which inductor lowers as a dense
+        op: its generated code asserts dense strides on the sparse sum ("expected size
+        381520==381520, stride 0==256 ... aten.add.Tensor" on the H200); one gather of the
+        concatenated ids gives the same outputs and one sparse gradient (the same rows and,
+        coalesced, the same sums), which the optimizer updates in one pass.
+        """
+        self._check_ids(sparse)
+        n = sparse.shape[1]
+        rows = torch.cat([sparse + self.offsets, ids + self.starts[feature]], dim=1)  # (B, n + L)
+        # torch.split, not slicing: a split's backward is a cat, a slice's is a scatter into zeros that
+        # inductor re-inplaces, and its fake-tensor update then trips on the sparse gradient after it
+        x, s = torch.split(self.table(rows), [n, ids.shape[1]], dim=1)
+        return x, s  # (B, n, dim), (B, L, dim)
+
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
         old = [f"{prefix}{f}.weight" for f in range(len(self.cardinalities))]
         if f"{prefix}table.weight" not in state_dict and all(k in state_dict for k in old):

@@ -9,7 +9,10 @@ sequence arm is empty: it holds only the CLS tokens made from the non-sequence f
 
 Preprocessing: X0 (B, n, d) = the sparse embeddings plus ``dense_embeddings`` rows made from
 the dense features by an MLP; S0 (B, c + L, d) = ``num_cls`` CLS tokens (a Linear over the
-flattened X0) followed by the sequence's item embeddings.
+flattened X0) followed by the sequence's item embeddings. The sparse features' and the
+events' rows come from one gather of the shared table
+(:meth:`~loka_tune.models.base.EmbeddingTables.lookup_with`): one sparse gradient, which
+torch.compile can build and the trainer's row-wise optimizer updates in one pass.
 
 Each of ``num_layers`` layers maps (X, S) to (X', S') and runs three arches:
 
@@ -269,7 +272,8 @@ class Interformer(RecModel):
             seq_mask = F.pad(seq_mask, (short, 0))
         return seq, seq_mask.bool()
 
-    def _seq_embeddings(self, seq: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def _seq_ids(self, seq: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The sequence's ids (B, L) in feature ``seq_feature``'s table, padding at row 0; checked."""
         f = self.seq_feature
         ids = torch.where(mask, seq, torch.zeros_like(seq))  # padding reads row 0 of the table
         card = self.embeddings.cardinalities[f]
@@ -282,20 +286,21 @@ class Interformer(RecModel):
                 f"sequence id {int(ids[r, j])} at row {r}, position {j} is outside sparse feature "
                 f"{f}'s table of {card} rows: sequences hold ids of sparse feature seq_feature={f}"
             )
-        emb = self.embeddings.table(ids + self.embeddings.starts[f])  # (B, L, d)
-        return emb * mask[..., None].to(emb.dtype)
+        return ids
 
     def forward(self, dense: torch.Tensor, sparse: torch.Tensor, seq: torch.Tensor | None = None,
                 seq_mask: torch.Tensor | None = None) -> torch.Tensor:
         self.check_inputs(dense, sparse)
         B = sparse.shape[0]
-        x = self.embeddings(sparse)  # (B, n_sparse, d)
+        seq, seq_mask = self._sequence(B, seq, seq_mask, sparse.device)
+        # one gather for the features and the events: one sparse gradient (see EmbeddingTables.lookup_with)
+        x, events = self.embeddings.lookup_with(sparse, self.seq_feature, self._seq_ids(seq, seq_mask))
+        events = events * seq_mask[..., None].to(events.dtype)  # (B, L, d), padding zeroed
         if self.dense_proj is not None and self.dense_mlp is not None:
             rows = self.dense_proj(self.dense_mlp(dense))  # (B, m d)
             x = torch.cat([rows.view(B, self.dense_embeddings, self.embedding_dim), x], dim=1)  # (B, n, d)
-        seq, seq_mask = self._sequence(B, seq, seq_mask, sparse.device)
         cls = self.cls(x.flatten(1)).view(B, self.num_cls, self.embedding_dim)  # (B, c, d)
-        s = torch.cat([cls, self._seq_embeddings(seq, seq_mask).to(cls.dtype)], dim=1)  # (B, c + L, d)
+        s = torch.cat([cls, events.to(cls.dtype)], dim=1)  # (B, c + L, d)
         mask = torch.cat([torch.ones(B, self.num_cls, dtype=torch.bool, device=s.device), seq_mask], dim=1)
         for layer in self.layers:
             x, s = layer(x, s, mask)

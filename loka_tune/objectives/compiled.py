@@ -11,6 +11,10 @@ speed-up into a slow-down without an error (an e2e table once reported 0.57x tha
 instead of falling back, and afterwards checks dynamo's counters: a graph break, or nothing
 compiled at all, raises :class:`CompileHealthError`. The counters it read are in the report
 it yields, for the run's JSON.
+
+:func:`allow_sparse_gradients` works around an inductor bug that a sparse embedding gradient
+can run into (:class:`~loka_tune.objectives.step.TrainStep` calls it before compiling): see
+its docstring.
 """
 
 from __future__ import annotations
@@ -18,7 +22,55 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Iterator
 
-__all__ = ["CompileHealthError", "strict_compile", "dynamo_report"]
+__all__ = ["CompileHealthError", "strict_compile", "dynamo_report", "allow_sparse_gradients"]
+
+
+_SPARSE_PATCHED: list[bool] = []  # set once allow_sparse_gradients has looked (and patched if needed)
+
+
+def allow_sparse_gradients() -> bool:
+    """Let inductor compile a backward that builds a sparse gradient (``nn.Embedding(sparse=True)``,
+    the tables of every reference model); returns True when it had to patch inductor.
+
+    Inductor's post-grad passes re-propagate fake tensors after re-inplacing a scatter
+    (``FakeTensorUpdater.incremental_update``) and compare each recomputed node's storage with
+    the old one's (``torch._inductor.fx_utils.get_storage``); a sparse COO tensor has no
+    storage, so a sparse gradient downstream of any re-inplaced op fails the compile with
+    ``NotImplementedError: Cannot access storage of SparseTensorImpl`` (torch 2.13 on the
+    Interformer's backward; pytorch/pytorch#170761, open); a graph without a re-inplaced op
+    before its sparse gradient (the tiny DLRM's, Wukong's) escapes it. The patch answers, for a tensor without storage, an identity of its own: "not
+    the same storage", so the updater takes the recomputed fake tensor (always correct, only
+    conservative). Applied only when this torch still fails on a sparse tensor; idempotent.
+    """
+    if _SPARSE_PATCHED:
+        return _SPARSE_PATCHED[0]
+    import torch
+
+    try:
+        from torch._inductor import fx_utils
+    except ImportError:  # pragma: no cover - every torch 2.x has it
+        _SPARSE_PATCHED.append(False)
+        return False
+    original = getattr(fx_utils, "get_storage", None)
+    if original is None:  # a torch that reorganized the updater: nothing to patch
+        _SPARSE_PATCHED.append(False)
+        return False
+    probe = torch.sparse_coo_tensor(torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, 2), (3, 2),
+                                    check_invariants=True)
+    try:
+        original(probe)
+        needed = False  # this torch handles storage-less tensors
+    except (NotImplementedError, RuntimeError):
+        needed = True
+    if needed:
+        def get_storage(t: torch.Tensor) -> int:
+            if not torch._C._has_storage(t):
+                return -id(t)  # a sparse tensor: its own identity, never equal to another tensor's storage
+            return int(original(t))
+
+        fx_utils.get_storage = get_storage
+    _SPARSE_PATCHED.append(needed)
+    return needed
 
 
 class CompileHealthError(RuntimeError):

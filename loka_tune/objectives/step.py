@@ -63,6 +63,10 @@ class TrainStep:
                 key="cuda_graphs",
             )
         self.model, self.optimizers, self.device, self.dtype = model, optimizers, device, dtype
+        if compile:  # sparse embedding gradients in the compiled backward: see allow_sparse_gradients
+            from loka_tune.objectives.compiled import allow_sparse_gradients
+
+            allow_sparse_gradients()
         self.fwd: Callable[..., torch.Tensor] = torch.compile(model) if compile else model
         self.cuda_graphs, self.graph_warmup = cuda_graphs, graph_warmup
         self.graph: torch.cuda.CUDAGraph | None = None

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The GPU smoke suite on one H200: the first thing every device call runs (issue 20).
+# tests/test_gpu_smoke.py (every reference model x {bf16, bf16 + Mods, tensorwise FP8 on the
+# torchao-filter sites, the Dispatch plan} compiled and trained, the probe's report, one
+# `loka-tune tune` of studies/gpu_smoke.toml) and the GPU opcheck of the custom ops
+# (tests/test_custom_ops.py), then any further tests given, all with `-m gpu`.
+# Carry ".whl" (../shared/tools/fetch-gpu-wheels: torchao, fbgemm-gpu-genai, optuna, ...) and run
+#   bash benchmarks/gpu_smoke_h200.sh "$OUT" [TEST_PATH_OR_NODE ...]
+# from the repo root. Writes into $OUT: env.txt, gpu_smoke.log (pytest's output), gpu_smoke.xml
+# (JUnit), gpu_smoke.jsonl (one JSON line per model variant, probe and study) and
+# gpu_smoke_summary.txt (their table, also printed last). Exit status: pytest's.
+# Settings (environment): SMOKE_WORKERS (6 pytest-xdist workers, --dist load: each test goes to a
+# free worker, the longest come first; 0 runs serially), SMOKE_TIMEOUT (480 s for the whole run),
+# TEST_TIMEOUT (300 s per test, where pytest-timeout is installed), LOKA_SMOKE_PRESET (large).
+set -uo pipefail
+out=${1:?usage: gpu_smoke_h200.sh OUT [TEST ...]}
+shift
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 MPLBACKEND=Agg
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+  site=$(mktemp -d)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" .whl/*.whl \
+    || { echo "installing the carried wheels failed" >&2; exit 2; }
+  export PYTHONPATH="$site:$PWD"
+else
+  echo "no .whl/ here: torchao-filter and study tests may skip or fail (run ../shared/tools/fetch-gpu-wheels, carry .whl)" >&2
+  export PYTHONPATH="$PWD"
+fi
+{ nvidia-smi --query-gpu=index,name,driver_version,clocks.sm --format=csv,noheader || echo "no nvidia-smi"
+  python3 -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.cuda.is_available())"
+  python3 -c "import triton; print('triton', triton.__version__)" 2>&1 | tail -1
+  python3 -c "import torchao; print('torchao', torchao.__version__)" 2>&1 | tail -1
+  python3 -c "import fbgemm_gpu; print('fbgemm_gpu', getattr(fbgemm_gpu, '__version__', '?'))" 2>&1 | tail -1
+  python3 -c "import optuna; print('optuna', optuna.__version__)" 2>&1 | tail -1
+} 2>&1 | tee "$out/env.txt"
+
+export LOKA_SMOKE_LOG="$out/gpu_smoke.jsonl"
+: > "$LOKA_SMOKE_LOG"
+args=(-q -m gpu -p no:cacheprovider -rfEs --junitxml "$out/gpu_smoke.xml")
+workers=${SMOKE_WORKERS:-6}
+if [ "$workers" -gt 0 ] && python3 -c "import xdist" 2>/dev/null; then
+  args+=(-n "$workers" --dist load)
+fi
+if python3 -c "import pytest_timeout" 2>/dev/null; then
+  args+=(--timeout "${TEST_TIMEOUT:-300}")
+fi
+t0=$(date +%s)
+timeout -k 15 "${SMOKE_TIMEOUT:-480}" python3 -m pytest "${args[@]}" \
+  tests/test_gpu_smoke.py tests/test_custom_ops.py "$@" 2>&1 | tee "$out/gpu_smoke.log"
+rc=${PIPESTATUS[0]}
+echo "== pytest exit $rc after $(( $(date +%s) - t0 )) s" | tee -a "$out/gpu_smoke.log"
+python3 tests/gpu_smoke.py "$LOKA_SMOKE_LOG" 2>&1 | tee "$out/gpu_smoke_summary.txt"
+exit "$rc"
