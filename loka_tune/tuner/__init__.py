@@ -3,9 +3,9 @@
     load_study("study.toml") -> StudyConfig -> run_study(cfg) -> Optuna study -> export_best(study, "best.json")
 
 One module per job: ``study`` (the study file's schema; ``sections`` holds its tables),
-``build`` (data source, model, trainer config), ``baseline`` (bf16 reference runs, noise floor),
-``optuna_setup`` (storage, sampler, pruner), ``prepare`` (baseline + probe + pruned space +
-enqueued starts), ``trial`` (one configuration's evaluation), ``loop`` (ask/evaluate/tell,
+``build`` (data source, model, trainer config), ``baseline`` (bf16 reference runs, their
+noise twins, the paired noise floor), ``optuna_setup`` (storage, sampler, pruner),
+``prepare`` (baseline + probe + pruned space + enqueued starts), ``trial`` (one configuration's evaluation), ``loop`` (ask/evaluate/tell,
 several workers; ``_workers`` holds heartbeats and duplicates), ``results`` (trial records,
 feasibility, best trial, leaderboard, export) and ``tracking`` (MLflow, which reads results).
 
