@@ -1,10 +1,13 @@
 """The paired noise floor: noise twins (a seed's bf16 baseline from perturbed initial weights),
-the floor they give on a deterministic CPU, the refusal of a budget below it, old baselines."""
+the floor they give on a deterministic CPU, the refusal of a budget below it, old baselines,
+and the "within noise" label wherever a relative log loss is shown."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -21,6 +24,7 @@ from loka_tune.tuner.baseline import (
     run_baseline,
 )
 from loka_tune.tuner.build import make_source
+from loka_tune.tuner.results import leaderboard, noise_note, within_noise
 from loka_tune.tuner.study import load_study
 from tests.test_tune import write_study
 
@@ -122,3 +126,71 @@ def test_baseline_round_trips_and_an_old_stored_one_loads_as_a_seed_floor(cpu_ba
     loaded = Baseline.from_dict(old)  # a baseline stored before noise twins
     assert loaded.noise_floor_kind == "seeds" and loaded.noise_floor_pct == 4.6 and loaded.seed_spread_pct == 4.6
     assert loaded.paired_noise_pct == () and "between bf16 baseline seeds" in loaded.noise_floor_what()
+
+
+def test_within_noise_rule_and_label() -> None:
+    assert within_noise(-0.2, 0.3) and within_noise(0.3, 0.3)
+    assert within_noise(0.31, 0.3) is False and within_noise(-1.6, 0.3) is False  # better than bf16 beyond the floor
+    assert within_noise(None, 0.3) is None and within_noise(0.1, None) is None and within_noise(math.nan, 0.3) is None
+    assert noise_note(-0.1, 0.25) == " (within noise +-0.25%)" and noise_note(0.5, 0.25) == ""
+
+
+class _Trial(SimpleNamespace):
+    pass
+
+
+class _Study:
+    study_name = "s"
+
+    def __init__(self, floor: float, rels: list[float]) -> None:
+        self.user_attrs = {"loka.baseline": {"noise_floor_pct": floor, "eval_logloss": [0.5]}}
+        self.trials = [_Trial(number=i, state=SimpleNamespace(name="COMPLETE"), value=1.0 - 0.1 * i,
+                              user_attrs={"rel_logloss_pct": r, "feasible": True, "budget_pct": 5.0, "speedup": 1.0,
+                                          "config": {}})
+                       for i, r in enumerate(rels)]
+
+    def get_trials(self, deepcopy: bool = False, states: tuple = ()) -> list[_Trial]:  # noqa: ARG002
+        return [t for t in self.trials if not states or t.state in states]
+
+
+def test_leaderboard_and_report_label_results_within_noise() -> None:
+    from loka_tune.commands.report import format_confirmation, format_leaderboard, legend
+
+    rows = leaderboard(_Study(0.3, [0.0, -1.6, 0.25]))
+    by_trial = {r["trial"]: r for r in rows}
+    assert by_trial[0]["within_noise"] and by_trial[2]["within_noise"] and by_trial[1]["within_noise"] is False
+    text = format_leaderboard(rows).splitlines()
+    line = {int(x.split()[0].lstrip("*")): x for x in text[2:] if x.strip()[:1].isdigit()}
+    assert "within noise" in line[0] and "within noise" in line[2] and "within noise" not in line[1]
+    conf = format_confirmation({"seeds": [0, 1], "rows": [{"trial": 2, "rel_logloss_pct": -0.2, "feasible": True},
+                                                         {"trial": 1, "rel_logloss_pct": -1.6, "feasible": True}],
+                                "chosen": 2}, 0.3)
+    assert "within noise" in conf.splitlines()[2] and "within noise" not in conf.splitlines()[3]
+    leg = legend(5.0, 0.3)
+    for term in ("NE", "AUC", "relLL%", "noise", "budget", "0.3%", "5%"):
+        assert term in leg
+
+
+def test_within_noise_in_the_trial_lines_report_and_mlflow(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Through the CLI: the enqueued all-bf16 trial reproduces the baseline exactly on a CPU
+    (relative log loss 0): its trial line, its leaderboard row and its MLflow run say "within noise"."""
+    from loka_tune.cli import main
+
+    study_file = write_study(tmp_path, n_trials=2, tracking="true")
+    assert main(["tune", str(study_file)]) == 0
+    err = capsys.readouterr().err
+    first = next(x for x in err.splitlines() if x.startswith("[loka-tune] trial 0 "))
+    assert "rel.LL +0.0000% (within noise +-" in first
+    assert main(["report", str(study_file), "--no-plots"]) == 0
+    out = capsys.readouterr().out
+    row0 = next(x for x in out.splitlines() if x.split()[:2] in (["0", "COMPLETE"], ["*", "0"]))
+    assert "within noise" in row0 and "noise floor" in out and "how to read it" in out
+    import mlflow
+
+    cfg = load_study(study_file)
+    client = mlflow.MlflowClient(tracking_uri=cfg.tracking.uri)
+    exp = client.get_experiment_by_name(cfg.tracking.experiment)
+    runs = client.search_runs([exp.experiment_id], filter_string="tags.`loka.trial` = '0'")
+    assert runs and runs[0].data.tags["within_noise"] == "True"
+    parent = client.search_runs([exp.experiment_id], filter_string="tags.`loka.kind` = 'study'")[0]
+    assert parent.data.metrics["noise_floor_pct"] > 0 and "seed_spread_pct" in parent.data.metrics

@@ -1,13 +1,17 @@
 """MLflow tracking of a study: one parent run, one nested run per trial, plots.
 
 - Parent run (one per study, shared by every worker: its id is stored in the Optuna study):
-  the study's settings as params, the baseline's metrics, the probe report, and at the end the
+  the study's settings as params, the baseline's metrics (the noise floor, each noise twin's
+  paired relative log loss, the seed-to-seed distance), the probe report, and at the end the
   plots (speed vs relative log loss with the budget line and the Pareto front; the per-layer
-  choice map of the best trial) and the leaderboard.
+  choice map of the best trial) and the leaderboard; the confirmed config's numbers and its
+  ``confirmed_within_noise`` tag.
 - Nested run per trial: params ``site.<layer name>`` = the layer's choice (``e4m3.row.emulated``,
   or ``fwd|dgrad|wgrad`` when they differ) and ``mods``; metrics ``step_time_s``, ``speedup``,
   ``rel_logloss_pct``, ``eval_ne``, ``eval_auc``, ``probe_error``; tags ``feasible``,
-  ``pruned``, ``cache_hit``, ``state``, ``speed_source``; the PrecisionConfig JSON as an artifact.
+  ``within_noise`` (|rel_logloss_pct| <= the baseline's noise floor: no measurable difference
+  from bf16), ``pruned``, ``cache_hit``, ``state``, ``speed_source``; the PrecisionConfig JSON
+  as an artifact.
   Search them with e.g. ``mlflow.search_runs(filter_string="params.`site.top.0` LIKE 'e4m3%'")``.
 
 Every call goes through :class:`mlflow.MlflowClient` with explicit run ids (no global active
@@ -33,7 +37,7 @@ from typing import Any, TypeVar
 
 from loka_tune.config import ROLES, PrecisionConfig
 from loka_tune.errors import StudyError
-from loka_tune.tuner.results import ATTR_BASELINE, TrialRecord, best_trial, confirmation, leaderboard
+from loka_tune.tuner.results import ATTR_BASELINE, TrialRecord, best_trial, confirmation, leaderboard, within_noise
 
 __all__ = ["Tracker", "retry", "write_plots", "plot_speed_vs_loss", "speed_vs_loss_layout", "plot_choice_map",
            "pareto_front", "site_params"]
@@ -187,15 +191,19 @@ class Tracker:
     # ------------------------------------------------------------------ study level
     def log_baseline(self, baseline: Any, space: Any, probe_report: Path | None, *,
                      curves: Mapping[int, Sequence[float]] | None = None) -> None:
-        """The baseline's numbers, its seeds' per-step training losses (``baseline_train_loss.seed<N>``)
-        and the probe report on the parent run."""
+        """The baseline's numbers (the noise floor, each noise twin's ``paired_noise_pct`` at step
+        1, 2, ..., the seed-to-seed ``seed_spread_pct``), its seeds' per-step training losses
+        (``baseline_train_loss.seed<N>``) and the probe report on the parent run."""
         assert self.parent_run_id is not None
         self._site_names = list(space.site_names)
         self._log_metrics(self.parent_run_id, {
             "baseline_logloss": baseline.logloss, "baseline_ne": baseline.eval_ne, "baseline_auc": baseline.eval_auc,
-            "noise_floor_pct": baseline.noise_floor_pct, "baseline_step_time_s": baseline.step_time_s,
+            "noise_floor_pct": baseline.noise_floor_pct, "seed_spread_pct": getattr(baseline, "seed_spread_pct", None),
+            "baseline_step_time_s": baseline.step_time_s,
             "n_sites": len(space.sites), "n_fp8_candidates": space.n_fp8_candidates()})
-        self._set_tags(self.parent_run_id, {"speed_source": baseline.speed_source, "device": baseline.device})
+        self._log_curve(self.parent_run_id, "paired_noise_pct", getattr(baseline, "paired_noise_pct", ()))
+        self._set_tags(self.parent_run_id, {"speed_source": baseline.speed_source, "device": baseline.device,
+                                            "noise_floor_kind": getattr(baseline, "noise_floor_kind", None)})
         for seed, losses in (curves or {}).items():
             self._log_curve(self.parent_run_id, f"baseline_train_loss.seed{seed}", losses)
         retry(self.client.log_text, self.parent_run_id, json.dumps(space.to_dict(), indent=1), "search_space.json")
@@ -214,6 +222,9 @@ class Tracker:
         a = TrialRecord.from_attrs(attrs)
         tags = {"mlflow.parentRunId": self.parent_run_id, "loka.study": self.study_name, "loka.trial": number,
                 "state": state, "feasible": bool(a.feasible), "pruned": state == "PRUNED",
+                "within_noise": (within_noise(a.rel_logloss_pct, getattr(getattr(ctx, "baseline", None),
+                                                                         "noise_floor_pct", None))
+                                 if state == "COMPLETE" else None),
                 "cache_hit": bool(a.cache_hit), "speed_source": a.speed_source or ctx.speed,
                 "fail_reason": a.fail_reason or None, "seeded": a.seeded or None, "cached_from": a.cached_from}
         end_ms = int(time.time() * 1000)
@@ -262,7 +273,7 @@ class Tracker:
                                                    "best_speedup_vs_mods": b.speedup_vs_mods,
                                                    "best_rel_logloss_pct": b.rel_logloss_pct})
             self._set_tags(self.parent_run_id, {"best_trial": best.number})
-        self._log_confirmation(confirmation(ctx.study))
+        self._log_confirmation(confirmation(ctx.study), ctx.baseline.noise_floor_pct)
         if self.plots:
             for path in write_plots(ctx.study, ctx.space, out, budget_pct=ctx.cfg.objective.budget_pct,
                                     speed_source=ctx.speed, noise_floor_pct=ctx.baseline.noise_floor_pct):
@@ -270,7 +281,7 @@ class Tracker:
         retry(self.client.set_terminated, self.parent_run_id, "FINISHED")
 
 
-    def _log_confirmation(self, c: Mapping[str, Any] | None) -> None:
+    def _log_confirmation(self, c: Mapping[str, Any] | None, noise_floor_pct: float | None = None) -> None:
         """The confirmation stage on the parent run: the chosen config's confirmed numbers, the table."""
         assert self.parent_run_id is not None
         if not c:
@@ -278,6 +289,9 @@ class Tracker:
         retry(self.client.log_text, self.parent_run_id, json.dumps(c, indent=1), "confirmation.json")
         row = next((r for r in c.get("rows", []) if r.get("trial") == c.get("chosen")), None)
         self._set_tags(self.parent_run_id, {"confirmed_trial": c.get("chosen", "none") if row else "none"})
+        if row is not None:
+            self._set_tags(self.parent_run_id, {
+                "confirmed_within_noise": within_noise(row.get("rel_logloss_pct"), noise_floor_pct)})
         if row is not None:
             self._log_metrics(self.parent_run_id, {
                 "confirmed_speedup_vs_mods": row.get("speedup_vs_mods"), "confirmed_speedup": row.get("speedup"),
