@@ -7,8 +7,8 @@ One module per job: ``study`` (the study file's schema; ``sections`` holds its t
 noise twins, the paired noise floor), ``optuna_setup`` (storage, sampler, pruner),
 ``prepare`` (baseline + probe + pruned space + enqueued starts), ``trial`` (one configuration's evaluation), ``loop`` (ask/evaluate/tell,
 several workers; ``_workers`` holds heartbeats and duplicates), ``results`` (trial records,
-feasibility, "within noise", best trial, leaderboard, export) and ``tracking`` (MLflow, which
-reads results).
+feasibility, "within noise", best trial, leaderboard, export), ``plots`` (speed vs loss, the
+choice map) and ``tracking`` (MLflow; both read results).
 
 The names below are imported lazily, so ``import loka_tune.tuner`` stays light.
 """
