@@ -35,17 +35,17 @@ __all__ = ["Baseline", "run_baseline", "check_budget", "price_baseline", "modele
 REFERENCE_TIMED_STEPS = 50  # timed steps of a bf16 (+ Mods) reference run: a median of 50 is stable to ~1%
 
 #: The noise twin's perturbation: the weight W of every nn.Linear (the tensors FP8 would round)
-#: becomes W * (1 + NOISE_EPS * Z), Z ~ N(0, 1) elementwise, drawn on the CPU from the seed (the same
-#: bits on every device). 2^-8 is bf16's unit roundoff: about one bf16 rounding of each weight, once.
-#: FP8 dwarfs it: e4m3 rounds these weights to 2^-4 (e5m2 2^-3), 16-32x coarser, and their
-#: activations and gradients too, at every step (on the quickstart, the 2048x2048 layer's output is
-#: 44 dB from the unperturbed model's in a twin, 21-29 dB under FP8). By the end of a short run the
-#: two effects can be of one size (training amplifies any change): that is the noise a paired
-#: difference carries. Initial weights rather than inputs or steps: a
-#: change the trainer never sees (no trainer code, any regime, compiled or not), explicit and
-#: device-independent, so a deterministic CPU run gets a non-zero, computed floor; on a GPU the
-#: twin's own nondeterminism (atomics, compiled kernels) adds to it, as it does to every trial.
-#: A model without an nn.Linear gets every floating-point parameter perturbed instead.
+#: becomes W * (1 + NOISE_EPS * Z), Z ~ N(0, 1) elementwise, drawn on the CPU from the seed (the
+#: same bits on every device). 2^-8 is bf16's unit roundoff: about one bf16 rounding of each
+#: weight, once. FP8 dwarfs it: e4m3 rounds these weights to 2^-4 (e5m2 2^-3), 16-32x coarser,
+#: and their activations and gradients too, at every step (on the quickstart, the 2048x2048
+#: layer's output is about 44 dB from the unperturbed model's in a twin, 20-29 dB under FP8).
+#: By the end of a short run the two effects can be of one size (training amplifies any
+#: change): that is the noise a paired difference carries. Initial weights rather than inputs
+#: or steps: a change the trainer never sees (no trainer code, any regime, compiled or not),
+#: explicit and device-independent, so a deterministic CPU run gets a non-zero, computed floor;
+#: on a GPU the twin's own nondeterminism (atomics, compiled kernels) adds to it, as it does to
+#: every trial. A model without an nn.Linear gets every floating-point parameter perturbed.
 NOISE_EPS = 2.0 ** -8
 NOISE_PERTURBATION = "initial Linear weights x (1 + 2^-8 N(0,1))"
 
