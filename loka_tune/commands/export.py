@@ -77,17 +77,22 @@ def run(args: argparse.Namespace) -> int:
         config.save(args.out)
     except OSError as e:
         raise write_error(args.out, "--out", e) from None
+    from loka_tune.tuner.results import noise_note
+
     p = config.provenance
+    floor = p.get("noise_floor_pct")
     feasible = p["rel_logloss_pct"] is not None and p["budget_pct"] is not None \
         and p["rel_logloss_pct"] <= p["budget_pct"]
     print(f"wrote {args.out}: trial {p['trial']} of {p['study']!r}, speed-up {_num(p['speedup'], '.3f')}x"
-          f" ({p['speed_source']}), rel. log loss {_num(p['rel_logloss_pct'], '+.4f')}% (budget {p['budget_pct']}%)"
+          f" ({p['speed_source']}), rel. log loss {_num(p['rel_logloss_pct'], '+.4f')}%"
+          f"{noise_note(p['rel_logloss_pct'], floor)} (budget {p['budget_pct']}%)"
           + ("" if feasible else "; NOT feasible: over the loss budget"))
     if p.get("confirmed"):
         sd = p.get("confirmed_rel_logloss_sd_pct")
         print(f"  confirmed on seeds {p['confirmed_seeds']}: {_num(p['confirmed_speedup'], '.3f')}x vs bf16 + same"
               f" Mods (claimed {_num(p['claimed_speedup'], '.3f')}x), rel. log loss"
-              f" {_num(p['confirmed_rel_logloss_pct'], '+.4f')}%" + ("" if sd is None else f" (sd {sd:.4f})"))
+              f" {_num(p['confirmed_rel_logloss_pct'], '+.4f')}%" + ("" if sd is None else f" (sd {sd:.4f})")
+              + noise_note(p.get("confirmed_rel_logloss_pct"), floor))
     else:
         print("  not confirmed (the study ran no confirmation stage, the trial was chosen, or --unconfirmed)")
     return 0

@@ -13,11 +13,13 @@ DESCRIPTION = """\
 STUDY is a study file (.toml) or a study name with --storage. Prints the trials (feasible
 ones first, fastest first; speed-up vs bf16 and vs bf16 with the same Mods; '*' marks the
 trial `loka-tune export` writes), then the confirmation stage (claimed vs confirmed speed-up,
-relative log loss mean and sd over its seeds), then the probe's sites (from the study's
+relative log loss mean and sd over its seeds), the probe's sites (from the study's
 probe_report.json: per site its status, probed / fallback / unprobed, and each statistic that
-fell back, with why), and writes speed_vs_loss.png (trial labels,
-noise-floor band, Pareto front, exported trial) and best_choice_map.png into --out-dir
-(default: the study's output dir).
+fell back, with why), a legend of its terms (NE, AUC, relative log loss, noise floor, budget),
+and writes speed_vs_loss.png (trial labels, noise-floor band, Pareto front, exported trial)
+and best_choice_map.png into --out-dir (default: the study's output dir). A relative log loss
+within the noise floor is labelled "within noise": it cannot be told from bf16's own, neither
+better nor worse.
 
 examples:
   loka-tune report studies/quickstart.toml
@@ -36,6 +38,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-plots", action="store_true", help="print only")
 
 
+def legend(budget_pct: float | None, noise_floor_pct: float | None) -> str:
+    """A short legend of the terms the leaderboard and the confirmation use."""
+    floor = "?" if noise_floor_pct is None else f"{noise_floor_pct:.3g}%"
+    budget = "?" if budget_pct is None else f"{budget_pct:g}%"
+    return "\n".join([
+        "how to read it:",
+        "  NE       normalized entropy: eval log loss / the log loss of always predicting the click rate;",
+        "           1.0 = learned nothing, lower is better (good CTR models reach ~0.75-0.8)",
+        "  AUC      the chance a random click is scored above a random non-click: 0.5 = guessing",
+        "  relLL%   relative log loss, (config's eval log loss - bf16's) / bf16's x 100, paired: same seed,",
+        "           init and data order as the bf16 baseline. + = worse than bf16, - = lower loss",
+        f"  noise    the noise floor, {floor}: the largest |relLL%| of a bf16 twin (the baseline run again",
+        "           from Linear weights x (1 + 2^-8 N(0,1)), about one bf16 rounding). Inside it, 'within",
+        "           noise': no measurable difference from bf16, neither better nor worse",
+        f"  budget   {budget}: the most relLL% a config may cost (feasible: relLL% <= budget), above the floor",
+        "  vs bf16 / vs Mods: the step-time speed-up over bf16, and over bf16 with the trial's own Mods",
+    ])
+
+
+def _notes(within_noise: bool | None, other: str | None) -> str:
+    """A row's note: "within noise" first (when it is), then the rest."""
+    return ", ".join(n for n in ("within noise" if within_noise else "", other or "") if n)
+
+
 def format_leaderboard(rows: list[dict], *, limit: int | None = 20) -> str:
     """The leaderboard as an aligned text table."""
     def f(v, fmt: str) -> str:  # noqa: ANN001
@@ -45,7 +71,8 @@ def format_leaderboard(rows: list[dict], *, limit: int | None = 20) -> str:
            f" {'NE':>7} {'AUC':>6} {'fp8':>4} {'mods':<12} note"
     lines = [head, "-" * len(head)]
     for r in rows[:limit] if limit else rows:
-        note = r["reason"] or (f"cache of {r.get('cached_from')}" if r["cache_hit"] else r.get("seeded") or "")
+        note = _notes(r.get("within_noise"),
+                      r["reason"] or (f"cache of {r.get('cached_from')}" if r["cache_hit"] else r.get("seeded") or ""))
         mark = "* " if r.get("exported") else "  "
         lines.append(f"{mark}{r['trial']:>5} {r['state']:<8} {'yes' if r['feasible'] else 'no':<4}"
                      f" {f(r['step_time_s'], '.4g'):>10} {f(r['speedup'], '.3f'):>8}"
@@ -56,8 +83,11 @@ def format_leaderboard(rows: list[dict], *, limit: int | None = 20) -> str:
     return "\n".join(lines)
 
 
-def format_confirmation(c: dict | None) -> str:
-    """The confirmation stage's table: claimed vs confirmed speed-up, loss mean and spread."""
+def format_confirmation(c: dict | None, noise_floor_pct: float | None = None) -> str:
+    """The confirmation stage's table: claimed vs confirmed speed-up, loss mean and spread (a
+    mean within ``noise_floor_pct`` of zero noted "within noise")."""
+    from loka_tune.tuner.results import within_noise
+
     if not c:
         return "confirmation: not run ([confirm] enabled = false, or no feasible trial yet)"
 
@@ -73,7 +103,7 @@ def format_confirmation(c: dict | None) -> str:
         lines.append(f"{mark}{r['trial']:>5} {f(r.get('claimed_speedup_vs_mods'), '.3f'):>8}"
                      f" {f(r.get('speedup_vs_mods'), '.3f'):>9} {f(r.get('rel_logloss_pct'), '+.4f'):>11}"
                      f" {f(r.get('rel_logloss_sd_pct'), '.4f'):>7} {'yes' if r.get('feasible') else 'no':<4}"
-                     f" {r.get('reason', '')}")
+                     f" {_notes(within_noise(r.get('rel_logloss_pct'), noise_floor_pct), r.get('reason', ''))}")
     lines.append("* = confirmed best (exported)" if c.get("chosen") is not None
                  else "no confirmed config within the budget (export --unconfirmed takes the search's best)")
     return "\n".join(lines)
@@ -123,14 +153,19 @@ def run(args: argparse.Namespace) -> int:
     bl = study.user_attrs.get(ATTR_BASELINE) or {}
     st = study.user_attrs.get(ATTR_STUDY) or {}
     budget = (st.get("objective") or {}).get("budget_pct")
-    print(f"study {study.study_name!r}: {len(rows)} finished trials; baseline log loss"
-          f" {(bl.get('eval_logloss') or [float('nan')])[0]:.5f}, noise floor {bl.get('noise_floor_pct', float('nan')):.4g}%,"
-          f" budget {budget}%, speed {bl.get('speed_source')}")
-    print(format_leaderboard(rows, limit=args.limit))
-    from loka_tune.tuner.results import confirmation
+    from loka_tune.tuner.baseline import Baseline
+    from loka_tune.tuner.results import confirmation, noise_floor
 
-    print(format_confirmation(confirmation(study)))
+    floor = noise_floor(study)
+    base = Baseline.from_dict(bl)
+    print(f"study {study.study_name!r}: {len(rows)} finished trials; bf16 baseline (seed {base.seeds[0]}): eval log"
+          f" loss {base.logloss:.5f}, NE {base.eval_ne:.4f}, AUC {base.eval_auc:.4f}; budget {budget}%, speed"
+          f" {bl.get('speed_source')}")
+    print(f"noise floor {base.noise_floor_pct:.3g}% ({base.noise_floor_what()})")
+    print(format_leaderboard(rows, limit=args.limit))
+    print(format_confirmation(confirmation(study), floor))
     print(format_probe_sites(_probe_report_path(cfg, st)))
+    print(legend(budget, floor))
     if not args.no_plots and ATTR_SPACE in study.user_attrs:
         from loka_tune.tuner.tracking import write_plots
 

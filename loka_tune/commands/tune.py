@@ -12,8 +12,10 @@ from typing import Any
 HELP = "search the fastest FP8 precision config under a loss budget (an Optuna study)"
 
 DESCRIPTION = """\
-Run a study file (see studies/quickstart.toml): bf16 baseline runs on 2-3 seeds (the noise
-floor), the Probe during the first, the search space pruned by the probe, then Optuna trials
+Run a study file (see studies/quickstart.toml): bf16 baseline runs on 2-3 seeds, each with
+its noise twins (the same run from initial weights perturbed at bf16 rounding: their paired
+relative log loss is the noise floor, which objective.budget_pct must exceed), the Probe
+during the first, the search space pruned by the probe, then Optuna trials
 (each a fresh model + a precision config + a paired short run, timed in the study's
 [regime]: compiled on CUDA by default, at its production batch) until the trial budget is
 spent, then the confirmation stage ([confirm]: the best 3 feasible configs re-run on 2+
@@ -64,7 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=integer("a number of worker processes", minimum=1), default=1,
                         help="local worker processes (default 1)")
     parser.add_argument("--force", action="store_true",
-                        help="run even if the loss budget is below the baseline's noise floor")
+                        help="run even if the loss budget is below the baseline's (paired) noise floor")
     parser.add_argument("--no-tracking", action="store_true", help="do not log to MLflow")
     parser.add_argument("--out-dir", default=None, help="the study's output dir (overrides [study] output_dir)")
     again = parser.add_mutually_exclusive_group()
@@ -115,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace, cfg: Any) -> int:
     from loka_tune.tuner.loop import run_study
-    from loka_tune.tuner.results import best_trial
+    from loka_tune.tuner.results import best_trial, noise_floor, noise_note
 
     t0 = time.time()
     tracking = False if args.no_tracking else None
@@ -156,15 +158,16 @@ def _run(args: argparse.Namespace, cfg: Any) -> int:
         print(f"study {cfg.name!r}: no feasible trial yet ({wall:.0f}s); see `loka-tune report {args.study}`")
         return 1
     a = best.user_attrs
+    floor = noise_floor(study)
     print(f"study {cfg.name!r}: best trial {best.number}: step {best.value:.6g}s ({a.get('speed_source')}),"
           f" speed-up {a.get('speedup'):.3f}x, rel. log loss {a.get('rel_logloss_pct'):+.4f}%"
-          f" (budget {cfg.objective.budget_pct}%) [{wall:.0f}s]")
+          f"{noise_note(a.get('rel_logloss_pct'), floor)} (budget {cfg.objective.budget_pct}%) [{wall:.0f}s]")
     c = study.user_attrs.get("loka.confirmation")
     if c and c.get("chosen") is not None:
         row = next(r for r in c["rows"] if r["trial"] == c["chosen"])
         print(f"confirmed: trial {row['trial']}, {row['speedup_vs_mods']:.3f}x vs bf16 + same Mods (claimed"
               f" {row['claimed_speedup_vs_mods']:.3f}x), rel. log loss {row['rel_logloss_pct']:+.4f}% on seeds"
-              f" {c['seeds']}")
+              f" {c['seeds']}{noise_note(row['rel_logloss_pct'], floor)}")
     elif c:
         print("confirmed: no candidate held its loss within the budget on every seed (see `loka-tune report`)")
     print(f"export it: loka-tune export {args.study} --out best.json")

@@ -3,11 +3,13 @@
     load_study("study.toml") -> StudyConfig -> run_study(cfg) -> Optuna study -> export_best(study, "best.json")
 
 One module per job: ``study`` (the study file's schema; ``sections`` holds its tables),
-``build`` (data source, model, trainer config), ``baseline`` (bf16 reference runs, noise floor),
-``optuna_setup`` (storage, sampler, pruner; ``_sampler``: TPE seeded per trial position), ``prepare`` (baseline + probe + pruned space +
-enqueued starts), ``trial`` (one configuration's evaluation), ``loop`` (ask/evaluate/tell,
+``build`` (data source, model, trainer config), ``baseline`` (bf16 reference runs, their
+noise twins, the paired noise floor), ``optuna_setup`` (storage, sampler, pruner; ``_sampler``:
+TPE seeded per trial position),
+``prepare`` (baseline + probe + pruned space + enqueued starts), ``trial`` (one configuration's evaluation), ``loop`` (ask/evaluate/tell,
 several workers; ``_workers`` holds heartbeats and duplicates), ``results`` (trial records,
-feasibility, best trial, leaderboard, export) and ``tracking`` (MLflow, which reads results).
+feasibility, "within noise", best trial, leaderboard, export), ``plots`` (speed vs loss, the
+choice map) and ``tracking`` (MLflow; both read results).
 
 The names below are imported lazily, so ``import loka_tune.tuner`` stays light.
 """

@@ -1,8 +1,13 @@
 """The bf16 baseline: the reference every trial pairs with, and its noise floor.
 
 bf16 short runs on every ``training.seeds`` (the Probe watching the first) give the baseline's
-quality and the seed-to-seed noise floor of relative log loss; :func:`price_baseline` states
-its speed in the objective's terms (measured, or modeled GEMMs + a non-GEMM remainder).
+quality; beside each, a *twin*: the same run (seed, data order, regime) from initial weights
+perturbed at bf16's rounding scale (:func:`perturb_weights`). A trial is paired with its
+seed's baseline, so the noise its relative log loss carries is what such a benign change
+moves the result by, not the distance between two seeds: the noise floor is the largest
+|relative log loss| of a twin against its own seed's baseline (:func:`paired_noise_floor`).
+The seed-to-seed distance is kept as information. :func:`price_baseline` states the
+baseline's speed in the objective's terms (measured, or modeled GEMMs + a non-GEMM remainder).
 """
 
 from __future__ import annotations
@@ -10,11 +15,12 @@ from __future__ import annotations
 import statistics
 import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from loka_tune.config import ModsConfig, PrecisionConfig
@@ -23,9 +29,25 @@ from loka_tune.objectives.speed import measure_forward_seconds, modeled_gemm_sec
 from loka_tune.tuner.build import _first_batch, _log, _train, make_model, train_config
 from loka_tune.tuner.study import StudyConfig
 
-__all__ = ["Baseline", "run_baseline", "check_budget", "price_baseline", "modeled_seconds", "time_reference"]
+__all__ = ["Baseline", "run_baseline", "check_budget", "price_baseline", "modeled_seconds", "time_reference",
+           "perturb_weights", "paired_noise_floor", "NOISE_EPS", "NOISE_PERTURBATION"]
 
 REFERENCE_TIMED_STEPS = 50  # timed steps of a bf16 (+ Mods) reference run: a median of 50 is stable to ~1%
+
+#: The noise twin's perturbation: the weight W of every nn.Linear (the tensors FP8 would round)
+#: becomes W * (1 + NOISE_EPS * Z), Z ~ N(0, 1) elementwise, drawn on the CPU from the seed (the
+#: same bits on every device). 2^-8 is bf16's unit roundoff: about one bf16 rounding of each
+#: weight, once. FP8 dwarfs it: e4m3 rounds these weights to 2^-4 (e5m2 2^-3), 16-32x coarser,
+#: and their activations and gradients too, at every step (on the quickstart, the 2048x2048
+#: layer's output is about 44 dB from the unperturbed model's in a twin, 20-29 dB under FP8).
+#: By the end of a short run the two effects can be of one size (training amplifies any
+#: change): that is the noise a paired difference carries. Initial weights rather than inputs
+#: or steps: a change the trainer never sees (no trainer code, any regime, compiled or not),
+#: explicit and device-independent, so a deterministic CPU run gets a non-zero, computed floor;
+#: on a GPU the twin's own nondeterminism (atomics, compiled kernels) adds to it, as it does to
+#: every trial. A model without an nn.Linear gets every floating-point parameter perturbed.
+NOISE_EPS = 2.0 ** -8
+NOISE_PERTURBATION = "initial Linear weights x (1 + 2^-8 N(0,1))"
 
 
 @dataclass(frozen=True)
@@ -33,7 +55,15 @@ class Baseline:
     """What the bf16 baseline runs measured: the reference of every trial.
 
     ``eval_logloss[i]`` is seed ``seeds[i]``'s; trials pair with ``seeds[0]``.
-    ``noise_floor_pct``: the largest |relative log loss| between another seed and seeds[0].
+    ``noise_floor_pct``: what the budget is checked against and "within noise" means, of kind
+    ``noise_floor_kind``: ``"paired"``, the largest |``paired_noise_pct``|; ``"seeds"`` (a
+    baseline stored before twins existed), the seed-to-seed distance.
+    ``paired_logloss`` / ``paired_noise_pct``: the noise twins (``[objective] noise_twins`` per
+    seed, seed by seed in ``seeds`` order; a twin is its seed's baseline run from perturbed
+    initial weights, :data:`NOISE_PERTURBATION`): each one's eval log loss and its relative log
+    loss vs its seed's baseline, in percent.
+    ``seed_spread_pct``: the largest |relative log loss| between another seed's baseline and
+    seeds[0]'s (information: trials are paired, so it is not their noise; None with one seed).
     ``window_losses``: seeds[0]'s training loss curve (the pruner compares against it).
     ``step_time_s``: the objective's bf16 value (measured, or modeled GEMMs + remainder).
     """
@@ -51,10 +81,22 @@ class Baseline:
     gemm_bf16_s: float = 0.0
     remainder_s: float = 0.0
     device: str = "cpu"
+    paired_logloss: tuple[float, ...] = ()
+    paired_noise_pct: tuple[float, ...] = ()
+    seed_spread_pct: float | None = None
+    noise_floor_kind: str = "paired"
 
     @property
     def logloss(self) -> float:
         return self.eval_logloss[0]
+
+    def noise_floor_what(self) -> str:
+        """What the noise floor is, in words (the refusal, ``tune`` and ``report`` say it)."""
+        if self.noise_floor_kind == "seeds":
+            return f"relative log loss between bf16 baseline seeds {list(self.seeds)}, stored before paired floors"
+        spread = "" if self.seed_spread_pct is None else f"; seed to seed: {self.seed_spread_pct:.3g}%"
+        return (f"paired: the largest |relative log loss| of a bf16 twin ({NOISE_PERTURBATION}) vs its own"
+                f" seed's baseline, seeds {list(self.seeds)}{spread}")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -62,9 +104,39 @@ class Baseline:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Baseline:
         d = dict(d)
-        for k in ("seeds", "eval_logloss", "window_losses", "window_steps"):
-            d[k] = tuple(d[k])
+        for k in ("seeds", "eval_logloss", "window_losses", "window_steps", "paired_logloss", "paired_noise_pct"):
+            if k in d:
+                d[k] = tuple(d[k])
+        if "noise_floor_kind" not in d:  # stored before noise twins: its floor is the seed-to-seed distance
+            d["noise_floor_kind"] = "seeds"
+            d.setdefault("seed_spread_pct", d.get("noise_floor_pct"))
         return cls(**d)
+
+
+def perturb_weights(model: nn.Module, seed: int, *, twin: int = 0, eps: float = NOISE_EPS) -> nn.Module:
+    """Multiply the weight of every ``nn.Linear`` of ``model`` (every floating-point parameter
+    if it has none) by ``1 + eps * z``, ``z ~ N(0, 1)``, in place: the init of seed ``seed``'s
+    noise twin number ``twin`` (:data:`NOISE_EPS`). ``z`` is drawn on the CPU from ``(seed,
+    twin)``, tensor by tensor in module order: the same perturbation on every device and in
+    every process. Returns ``model``."""
+    from loka_tune.data.hashing import mix_seed
+
+    gen = torch.Generator(device="cpu").manual_seed(mix_seed(seed, "noise-twin", twin))
+    params = [m.weight for m in model.modules() if isinstance(m, nn.Linear)]
+    if not params:
+        params = [p for p in model.parameters() if p.is_floating_point()]
+    with torch.no_grad():
+        for p in params:
+            z = torch.randn(p.shape, generator=gen, dtype=torch.float32)
+            p.mul_((1.0 + eps * z).to(device=p.device, dtype=p.dtype))
+    return model
+
+
+def paired_noise_floor(paired_noise_pct: Sequence[float]) -> float:
+    """The paired noise floor, in percent: the largest |relative log loss| of a noise twin vs
+    its own seed's baseline (over every twin of every seed). A trial's relative log loss within
+    this of zero cannot be told from the effect of one bf16 rounding of the initial weights."""
+    return max((abs(float(x)) for x in paired_noise_pct), default=0.0)
 
 
 def _say_progress(label: str, total: int) -> Callable[[int, float], None]:
@@ -85,21 +157,24 @@ def _say_progress(label: str, total: int) -> Callable[[int, float], None]:
 def run_baseline(cfg: StudyConfig, source: Any, device: str, *, force: bool = False,
                  probe_out: Path | None = None,
                  on_run: Callable[[int, Any], None] | None = None) -> tuple[Baseline, Any, nn.Module]:
-    """bf16 short runs on every seed (the Probe watching the first); returns the baseline,
-    the probe's statistics (or None) and the first seed's trained model. ``on_run(seed,
-    result)`` sees each run's :class:`~loka_tune.objectives.trainer.TrainResult` (its per-step
-    losses go to MLflow).
+    """bf16 short runs on every seed (the Probe watching the first), each followed by its
+    noise twin (the same run from perturbed initial weights: :func:`perturb_weights`); returns
+    the baseline, the probe's statistics (or None) and the first seed's trained model.
+    ``on_run(seed, result)`` sees each baseline run's
+    :class:`~loka_tune.objectives.trainer.TrainResult` (its per-step losses go to MLflow).
 
     Every run is in the study's ``[regime]`` except the probed one, which runs eagerly when the
     regime compiles or captures CUDA graphs (the probe's hooks, installed for its collection
-    steps only, would re-guard a compiled model and never fire in a replayed graph); the bf16
-    step time is then the median of the other seeds' (or of one extra timed run in the regime).
+    steps only, would re-guard a compiled model and never fire in a replayed graph). The twins
+    (``[objective] noise_twins`` per seed) run in the regime, as trials do, and pair with their
+    seed's baseline as trials pair with seeds[0]'s. The bf16 step time is the median of the
+    runs in the regime, twins included.
     """
     from loka_tune.applier import apply
     from loka_tune.objectives.metrics import relative_log_loss
 
     bf16 = PrecisionConfig()
-    results, regime_times = [], []
+    results, regime_times, twins, paired = [], [], [], []
     stats = None
     first_model: nn.Module | None = None
     for i, seed in enumerate(cfg.training.seeds):
@@ -136,19 +211,56 @@ def run_baseline(cfg: StudyConfig, source: Any, device: str, *, force: bool = Fa
         results.append(res)
         if on_run is not None:
             on_run(seed, res)
-    if not regime_times:  # one seed, probed outside the regime: time bf16 in it
-        regime_times.append(time_reference(cfg, source, device, ModsConfig()))
+        for k in range(cfg.objective.noise_twins):
+            twin = _noise_twin(cfg, source, tcfg, seed, k, float(res.eval_logloss))
+            twins.append(float(twin.eval_logloss))
+            paired.append(relative_log_loss(twin.eval_logloss, res.eval_logloss) * 100)
+            regime_times.append(float(twin.step_time_s))
     lls = tuple(float(r.eval_logloss) for r in results)
-    floor = max([abs(relative_log_loss(ll, lls[0])) * 100 for ll in lls[1:]], default=0.0)
+    spread = max([abs(relative_log_loss(ll, lls[0])) * 100 for ll in lls[1:]], default=None)
+    floor = paired_noise_floor(paired)
     r0 = results[0]
     step_s = float(statistics.median(regime_times))
     bl = Baseline(seeds=tuple(cfg.training.seeds), eval_logloss=lls, eval_ne=float(r0.eval_ne),
                   eval_auc=float(r0.eval_auc), window_losses=tuple(float(x) for x in r0.loss_curve),
                   window_steps=tuple(int(s) for s in r0.curve_steps), noise_floor_pct=float(floor),
                   step_time_s=step_s, speed_source="measured",
-                  measured_step_time_s=step_s, device=str(r0.device))
+                  measured_step_time_s=step_s, device=str(r0.device), paired_logloss=tuple(twins),
+                  paired_noise_pct=tuple(float(x) for x in paired),
+                  seed_spread_pct=None if spread is None else float(spread), noise_floor_kind="paired")
+    n = cfg.objective.noise_twins
+    per_seed = ", ".join(f"seed {s}: " + " ".join(f"{x:+.3g}%" for x in paired[i * n:(i + 1) * n])
+                         for i, s in enumerate(bl.seeds))
+    _log(f"[loka-tune] noise floor {floor:.3g}% (paired: the largest |rel. log loss| of a twin vs its seed's"
+         f" baseline; {per_seed})"
+         + ("" if spread is None else f"; seed to seed {spread:.3g}% (information only: trials are paired)"))
     assert first_model is not None
     return bl, stats, first_model
+
+
+def _noise_twin(cfg: StudyConfig, source: Any, tcfg: Any, seed: int, twin: int, base_logloss: float) -> Any:
+    """Seed ``seed``'s noise twin number ``twin``: its bf16 baseline run again in the regime
+    (``tcfg``), from initial weights perturbed by :func:`perturb_weights`. With ``[regime]
+    nproc > 1`` the other ranks build the unperturbed model and DDP's initial broadcast gives
+    them rank 0's."""
+    from loka_tune.applier import apply
+    from loka_tune.objectives.metrics import relative_log_loss
+
+    bf16 = PrecisionConfig()
+    model = perturb_weights(make_model(cfg, source, seed=seed), seed, twin=twin)
+    apply(model, bf16)
+    t0 = time.perf_counter()
+    what = f"noise twin {twin + 1} of seed {seed}"
+    _log(f"[loka-tune] {what} (bf16, {NOISE_PERTURBATION}, {_regime_str(tcfg)}): {tcfg.steps} steps ...")
+    res = _train(model, source, tcfg, seed=seed, config=bf16, progress=_say_progress(what, tcfg.steps))
+    if res.status != "ok":
+        raise StudyError(f"the {what} (its bf16 baseline from perturbed initial weights) did not finish: status"
+                         f" {res.status!r} (non-finite step {res.nonfinite_step}): the runs are unstable; lower"
+                         " training.lr_dense/lr_sparse")
+    _log(f"[loka-tune] {what}: eval log loss {res.eval_logloss:.5f}"
+         f" ({relative_log_loss(res.eval_logloss, base_logloss) * 100:+.4f}% vs its baseline,"
+         f" {time.perf_counter() - t0:.1f}s)")
+    return res
 
 
 def _regime_str(tcfg: Any) -> str:
@@ -172,16 +284,19 @@ def time_reference(cfg: StudyConfig, source: Any, device: str, mods: ModsConfig,
 
 
 def check_budget(cfg: StudyConfig, baseline: Baseline, *, force: bool) -> None:
-    """Refuse (unless ``force``) a budget below the seed-to-seed noise floor."""
+    """Refuse (unless ``force``) a budget below the baseline's noise floor: the message says how
+    big the floor is, what it measures, and which settings move it."""
     b, floor = cfg.objective.budget_pct, baseline.noise_floor_pct
-    if len(baseline.seeds) < 2:
-        warnings.warn("one baseline seed: the noise floor is unknown; give training.seeds = [0, 1, 2]",
-                      stacklevel=2)
+    if baseline.noise_floor_kind == "seeds" and len(baseline.seeds) < 2:  # an old one-seed baseline
+        warnings.warn("one baseline seed: the noise floor is unknown; run the study again with --fresh"
+                      " for a paired floor", stacklevel=2)
         return
     if b < floor:
-        msg = (f"objective.budget_pct = {b}% is below the noise floor {floor:.4g}% (relative log loss between"
-               f" bf16 baseline seeds {list(baseline.seeds)}): trials cannot be told apart from noise."
-               " Raise the budget, lengthen the runs (training.steps / eval_batches), or pass --force")
+        msg = (f"objective.budget_pct = {b}% is below the noise floor {floor:.4g}% ({baseline.noise_floor_what()}):"
+               " a trial's relative log loss cannot be told apart from noise. Raise objective.budget_pct above"
+               f" {floor:.3g}%, or make the short runs less noisy: a larger training.batch_size lowers the floor"
+               " most (more training.steps can raise it: a change has longer to grow); objective.noise_twins > 1"
+               " measures it more steadily. Or pass --force")
         if not force:
             raise StudyError(msg)
         warnings.warn(msg + " (forced)", stacklevel=2)

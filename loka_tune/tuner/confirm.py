@@ -29,7 +29,7 @@ from loka_tune.objectives.speed import measure_forward_seconds
 from loka_tune.tuner.baseline import modeled_seconds, time_reference
 from loka_tune.tuner.build import _first_batch, _log, _train, make_model, resolve_device, train_config
 from loka_tune.tuner.prepare import StudyContext
-from loka_tune.tuner.results import ATTR_CONFIRM, TrialRecord
+from loka_tune.tuner.results import ATTR_CONFIRM, TrialRecord, noise_note
 from loka_tune.tuner.trial import reference_seconds
 
 __all__ = ["confirm_best", "confirmation_candidates"]
@@ -84,7 +84,8 @@ def confirm_best(ctx: StudyContext, *, n_best: int | None = None,
     what = ("none within the budget" if chosen is None else
             f"trial {chosen['trial']}: {chosen['speedup_vs_mods']:.3f}x vs bf16 + same Mods (claimed"
             f" {chosen['claimed_speedup_vs_mods']:.3f}x), rel. LL {chosen['rel_logloss_pct']:+.4f}%"
-            f" +- {chosen['rel_logloss_sd_pct'] or 0:.4f}")
+            f" (sd {chosen['rel_logloss_sd_pct'] or 0:.4f} over the seeds)"
+            + noise_note(chosen['rel_logloss_pct'], ctx.baseline.noise_floor_pct))
     _log(f"[loka-tune] confirmed: {what} ({result['wall_s']:.0f}s)")
     return result
 
@@ -170,5 +171,5 @@ def _confirm_one(ctx: StudyContext, trial: Any, seeds: tuple[int, ...]) -> dict[
                feasible=mean <= ctx.cfg.objective.budget_pct)
     _log(f"[loka-tune]   trial {trial.number}: {row['speedup_vs_mods']:.3f}x vs bf16 + same Mods (claimed"
          f" {r.speedup_vs_mods or math.nan:.3f}x), rel. LL {mean:+.4f}% over seeds {list(seeds)}"
-         f" ({'feasible' if row['feasible'] else 'over budget'})")
+         f"{noise_note(mean, ctx.baseline.noise_floor_pct)} ({'feasible' if row['feasible'] else 'over budget'})")
     return row

@@ -2,7 +2,8 @@
 
 One study, end to end (see ``docs/design.md``)::
 
-    StudyConfig ──> baseline: bf16 short runs on 2-3 seeds (the noise floor of relative log loss)
+    StudyConfig ──> baseline: bf16 short runs on 2-3 seeds, each with its noise twins (the same
+                    run from perturbed initial weights: the paired noise floor of relative log loss)
                     + the Probe's online statistics during the first one
                 ──> space: sites x roles x candidates, pruned by the ProbeReport (unsafe / slow)
                 ──> enqueued: all-bf16, the Dispatch plan, all-FP8 at the fastest safe choices
@@ -60,7 +61,7 @@ from loka_tune.tuner._workers import (
 from loka_tune.tuner.build import _log, resolve_device
 from loka_tune.tuner.optuna_setup import make_storage, open_study, set_constraint
 from loka_tune.tuner.prepare import StudyContext, prepare_study
-from loka_tune.tuner.results import STATES_DONE, TrialRecord, best_trial
+from loka_tune.tuner.results import STATES_DONE, TrialRecord, best_trial, noise_note
 from loka_tune.tuner.study import StudyConfig
 from loka_tune.tuner.tracking import Tracker
 from loka_tune.tuner.trial import evaluate_config
@@ -286,7 +287,9 @@ def _progress_line(ctx: StudyContext, number: int, n_total: int | None, attrs: M
     rel, sp = r.rel_logloss_pct, r.speedup
     tag = " (cache)" if r.cache_hit else ""
     vs_mods = f" ({r.speedup_vs_mods:.3f}x vs bf16+Mods)" if r.speedup_vs_mods is not None else ""
-    what = (f"rel.LL {rel:+.4f}%  speed-up {sp:.3f}x{vs_mods}" if state == "COMPLETE" and rel is not None and sp is not None
+    noise = noise_note(rel, ctx.baseline.noise_floor_pct)
+    what = (f"rel.LL {rel:+.4f}%{noise}  speed-up {sp:.3f}x{vs_mods}"
+            if state == "COMPLETE" and rel is not None and sp is not None
             else f"{state.lower()}: {r.fail_reason or r.reason or ''}")
     counted = _n_counted(trials)[0]
     of_total = f" ({counted}/{n_total} done)" if n_total else f" ({counted} done)"

@@ -4,6 +4,9 @@ the best trial, the leaderboard and the exported config.
 A trial's record lives in its Optuna user attributes (a flat JSON dict); :class:`TrialRecord`
 is its typed form. The loop writes it; this module, ``loka-tune report``/``export`` and MLflow
 tracking read it. Feasibility is one rule, :func:`constraint`: relative log loss - budget <= 0.
+"Within noise" is another, :func:`within_noise`: |relative log loss| <= the baseline's noise
+floor, a result neither better nor worse than bf16 (read from the stored baseline, never stored
+per trial).
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from loka_tune.config import ModsConfig, PrecisionConfig
 from loka_tune.errors import LokaError, StudyError
 
 __all__ = ["ATTR_BASELINE", "ATTR_SPACE", "ATTR_STUDY", "ATTR_REFERENCE", "ATTR_CONFIRM", "ATTR_PREPARE_S", "STATES_DONE",
-           "TrialRecord", "constraint", "best_trial", "confirmation", "exported_trial", "leaderboard", "export_best",
+           "TrialRecord", "constraint", "within_noise", "noise_floor", "noise_note", "best_trial", "confirmation",
+           "exported_trial", "leaderboard", "export_best",
            "study_summary"]
 
 ATTR_BASELINE = "loka.baseline"  # study user attr: the Baseline JSON
@@ -39,6 +43,31 @@ def constraint(rel_logloss_pct: float | None, budget_pct: float | None) -> float
     if budget_pct is None or rel_logloss_pct is None or not math.isfinite(rel_logloss_pct):
         return INFEASIBLE
     return float(rel_logloss_pct) - float(budget_pct)
+
+
+def within_noise(rel_logloss_pct: float | None, noise_floor_pct: float | None) -> bool | None:
+    """Whether a relative log loss (percent) lies within the noise floor, ``|rel| <= floor``: such a
+    result cannot be told from bf16's own (neither better nor worse). None when either is unknown."""
+    if rel_logloss_pct is None or noise_floor_pct is None:
+        return None
+    rel, floor = float(rel_logloss_pct), float(noise_floor_pct)
+    if not (math.isfinite(rel) and math.isfinite(floor)):
+        return None
+    return abs(rel) <= floor
+
+
+def noise_note(rel_logloss_pct: float | None, noise_floor_pct: float | None) -> str:
+    """``" (within noise +-F%)"`` for a result within the noise floor, else ``""``: the label
+    the trial lines, ``tune``'s summary and ``report`` put beside a relative log loss."""
+    if within_noise(rel_logloss_pct, noise_floor_pct):
+        return f" (within noise +-{float(noise_floor_pct or 0):.3g}%)"
+    return ""
+
+
+def noise_floor(study: Any) -> float | None:
+    """The stored baseline's noise floor (percent), or None before the study is prepared."""
+    v = (study.user_attrs.get(ATTR_BASELINE) or {}).get("noise_floor_pct")
+    return None if v is None else float(v)
 
 
 # the record's keys written when a trial starts; other workers find a running duplicate by config_key
@@ -151,11 +180,13 @@ def exported_trial(study: Any, *, unconfirmed: bool = False) -> Any:
 
 def leaderboard(study: Any, *, limit: int | None = None) -> list[dict[str, Any]]:
     """Finished trials, feasible ones first by step time, then the rest by relative log loss;
-    ``exported`` marks the trial ``export_best`` would write."""
+    ``exported`` marks the trial ``export_best`` would write, ``within_noise`` a completed
+    trial whose relative log loss is within the baseline's noise floor (:func:`within_noise`)."""
     try:
         exported = exported_trial(study).number
     except StudyError:
         exported = None
+    floor = noise_floor(study)
     rows = []
     for t in study.get_trials(deepcopy=False):
         if t.state.name not in STATES_DONE:
@@ -165,6 +196,7 @@ def leaderboard(study: Any, *, limit: int | None = None) -> list[dict[str, Any]]
         rows.append({"trial": t.number, "state": t.state.name, "feasible": bool(r.feasible),
                      "step_time_s": t.value, "speedup": r.speedup, "speedup_vs_mods": r.speedup_vs_mods,
                      "rel_logloss_pct": r.rel_logloss_pct, "exported": t.number == exported,
+                     "within_noise": within_noise(r.rel_logloss_pct, floor) if t.state.name == "COMPLETE" else None,
                      "eval_ne": r.eval_ne, "eval_auc": r.eval_auc, "cache_hit": bool(r.cache_hit),
                      "fp8_gemms": n_fp8, "mods": (r.config.get("mods") and _mods_str(r.config["mods"])) or "none",
                      "reason": r.fail_reason or "", "seeded": "" if r.seeded is None else r.seeded,
@@ -241,6 +273,7 @@ def export_best(study: Any, out: str | Path | None = None, *, trial: int | None 
         "baseline_logloss": (bl.get("eval_logloss") or [None])[0],
         "baseline_step_time_s": bl.get("step_time_s"),
         "noise_floor_pct": bl.get("noise_floor_pct"),
+        "within_noise": within_noise(r.rel_logloss_pct, bl.get("noise_floor_pct")),
         "device": bl.get("device"),
         "cost_device": objective.get("cost_device"),
         "cost_batch_size": objective.get("cost_batch_size") or training.get("batch_size"),
@@ -272,6 +305,8 @@ def _confirmed_provenance(study: Any, number: int, r: TrialRecord) -> dict[str, 
             "confirmed_step_time_s": "step_time_s", "confirmed_rel_logloss_pct": "rel_logloss_pct",
             "confirmed_rel_logloss_sd_pct": "rel_logloss_sd_pct"}
     out.update({k: (row or {}).get(v) for k, v in keys.items()})
+    floor = (study.user_attrs.get(ATTR_BASELINE) or {}).get("noise_floor_pct")
+    out["confirmed_within_noise"] = within_noise(out["confirmed_rel_logloss_pct"], floor) if row is not None else None
     out["confirmed_seeds"] = c.get("seeds") if row is not None else None
     out["confirmed_regime"] = c.get("regime") if row is not None else None
     return out

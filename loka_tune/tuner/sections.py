@@ -230,14 +230,18 @@ def _read_seeds(t: Table, default: tuple[int, ...]) -> tuple[int, ...]:
         raise ConfigError(f"got {seeds!r}; expected a list of 1-5 integer seeds >= 0, e.g. [0, 1, 2]",
                           key="training.seeds")
     if not 1 <= len(seeds) <= 5 or len(set(seeds)) != len(seeds):
-        raise ConfigError(f"got {seeds!r}; give 1 to 5 distinct seeds (2-3 measure the noise floor)",
+        raise ConfigError(f"got {seeds!r}; give 1 to 5 distinct seeds (2-3 are usual)",
                           key="training.seeds")
     return tuple(seeds)
 
 
 @dataclass(frozen=True)
 class ObjectiveSection:
-    """What is minimized (step time) and the constraint (relative log loss <= budget)."""
+    """What is minimized (step time) and the constraint (relative log loss <= budget).
+
+    ``noise_twins``: noise twins per baseline seed (bf16 runs from perturbed initial weights,
+    :mod:`loka_tune.tuner.baseline`), whose paired relative log loss is the noise floor the
+    budget must exceed; more give a steadier floor, each costs one baseline run."""
 
     kind: str = "train_step"
     budget_pct: float = 0.5
@@ -245,6 +249,7 @@ class ObjectiveSection:
     cost_device: str = "h200"
     cost_batch_size: int | None = None
     non_gemm_fraction: float = 0.3
+    noise_twins: int = 1
 
     @classmethod
     def from_table(cls, t: Table, where: Where) -> ObjectiveSection:
@@ -256,6 +261,7 @@ class ObjectiveSection:
             cost_device=t.string("cost_device", d.cost_device),
             cost_batch_size=t.integer("cost_batch_size", d.cost_batch_size, minimum=1, allow_none=True),
             non_gemm_fraction=t.number("non_gemm_fraction", d.non_gemm_fraction, minimum=0.0, maximum=0.95),
+            noise_twins=t.integer("noise_twins", d.noise_twins, minimum=1),
         )
         t.done()
         from loka_tune.kernels.costmodel import DEVICES

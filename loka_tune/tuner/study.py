@@ -30,7 +30,7 @@ Layout (every section but ``[model]`` and ``[data]`` is optional)::
     batch_size = 256
     lr_dense = 1e-3
     lr_sparse = 1e-2
-    seeds = [0, 1, 2]            # baseline seeds (2-3): the noise floor; trials pair with seeds[0]
+    seeds = [0, 1, 2]            # baseline seeds (2-3); trials pair with seeds[0], confirmation with each
     eval_batches = 8
     window = 10
     device = "auto"              # "auto", "cpu", "cuda" or "cuda:N"
@@ -42,6 +42,7 @@ Layout (every section but ``[model]`` and ``[data]`` is optional)::
     cost_device = "h200"         # target device of the cost model
     cost_batch_size = 65536      # batch size the modeled step time is computed at (default: training's)
     non_gemm_fraction = 0.3      # modeled share of non-GEMM work in the bf16 step
+    noise_twins = 1              # per baseline seed: bf16 runs from perturbed init, the paired noise floor
 
     [space]
     formats = ["e4m3", "e5m2"]

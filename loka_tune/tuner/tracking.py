@@ -1,13 +1,17 @@
 """MLflow tracking of a study: one parent run, one nested run per trial, plots.
 
 - Parent run (one per study, shared by every worker: its id is stored in the Optuna study):
-  the study's settings as params, the baseline's metrics, the probe report, and at the end the
-  plots (speed vs relative log loss with the budget line and the Pareto front; the per-layer
-  choice map of the best trial) and the leaderboard.
+  the study's settings as params, the baseline's metrics (the noise floor, each noise twin's
+  paired relative log loss, the seed-to-seed distance), the probe report, and at the end the
+  plots (:mod:`loka_tune.tuner.plots`: speed vs relative log loss with the budget line, the
+  noise band and the Pareto front; the per-layer choice map of the exported trial) and the
+  leaderboard; the confirmed config's numbers and its ``confirmed_within_noise`` tag.
 - Nested run per trial: params ``site.<layer name>`` = the layer's choice (``e4m3.row.emulated``,
   or ``fwd|dgrad|wgrad`` when they differ) and ``mods``; metrics ``step_time_s``, ``speedup``,
   ``rel_logloss_pct``, ``eval_ne``, ``eval_auc``, ``probe_error``; tags ``feasible``,
-  ``pruned``, ``cache_hit``, ``state``, ``speed_source``; the PrecisionConfig JSON as an artifact.
+  ``within_noise`` (|rel_logloss_pct| <= the baseline's noise floor: no measurable difference
+  from bf16), ``pruned``, ``cache_hit``, ``state``, ``speed_source``; the PrecisionConfig JSON
+  as an artifact.
   Search them with e.g. ``mlflow.search_runs(filter_string="params.`site.top.0` LIKE 'e4m3%'")``.
 
 Every call goes through :class:`mlflow.MlflowClient` with explicit run ids (no global active
@@ -33,10 +37,18 @@ from typing import Any, TypeVar
 
 from loka_tune.config import ROLES, PrecisionConfig
 from loka_tune.errors import StudyError
-from loka_tune.tuner.results import ATTR_BASELINE, TrialRecord, best_trial, confirmation, leaderboard
+from loka_tune.tuner.plots import (  # noqa: F401 - the plots' public names, importable from here as before
+    pareto_front,
+    place_labels,
+    plot_choice_map,
+    plot_speed_vs_loss,
+    speed_vs_loss_layout,
+    write_plots,
+)
+from loka_tune.tuner.results import TrialRecord, best_trial, confirmation, leaderboard, within_noise
 
 __all__ = ["Tracker", "retry", "write_plots", "plot_speed_vs_loss", "speed_vs_loss_layout", "plot_choice_map",
-           "pareto_front", "site_params"]
+           "pareto_front", "place_labels", "site_params"]
 
 ATTR_PARENT = "loka.mlflow_parent_run"
 T = TypeVar("T")
@@ -190,15 +202,19 @@ class Tracker:
     # ------------------------------------------------------------------ study level
     def log_baseline(self, baseline: Any, space: Any, probe_report: Path | None, *,
                      curves: Mapping[int, Sequence[float]] | None = None) -> None:
-        """The baseline's numbers, its seeds' per-step training losses (``baseline_train_loss.seed<N>``)
-        and the probe report on the parent run."""
+        """The baseline's numbers (the noise floor, each noise twin's ``paired_noise_pct`` at step
+        1, 2, ..., the seed-to-seed ``seed_spread_pct``), its seeds' per-step training losses
+        (``baseline_train_loss.seed<N>``) and the probe report on the parent run."""
         assert self.parent_run_id is not None
         self._site_names = list(space.site_names)
         self._log_metrics(self.parent_run_id, {
             "baseline_logloss": baseline.logloss, "baseline_ne": baseline.eval_ne, "baseline_auc": baseline.eval_auc,
-            "noise_floor_pct": baseline.noise_floor_pct, "baseline_step_time_s": baseline.step_time_s,
+            "noise_floor_pct": baseline.noise_floor_pct, "seed_spread_pct": getattr(baseline, "seed_spread_pct", None),
+            "baseline_step_time_s": baseline.step_time_s,
             "n_sites": len(space.sites), "n_fp8_candidates": space.n_fp8_candidates()})
-        self._set_tags(self.parent_run_id, {"speed_source": baseline.speed_source, "device": baseline.device})
+        self._log_curve(self.parent_run_id, "paired_noise_pct", getattr(baseline, "paired_noise_pct", ()))
+        self._set_tags(self.parent_run_id, {"speed_source": baseline.speed_source, "device": baseline.device,
+                                            "noise_floor_kind": getattr(baseline, "noise_floor_kind", None)})
         for seed, losses in (curves or {}).items():
             self._log_curve(self.parent_run_id, f"baseline_train_loss.seed{seed}", losses)
         retry(self.client.log_text, self.parent_run_id, json.dumps(space.to_dict(), indent=1), "search_space.json")
@@ -217,6 +233,9 @@ class Tracker:
         a = TrialRecord.from_attrs(attrs)
         tags = {"mlflow.parentRunId": self.parent_run_id, "loka.study": self.study_name, "loka.trial": number,
                 "state": state, "feasible": bool(a.feasible), "pruned": state == "PRUNED",
+                "within_noise": (within_noise(a.rel_logloss_pct, getattr(getattr(ctx, "baseline", None),
+                                                                         "noise_floor_pct", None))
+                                 if state == "COMPLETE" else None),
                 "cache_hit": bool(a.cache_hit), "speed_source": a.speed_source or ctx.speed,
                 "fail_reason": a.fail_reason or None, "seeded": a.seeded or None, "cached_from": a.cached_from}
         end_ms = int(time.time() * 1000)
@@ -266,7 +285,7 @@ class Tracker:
                                                    "best_speedup_vs_mods": b.speedup_vs_mods,
                                                    "best_rel_logloss_pct": b.rel_logloss_pct})
             self._set_tags(self.parent_run_id, {"best_trial": best.number})
-        self._log_confirmation(confirmation(ctx.study))
+        self._log_confirmation(confirmation(ctx.study), ctx.baseline.noise_floor_pct)
         if self.plots:
             for path in write_plots(ctx.study, ctx.space, out, budget_pct=ctx.cfg.objective.budget_pct,
                                     speed_source=ctx.speed, noise_floor_pct=ctx.baseline.noise_floor_pct):
@@ -274,7 +293,7 @@ class Tracker:
         retry(self.client.set_terminated, self.parent_run_id, "FINISHED")
 
 
-    def _log_confirmation(self, c: Mapping[str, Any] | None) -> None:
+    def _log_confirmation(self, c: Mapping[str, Any] | None, noise_floor_pct: float | None = None) -> None:
         """The confirmation stage on the parent run: the chosen config's confirmed numbers, the table."""
         assert self.parent_run_id is not None
         if not c:
@@ -282,6 +301,9 @@ class Tracker:
         retry(self.client.log_text, self.parent_run_id, json.dumps(c, indent=1), "confirmation.json")
         row = next((r for r in c.get("rows", []) if r.get("trial") == c.get("chosen")), None)
         self._set_tags(self.parent_run_id, {"confirmed_trial": c.get("chosen", "none") if row else "none"})
+        if row is not None:
+            self._set_tags(self.parent_run_id, {
+                "confirmed_within_noise": within_noise(row.get("rel_logloss_pct"), noise_floor_pct)})
         if row is not None:
             self._log_metrics(self.parent_run_id, {
                 "confirmed_speedup_vs_mods": row.get("speedup_vs_mods"), "confirmed_speedup": row.get("speedup"),
@@ -319,144 +341,3 @@ def _flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             out[key] = _redact(v) if isinstance(v, str) else json.dumps(v) if isinstance(v, (list, tuple, dict)) else v
     return out
-
-
-# ---------------------------------------------------------------------------------------------
-# plots (matplotlib, Agg, imported lazily)
-
-
-def pareto_front(points: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
-    """The (loss, speed-up) points no other point beats on both (lower loss, higher speed-up), by loss."""
-    front: list[tuple[float, float]] = []
-    for x, y in sorted(points, key=lambda p: (p[0], -p[1])):
-        if not front or y > front[-1][1]:
-            front.append((x, y))
-    return front
-
-
-def _plt() -> Any:
-    import matplotlib
-
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def speed_vs_loss_layout(rows: Sequence[Mapping[str, Any]], budget_pct: float, *,
-                         noise_floor_pct: float = 0.0) -> dict[str, Any]:
-    """What :func:`plot_speed_vs_loss` draws, as data: the points (trial, loss, speed-up,
-    feasible), the exported trial, the Pareto front, the noise-floor band and axis limits that
-    fit the points, the budget line and the band (with a 8% margin)."""
-    pts = [(int(r.get("trial", i)), float(r["rel_logloss_pct"]), float(r["speedup"]), bool(r["feasible"]))
-           for i, r in enumerate(rows)
-           if r.get("state") == "COMPLETE" and _finite(r.get("rel_logloss_pct")) and _finite(r.get("speedup"))]
-    exp_n = next((r.get("trial") for r in rows if r.get("exported")), None)
-    exported = next(((p[0], p[1], p[2]) for p in pts if p[0] == exp_n), None)
-    front = pareto_front([(p[1], p[2]) for p in pts])
-    floor = abs(noise_floor_pct) if _finite(noise_floor_pct) else 0.0
-    xs = [p[1] for p in pts] + [budget_pct, -floor, floor]
-    ys = [p[2] for p in pts] + [1.0]
-
-    def fit(v: list[float], pad_min: float) -> tuple[float, float]:
-        lo, hi = min(v), max(v)
-        pad = max((hi - lo) * 0.08, pad_min)
-        return lo - pad, hi + pad
-
-    # the same trials' speed-up vs bf16 with their own Mods (FP8's share of the gain), where known
-    vs_mods = [(int(r.get("trial", i)), float(r["rel_logloss_pct"]), float(r["speedup_vs_mods"]))
-               for i, r in enumerate(rows) if r.get("state") == "COMPLETE" and _finite(r.get("rel_logloss_pct"))
-               and _finite(r.get("speedup")) and _finite(r.get("speedup_vs_mods"))]
-    ys += [p[2] for p in vs_mods]
-    return {"points": pts, "vs_mods": vs_mods, "exported": exported, "front": front, "band": (-floor, floor),
-            "xlim": fit(xs, 0.01), "ylim": fit(ys, 0.005)}
-
-
-def plot_speed_vs_loss(rows: Sequence[Mapping[str, Any]], budget_pct: float, path: str | Path, *,
-                       speed_source: str = "modeled", title: str = "", noise_floor_pct: float = 0.0) -> Path:
-    """Speed-up vs relative log loss of the completed trials (each labelled with its number; filled:
-    vs bf16, hollow: vs bf16 with the trial's own Mods), the budget line, the noise-floor band (|relative log loss| between bf16 seeds), the Pareto front
-    (drawn as a line through its points) and the exported trial (a star); axes fitted to them."""
-    plt = _plt()
-    lay = speed_vs_loss_layout(rows, budget_pct, noise_floor_pct=noise_floor_pct)
-    pts = lay["points"]
-    fig, ax = plt.subplots(figsize=(6.8, 4.6))
-    lo, hi = lay["band"]
-    if hi > 0:
-        ax.axvspan(lo, hi, color="grey", alpha=0.15, label=f"noise floor +-{hi:.3g}%")
-    for feas, color, label in ((True, "tab:green", "feasible"), (False, "tab:red", "over budget")):
-        sel = [p for p in pts if p[3] == feas]
-        if sel:
-            ax.scatter([p[1] for p in sel], [p[2] for p in sel], c=color, s=22, label=label, alpha=0.8, zorder=3)
-    if lay["vs_mods"]:
-        ax.scatter([p[1] for p in lay["vs_mods"]], [p[2] for p in lay["vs_mods"]], s=22, facecolors="none",
-                   edgecolors="tab:blue", lw=0.8, label="same trial vs bf16 + its Mods", zorder=2)
-    for n, x, y, _ in pts:
-        ax.annotate(str(n), (x, y), textcoords="offset points", xytext=(3, 3), fontsize=6, color="dimgrey")
-    front = lay["front"]
-    if front:
-        ax.plot([p[0] for p in front], [p[1] for p in front], "k-", marker="o", mfc="none", ms=7, lw=1,
-                drawstyle="steps-post", label="Pareto front", zorder=2)
-    if lay["exported"] is not None:
-        n, x, y = lay["exported"]
-        ax.scatter([x], [y], marker="*", s=220, c="gold", edgecolors="k", zorder=4, label=f"exported (trial {n})")
-    ax.axvline(budget_pct, color="tab:orange", ls="--", label=f"budget {budget_pct:g}%")
-    ax.axhline(1.0, color="grey", lw=0.6)
-    ax.set_xlim(*lay["xlim"])
-    ax.set_ylim(*lay["ylim"])
-    ax.set_xlabel("relative log loss vs bf16 baseline (%)")
-    ax.set_ylabel(f"speed-up vs bf16 ({speed_source})")
-    ax.set_title(title or "trials: speed vs loss")
-    ax.legend(loc="best", fontsize=7)
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
-def plot_choice_map(config: PrecisionConfig, site_names: Sequence[str], path: str | Path, *, title: str = "") -> Path:
-    """A table of the best trial's choice per layer (rows) and GEMM (columns), colored by format."""
-    plt = _plt()
-    colors = {"bf16": "#dddddd", "e4m3": "#8fd18f", "e5m2": "#f2c46d", "mxfp8": "#8fb8e8"}
-    n = max(1, len(site_names))
-    fig, ax = plt.subplots(figsize=(7.5, 0.8 + 0.32 * n))
-    for i, name in enumerate(site_names):
-        prec = config.resolve(name)
-        for j, r in enumerate(ROLES):
-            c = prec[r]
-            label = c.short_str()
-            fmt = c.a_format.value
-            ax.add_patch(plt.Rectangle((j, n - 1 - i), 1, 1, color=colors.get(fmt, "#cccccc"), ec="white"))
-            ax.text(j + 0.5, n - 0.5 - i, label, ha="center", va="center", fontsize=7)
-    ax.set_xlim(0, 3)
-    ax.set_ylim(0, n)
-    ax.set_xticks([0.5, 1.5, 2.5], [r.value for r in ROLES])
-    ax.set_yticks([n - 0.5 - i for i in range(len(site_names))], list(site_names), fontsize=7)
-    ax.set_title(title or f"per-layer choices (mods: {config.mods.short_str()})", fontsize=9)
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
-def write_plots(study: Any, space: Any, out_dir: str | Path, *, budget_pct: float, speed_source: str,
-                noise_floor_pct: float | None = None) -> list[Path]:
-    """Both plots of a study into ``out_dir`` (the choice map only when a feasible trial exists);
-    the noise floor defaults to the stored baseline's."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    rows = leaderboard(study)
-    if noise_floor_pct is None:
-        noise_floor_pct = float((study.user_attrs.get(ATTR_BASELINE) or {}).get("noise_floor_pct") or 0.0)
-    paths = [plot_speed_vs_loss(rows, budget_pct, out / "speed_vs_loss.png", speed_source=speed_source,
-                                title=f"{study.study_name}: {len(rows)} trials", noise_floor_pct=noise_floor_pct)]
-    best = best_trial(study, raise_if_none=False)
-    if best is not None:
-        r = TrialRecord.of(best)
-        paths.append(plot_choice_map(PrecisionConfig.from_dict(r.config), space.site_names,
-                                     out / "best_choice_map.png",
-                                     title=f"trial {best.number}: {r.speedup or 0:.3f}x,"
-                                           f" rel. LL {r.rel_logloss_pct or 0:+.4f}%"))
-    return paths
