@@ -46,3 +46,44 @@ def _one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+_TORCH_CONFIGS = ("torch._dynamo.config", "torch._inductor.config")
+
+
+_GONE = object()
+
+
+def _config_snapshot(keys: dict[str, dict[str, object]] | None = None) -> dict[str, dict[str, object]]:
+    """Each loaded config's settings read as a user reads them (``getattr``: a deleted setting
+    is hidden, not removed from the config's own listing); ``keys``: the settings to read."""
+    import sys
+    import warnings
+
+    out = {}
+    for name in _TORCH_CONFIGS:
+        if name in sys.modules:
+            mod = sys.modules[name]
+            names = keys[name] if keys is not None and name in keys else mod.get_config_copy()
+            with warnings.catch_warnings():  # reading a deprecated setting warns (once per process)
+                warnings.simplefilter("ignore")
+                out[name] = {k: getattr(mod, k, _GONE) for k in names}
+    return out
+
+
+@pytest.fixture(autouse=True)
+def _torch_config_intact() -> Iterator[None]:
+    """Fails the test that leaves torch's dynamo/inductor config changed: a setting deleted,
+    or a value not restored. ``monkeypatch.setattr`` on these modules does that under
+    pytest >= 9.2 (their settings are not in the module's ``__dict__``, so undoing deletes
+    them, and every later ``torch.compile`` fails); use the config's own ``patch(...)``."""
+    before = _config_snapshot()
+    yield
+    after = _config_snapshot(before)
+    for name, was in before.items():
+        now = after[name]
+        changed = sorted(k for k in was if now[k] is not was[k] and now[k] != was[k])
+        if changed:
+            pytest.fail(f"{name} changed by this test: {changed[:8]}; patch it with "
+                        f"`with {name}.patch(key=value):`, not monkeypatch.setattr", pytrace=False)
+
