@@ -20,7 +20,10 @@ REPO = Path(__file__).resolve().parents[1]
 # The real CLI, with sleeps in the preparation's baseline and in every trial evaluation, so that a
 # signal reliably lands inside the phase the test aims at (a tiny study is otherwise done in seconds).
 _SLOW_CLI = """
-import sys, time
+import signal, sys, time
+# Ctrl-C's default action, as in a terminal: a runner started in the background (`cmd &`, as a CI
+# may be) passes SIGINT on ignored, and Python then installs no KeyboardInterrupt handler
+signal.signal(signal.SIGINT, signal.default_int_handler)
 import loka_tune.tuner.loop as loop
 import loka_tune.tuner.prepare as prepare
 _evaluate, _baseline = loop.evaluate_config, prepare.run_baseline
@@ -85,7 +88,7 @@ def test_sigterm_in_preparation_then_ctrl_c_in_a_trial_then_resume(tmp_path: Pat
     proc = _tune(study_file, prep_delay_s=60.0)
     _wait(lambda: any(out.glob(".prepare-*")), proc, "the preparation started")
     proc.send_signal(signal.SIGTERM)
-    text, _ = proc.communicate(timeout=180)  # a hung process fails; a loaded machine may take long
+    text, _ = proc.communicate(timeout=60)
     assert proc.returncode == 130, text
     assert "interrupted" in text
     assert not list(out.glob(".prepare-*")), "an interrupted preparation left its private folder behind"
@@ -98,7 +101,7 @@ def test_sigterm_in_preparation_then_ctrl_c_in_a_trial_then_resume(tmp_path: Pat
 
     _wait(running, proc, "a trial started")
     proc.send_signal(signal.SIGINT)
-    text, _ = proc.communicate(timeout=180)  # a hung process fails; a loaded machine may take long
+    text, _ = proc.communicate(timeout=60)
     assert proc.returncode == 130, text
     s = _load(study_file)
     (stopped,) = [t for t in s.trials if t.state.name == "FAIL"]
