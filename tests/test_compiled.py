@@ -15,12 +15,13 @@ def test_a_clean_compiled_run_reports_its_graphs() -> None:
     assert report["unique_graphs"] == 1 and report["graph_breaks"] == 0 and report["frames_ok"] >= 1
 
 
-def test_a_recompile_past_the_limit_raises_instead_of_running_eagerly(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_recompile_past_the_limit_raises_instead_of_running_eagerly() -> None:
     import torch._dynamo.config as dcfg
 
-    monkeypatch.setattr(dcfg, "recompile_limit", 1)
     lin = torch.nn.Linear(8, 4)
-    with pytest.raises(CompileHealthError, match="recompile limit"):
+    # dynamo's own patch(), not monkeypatch: its settings are not in the module's __dict__, so
+    # monkeypatch (pytest >= 9.2) deletes them when it undoes (see tests/conftest.py)
+    with dcfg.patch(recompile_limit=1), pytest.raises(CompileHealthError, match="recompile limit"):
         with strict_compile():
             f = torch.compile(lin, dynamic=False)
             f(torch.randn(3, 8))

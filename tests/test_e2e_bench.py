@@ -89,8 +89,7 @@ def test_uniform_policy_keeps_bf16_where_the_backend_refuses_the_real_shape(monk
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU behaviour (GPU variants skipped)")
-def test_e2e_compiled_variants_are_checked_and_a_forced_recompile_fails_loudly(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_e2e_compiled_variants_are_checked_and_a_forced_recompile_fails_loudly(tmp_path: Path) -> None:
     e2e = _load()
     cfg = PrecisionConfig(default=SitePrecision.parse("e4m3.row.emulated"), mods=ModsConfig(no_bias=True))
     cfg_path = tmp_path / "best.json"
@@ -109,9 +108,9 @@ def test_e2e_compiled_variants_are_checked_and_a_forced_recompile_fails_loudly(
     # needs another one, past a limit of 1: that variant must fail, loudly, not run eagerly
     import torch._dynamo.config as dcfg
 
-    monkeypatch.setattr(dcfg, "recompile_limit", 1)
-    rc = e2e.main(base + ["--variants", "bf16_mods", "--infer-batches", "32,64", "--infer-variants", "bf16_mods",
-                          "--out", str(tmp_path / "bad")])
+    with dcfg.patch(recompile_limit=1):  # not monkeypatch: it would delete the setting (tests/conftest.py)
+        rc = e2e.main(base + ["--variants", "bf16_mods", "--infer-batches", "32,64", "--infer-variants", "bf16_mods",
+                              "--out", str(tmp_path / "bad")])
     assert rc == 1
     bad = json.loads((tmp_path / "bad" / "results.json").read_text())["runs"][0]
     assert "CompileHealthError" in bad["error"] and "recompile limit" in bad["error"]

@@ -21,7 +21,9 @@ REPO = Path(__file__).resolve().parents[1]
 # signal reliably lands inside the phase the test aims at (a tiny study is otherwise done in seconds).
 _SLOW_CLI = """
 import signal, sys, time
-signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C as in a terminal, even if started in the background
+# Ctrl-C's default action, as in a terminal: a runner started in the background (`cmd &`, as a CI
+# may be) passes SIGINT on ignored, and Python then installs no KeyboardInterrupt handler
+signal.signal(signal.SIGINT, signal.default_int_handler)
 import loka_tune.tuner.loop as loop
 import loka_tune.tuner.prepare as prepare
 _evaluate, _baseline = loop.evaluate_config, prepare.run_baseline

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -52,13 +50,14 @@ def _worker(study: Path, *extra: str, trial_delay_s: float = 0.0) -> subprocess.
                              *extra], env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def _load(study: Path):  # noqa: ANN202
+def _load(study: Path, storage: str | None = None):  # noqa: ANN202
     import optuna
 
+    from loka_tune.tuner.optuna_setup import load_storage
     from loka_tune.tuner.study import load_study
 
     cfg = load_study(study)
-    return optuna.load_study(study_name=cfg.name, storage=cfg.storage.url)
+    return optuna.load_study(study_name=cfg.name, storage=load_storage(storage or cfg.storage.url))
 
 
 def _finished(study):  # noqa: ANN001, ANN202
@@ -119,17 +118,20 @@ def test_kill_9_mid_study_then_rerun_loses_and_repeats_nothing(tmp_path: Path) -
     _assert_no_duplicate_evaluations(s)
 
 
-def _two_workers(study_file: Path, n_trials: int) -> None:
-    procs = [_worker(study_file, "--worker-index", str(i), trial_delay_s=1.0) for i in range(2)]  # both get trials
+def _two_workers(study_file: Path, n_trials: int, storage: str | None = None) -> list[str]:
+    extra = ["--storage", storage] if storage else []
+    procs = [_worker(study_file, *extra, "--worker-index", str(i), trial_delay_s=1.0)  # both get trials
+             for i in range(2)]
     outs = [p.communicate(timeout=400)[0] for p in procs]
     for p, out in zip(procs, outs):
         assert p.returncode == 0, out
-    s = _load(study_file)
+    s = _load(study_file, storage)
     fin = _finished(s)
     assert n_trials <= len(_evaluated(s)) <= n_trials + 1  # at most one trial of overshoot between workers
     assert len({t.user_attrs["worker"] for t in fin}) == 2  # both did work
     _assert_no_duplicate_evaluations(s)
     assert s.user_attrs["loka.space"]  # one shared space
+    return outs
 
 
 @pytest.mark.slow
@@ -139,75 +141,27 @@ def test_two_workers_on_one_sqlite_study(tmp_path: Path) -> None:
 
 # ------------------------------------------------------------------------------ PostgreSQL
 
-def _pg_bin(name: str) -> str | None:
-    found = shutil.which(name)
-    if found:
-        return found
-    for d in sorted(Path("/usr/lib/postgresql").glob("*/bin"), reverse=True):
-        if (d / name).is_file():
-            return str(d / name)
-    return None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture()
-def postgres_url(tmp_path: Path):  # noqa: ANN201
-    """A throwaway PostgreSQL server in tmp_path on a free loopback port (skips where it cannot start)."""
-    pytest.importorskip("psycopg2", reason="psycopg2-binary is not installed")
-    initdb, pg_ctl = _pg_bin("initdb"), _pg_bin("pg_ctl")
-    if not initdb or not pg_ctl:
-        pytest.skip("PostgreSQL server binaries (initdb, pg_ctl) not found: apt-get install -y postgresql")
-    import tempfile
-
-    base = Path(tempfile.mkdtemp(prefix="loka-pg-"))  # not under tmp_path: its parents are private to root
-    data = base / "pgdata"
-    run_as: list[str] = []
-    if os.geteuid() == 0:  # initdb refuses to run as root: use the postgres account
-        if not shutil.which("runuser"):
-            pytest.skip("running as root without runuser: cannot start PostgreSQL")
-        try:
-            import pwd
-
-            pw = pwd.getpwnam("postgres")
-        except KeyError:
-            pytest.skip("running as root and there is no 'postgres' user")
-        data.mkdir()
-        os.chown(data, pw.pw_uid, pw.pw_gid)
-        os.chmod(base, 0o755)
-        run_as = ["runuser", "-u", "postgres", "--"]
-    port = _free_port()
-    r = subprocess.run([*run_as, initdb, "-D", str(data), "-A", "trust", "-U", "postgres"], capture_output=True,
-                       text=True)
-    if r.returncode != 0:
-        shutil.rmtree(base, ignore_errors=True)
-        pytest.skip(f"initdb failed: {r.stderr[-500:]}")
-    log = data / "server.log"
-    r = subprocess.run([*run_as, pg_ctl, "-D", str(data), "-l", str(log), "-w", "-t", "60", "-o",
-                        f"-p {port} -k {data} -c listen_addresses=127.0.0.1", "start"], capture_output=True, text=True)
-    if r.returncode != 0:
-        shutil.rmtree(base, ignore_errors=True)
-        pytest.skip(f"PostgreSQL did not start: {r.stdout[-300:]} {r.stderr[-300:]}")
-    try:
-        import psycopg2
-
-        conn = psycopg2.connect(host="127.0.0.1", port=port, user="postgres", dbname="postgres")
-        conn.autocommit = True
-        conn.cursor().execute("CREATE DATABASE loka")
-        conn.close()
-        yield f"postgresql+psycopg2://postgres@127.0.0.1:{port}/loka"
-    finally:
-        subprocess.run([*run_as, pg_ctl, "-D", str(data), "-m", "immediate", "stop"], capture_output=True)
-        shutil.rmtree(base, ignore_errors=True)
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    return subprocess.run([sys.executable, "-W", "ignore", "-m", "loka_tune", *args], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
 
 
 @pytest.mark.slow
-def test_two_workers_on_postgresql(tmp_path: Path, postgres_url: str) -> None:
-    _two_workers(_study_file(tmp_path, n_trials=5, storage=postgres_url), 5)
+def test_two_workers_on_the_documented_postgresql_url(tmp_path: Path, postgres_url: str) -> None:
+    """The README's scale-out command on a real server, through the CLI: `loka-tune tune STUDY
+    --storage postgresql://USER@HOST:PORT/DB` in two processes (as on two machines), which share
+    the study; then `export` and `report` read it back from the same URL."""
+    assert postgres_url.startswith("postgresql://")  # the documented form: no driver in the URL
+    study_file = _study_file(tmp_path, n_trials=5)
+    _two_workers(study_file, 5, storage=postgres_url)
+    assert not (tmp_path / "runs" / "t" / "optuna.db").exists()  # nothing went to the default SQLite file
+    out = tmp_path / "best.json"
+    r = _cli("export", "t", "--storage", postgres_url, "--out", str(out))
+    assert r.returncode == 0 and out.is_file(), r.stdout + r.stderr
+    r = _cli("report", str(study_file), "--storage", postgres_url, "--no-plots")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "trial" in r.stdout
 
 
 def test_orphan_trial_without_heartbeat_is_failed_and_requeued(tmp_path: Path) -> None:

@@ -59,10 +59,13 @@ def open_existing(study_arg: str, storage: str | None):  # noqa: ANN201
 
         if not Path(url[len("sqlite:///"):]).is_file():
             raise StudyError(f"no study storage at {url!r}: run `loka-tune tune {study_arg}` first")
+    from loka_tune.tuner.optuna_setup import load_storage
+    from loka_tune.tuner.storage import shown_url
+
     try:
-        study = optuna.load_study(study_name=name, storage=url)
+        study = optuna.load_study(study_name=name, storage=load_storage(url))
     except KeyError:
-        raise StudyError(f"no study named {name!r} in {url!r}: run `loka-tune tune` first") from None
+        raise StudyError(f"no study named {name!r} in {shown_url(url)!r}: run `loka-tune tune` first") from None
     return cfg, study
 
 

@@ -57,7 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("study", help="the study file (TOML)")
     parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: the study's training.device)")
     parser.add_argument("--storage", default=None,
-                        help="Optuna storage URL: sqlite:///PATH or postgresql://USER:PW@HOST:PORT/DB"
+                        help="Optuna storage URL: sqlite:///PATH (its folder must exist) or"
+                             " postgresql://USER:PW@HOST:PORT/DB (psycopg 3: pip install \"loka-tune[postgres]\")"
                              " (default: the study's [storage] url, a SQLite file in its output dir)")
     parser.add_argument("--n-trials", type=integer("a number of trials", minimum=1), default=None,
                         help="total trials of the study: distinct configurations evaluated (overrides the file)")
@@ -89,6 +90,10 @@ def run(args: argparse.Namespace) -> int:
     from loka_tune.errors import StudyError
 
     cfg = _load(args)
+    if args.storage is not None:  # before any work (and before torchrun starts ranks that would open it)
+        from loka_tune.tuner.storage import check_storage_url
+
+        check_storage_url(args.storage, option="--storage", own_dir=cfg.output_dir)
     nproc = cfg.regime.nproc
     if nproc > 1 and args.workers > 1:
         raise StudyError(f"got --workers {args.workers} for a study of [regime] nproc = {nproc}: its every run"

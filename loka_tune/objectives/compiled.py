@@ -104,12 +104,12 @@ def strict_compile(*, max_graphs: int | None = None) -> Iterator[dict[str, Any]]
 
     torch._dynamo.reset()
     counters.clear()
-    prev = {k: getattr(dcfg, k) for k in ("fail_on_recompile_limit_hit",) if hasattr(dcfg, k)}
-    for k in prev:
-        setattr(dcfg, k, True)
+    # dynamo's own patch(): restores the setting on exit (torch < 2.6 has no such setting)
+    strict = {k: True for k in ("fail_on_recompile_limit_hit",) if hasattr(dcfg, k)}
     report: dict[str, Any] = {}
     try:
-        yield report
+        with dcfg.patch(strict):
+            yield report
     except Exception as e:
         if type(e).__name__ == "FailOnRecompileLimitHit":
             raise CompileHealthError(
@@ -118,8 +118,6 @@ def strict_compile(*, max_graphs: int | None = None) -> Iterator[dict[str, Any]]
             ) from e
         raise
     finally:
-        for k, v in prev.items():
-            setattr(dcfg, k, v)
         report.update(dynamo_report())
     problems = []
     if report["graph_breaks"]:

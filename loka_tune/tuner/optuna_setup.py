@@ -12,15 +12,16 @@ import functools
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 from loka_tune.errors import StudyError
 from loka_tune.tuner.build import _log
 from loka_tune.tuner.results import ATTR_BASELINE, ATTR_SPACE, ATTR_STUDY, TrialRecord, constraint
+from loka_tune.tuner.storage import check_storage_url, open_rdb
 from loka_tune.tuner.study import StudyConfig, settings_changes, settings_of
 
-__all__ = ["make_storage", "make_sampler", "make_pruner", "open_study", "set_constraint", "check_settings"]
+__all__ = ["make_storage", "load_storage", "make_sampler", "make_pruner", "open_study", "set_constraint",
+           "check_settings"]
 
 CONSTRAINT_NAME = "rel_logloss_minus_budget_pct"
 ATTR_SETTINGS = "loka.settings"  # study user attr: the settings its baseline and space were made with
@@ -40,20 +41,17 @@ def _retry_db(fn: Callable[[], Any], tries: int = 8) -> Any:
 
 
 def make_storage(cfg: StudyConfig, url: str | None = None) -> Any:
-    """The Optuna RDB storage with heartbeats; a dead worker's trial is failed and re-queued."""
-    return _retry_db(lambda: _make_storage(cfg, url))
+    """The Optuna RDB storage with heartbeats; a dead worker's trial is failed and re-queued.
+    ``url`` (``--storage``) overrides the study's ``[storage] url``. A bad or unreachable
+    storage is a one-line :class:`StudyError` / :class:`ConfigError` (:mod:`loka_tune.tuner.storage`)."""
+    url = url or cfg.storage.url
+    check_storage_url(url, option="storage.url" if url == cfg.storage.url else "--storage", own_dir=cfg.output_dir)
+    return open_rdb(url, lambda real, kw: _retry_db(lambda: _make_storage(cfg, real, kw)))
 
 
-def _make_storage(cfg: StudyConfig, url: str | None = None) -> Any:
+def _make_storage(cfg: StudyConfig, url: str, engine_kwargs: dict[str, Any]) -> Any:
     import optuna
 
-    url = url or cfg.storage.url
-    engine_kwargs: dict[str, Any] = {}
-    if url.startswith("sqlite:///"):
-        Path(url[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
-        engine_kwargs = {"connect_args": {"timeout": 60}}  # wait on a locked SQLite file
-    else:
-        engine_kwargs = {"pool_pre_ping": True}
     retry_cb = getattr(optuna.storages, "RetryHeartbeatStaleTrialCallback", None)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
@@ -67,6 +65,20 @@ def _make_storage(cfg: StudyConfig, url: str | None = None) -> Any:
             url, engine_kwargs=engine_kwargs, heartbeat_interval=cfg.storage.heartbeat_s,
             grace_period=cfg.storage.grace_s,
             failed_trial_callback=optuna.storages.RetryFailedTrialCallback(max_retry=cfg.storage.max_retry))
+
+
+def load_storage(url: str) -> Any:
+    """The Optuna RDB storage at ``url`` for reading a stored study (export, report; no
+    heartbeats), its failures to open as one line."""
+    import optuna
+
+    def make(real: str, kw: dict[str, Any]) -> Any:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            return optuna.storages.RDBStorage(real, engine_kwargs=kw)
+
+    check_storage_url(url, option="--storage")
+    return open_rdb(url, make)
 
 
 @functools.cache

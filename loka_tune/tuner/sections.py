@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from loka_tune._toml import Table, json_scalar_tree, plain_fields, read_plain, rekeyed
 from loka_tune.config import Format, Granularity
 from loka_tune.errors import ConfigError
+from loka_tune.tuner.storage import check_url_form
 
 if TYPE_CHECKING:
     from loka_tune.objectives.trainer import TrainConfig
@@ -403,7 +404,7 @@ class StorageSection:
     def from_table(cls, t: Table, where: Where) -> StorageSection:
         assert where.output_dir is not None, "[study] is read first"
         url = t.string("url", "") or cls.default_url(where.output_dir)
-        _check_db_url(url, "storage.url")
+        check_url_form(url, "storage.url")
         storage = cls(
             url=url,
             heartbeat_s=t.integer("heartbeat_s", _default(cls, "heartbeat_s"), minimum=1),
@@ -478,15 +479,3 @@ def _resolve_path(p: str, base: Path | None) -> str:
     if base is not None and not os.path.isabs(p):
         p = str((base / p).resolve())
     return p
-
-
-def _check_db_url(url: str, key: str) -> None:
-    if url.startswith("sqlite:///"):
-        if url == "sqlite:///" or url.startswith("sqlite:///:memory:"):
-            raise ConfigError(f"got {url!r}; an in-memory database cannot be shared or resumed; give a file"
-                              " such as sqlite:///runs/study/optuna.db", key=key)
-        return
-    if re.match(r"^(postgresql|mysql)(\+\w+)?://", url):
-        return
-    raise ConfigError(f"got {url!r}; use sqlite:///PATH (one machine) or postgresql://USER@HOST:PORT/DB"
-                      " (several machines)", key=key)
