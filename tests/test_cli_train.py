@@ -78,6 +78,7 @@ def test_nonfinite_exits_1(tmp_path, capsys):
     [
         (["--steps", "0"], "steps"),
         (["--lr-dense", "-1"], "lr_dense"),
+        (["--lr-warmup-steps", "-2"], "lr_warmup_steps"),
         (["--data", "criteo:/nonexistent/train.tsv"], "nonexistent"),
         (["--data", "parquet:x"], "parquet:x"),
         (["--model-arg", "no_such_option=3"], "no_such_option"),
