@@ -26,12 +26,14 @@ rows and the next one goes on; ``--eager-fallback`` retries a failed compiled ru
 learning dynamics do not depend on compilation; the row says ``compiled: false``).
 
 Runs go in this order: ``study`` for every study, then each other variant, so the bar is decided
-first; ``--budget-s`` seconds of wall time stop starting new runs (they are recorded as skipped).
+first; ``--budget-s`` seconds of wall time (default 300) stop starting new runs (they are recorded
+as skipped).
 
     # on one H200 (< 6 minutes: 12 runs of 200 steps, each ~10-25 s once inductor's cache is warm)
-    python benchmarks/baseline_learning.py --out $OUT/baseline_learning.json
-    # the code path on a CPU, in seconds
-    python benchmarks/baseline_learning.py --preset tiny --steps 5 --batch 512 --device cpu --out /tmp/bl.json
+    python benchmarks/baseline_learning.py --eager-fallback --out $OUT/baseline_learning.json
+    # the code path on a CPU (a few minutes on 2 cores: the 40-feature data, bf16 autocast)
+    python benchmarks/baseline_learning.py --preset tiny --steps 5 --batch 512 --eval-examples 2048 \
+        --device cpu --out /tmp/bl.json
 """
 
 from __future__ import annotations
@@ -164,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eval-examples", type=int, default=None, help="override the data's eval_examples")
     ap.add_argument("--eager-fallback", action="store_true",
                     help="retry a failed compiled run eagerly (recorded with compiled: false)")
-    ap.add_argument("--budget-s", type=float, default=330.0, help="start no new run after this many seconds")
+    ap.add_argument("--budget-s", type=float, default=300.0, help="start no new run after this many seconds")
     ap.add_argument("--out", type=Path, required=True, help="JSON file to write")
     args = ap.parse_args(argv)
 
