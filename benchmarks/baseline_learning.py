@@ -14,7 +14,7 @@ Each variant changes only the learning-rate keys of ``[training]``:
 - ``study``: the study file as it is (the shipped default, which must pass the bar);
 - ``old``: main 575a6f3's settings (lr_dense 1e-3, lr_sparse 1e-2, no learning-rate warm-up);
 - ``warmup_only``: the study's warm-up at the old lr_dense 1e-3;
-- ``lr3e-4``: the study's warm-up with lr_dense 3e-4;
+- ``lr3e-4`` / ``lr3e-5``: the study's warm-up with lr_dense 3e-4 / 3e-5;
 - any ``--add NAME:key=value,key=value`` (TrainConfig fields: lr_dense, lr_sparse, lr_warmup_steps, steps).
 
 The bar (issue 20): every seed of the ``study`` variant ends at eval NE <= 0.97 on the held-out
@@ -29,7 +29,8 @@ Runs go in this order: ``study`` for every study, then each other variant, so th
 first; ``--budget-s`` seconds of wall time (default 300) stop starting new runs (they are recorded
 as skipped).
 
-    # on one H200 (< 6 minutes: 12 runs of 200 steps, each ~10-25 s once inductor's cache is warm)
+    # on one H200 (< 6 minutes: up to 16 runs of 200 steps, each ~10-25 s once inductor's cache is
+    # warm; the default's 4 first, then warmup_only, lr3e-5 and old until --budget-s)
     python benchmarks/baseline_learning.py --eager-fallback --out $OUT/baseline_learning.json
     # the code path on a CPU (a few minutes on 2 cores: the 40-feature data, bf16 autocast)
     python benchmarks/baseline_learning.py --preset tiny --steps 5 --batch 512 --eval-examples 2048 \
@@ -63,6 +64,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "old": {"lr_dense": 1e-3, "lr_sparse": 1e-2, "lr_warmup_steps": 0},
     "warmup_only": {"lr_dense": 1e-3},
     "lr3e-4": {"lr_dense": 3e-4},
+    "lr3e-5": {"lr_dense": 3e-5},
 }
 
 
@@ -154,7 +156,7 @@ def run_one(cfg: Any, source: Any, seed: int, changes: dict[str, Any], device: s
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--studies", default=",".join(STUDIES), help="comma list of study files")
-    ap.add_argument("--variants", default="study,old,warmup_only", help=f"comma list of {', '.join(VARIANTS)}"
+    ap.add_argument("--variants", default="study,warmup_only,lr3e-5,old", help=f"comma list of {', '.join(VARIANTS)}"
                     " and the --add names (\"study\" always runs first)")
     ap.add_argument("--add", action="append", default=[], metavar="NAME:key=value,...",
                     help="another variant, e.g. lr1e-4:lr_dense=1e-4 (keys: lr_dense, lr_sparse, lr_warmup_steps, steps)")
