@@ -406,7 +406,8 @@ def main(argv: list[str] | None = None) -> int:
     infer_variants = {v.strip() for v in args.infer_variants.split(",")}
     t = cfg.training
     tcfg = TrainConfig(steps=args.steps, batch_size=args.batch or t.batch_size, lr_dense=t.lr_dense,
-                       lr_sparse=t.lr_sparse, warmup_steps=min(args.warmup, args.steps - 1), window=min(25, args.steps),
+                       lr_sparse=t.lr_sparse, lr_warmup_steps=t.lr_warmup_steps,
+                       warmup_steps=min(args.warmup, args.steps - 1), window=min(25, args.steps),
                        eval_batches=args.eval_batches, device=str(dev), compile=args.compile,
                        log_every=max(args.steps, 10), cuda_graphs=args.cuda_graphs,
                        profile_steps=min(args.profile_steps, max(args.steps - args.warmup - 1, 0)))

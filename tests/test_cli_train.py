@@ -82,6 +82,7 @@ def test_nonfinite_exits_1(tmp_path, capsys):
     [
         (["--steps", "0"], "argument --steps: expected a number of steps >= 1, got '0'"),  # parse time
         (["--lr-dense", "-1"], "argument --lr-dense: expected a learning rate > 0, got '-1'"),
+        (["--lr-warmup-steps", "-2"], "argument --lr-warmup-steps: expected a number of steps >= 0, got '-2'"),
         (["--data", "criteo:/nonexistent/train.tsv"], "nonexistent"),
         (["--data", "parquet:x"], "parquet:x"),
         (["--model-arg", "no_such_option=3"], "no_such_option"),

@@ -127,6 +127,8 @@ MALFORMED = [
     ("[training]\ncpu_threads = 0\n", "training.cpu_threads", "0"),
     ("[training]\nseed = 3\n", "training.seed", "did you mean 'seeds'"),
     ("[training]\nsteps = 10\nwindow = 20\n", "training.window", "window=20"),
+    ("[training]\nsteps = 10\nwindow = 5\nlr_warmup_steps = 20\n", "training.lr_warmup_steps", "lr_warmup_steps=20"),
+    ("[training]\nlr_warmup_steps = -5\n", "training.lr_warmup_steps", "-5"),
     ("[objective]\nbudget_pct = 0\n", "objective.budget_pct", "> 0"),
     ("[objective]\nkind = \"latency\"\n", "objective.kind", "'latency'"),
     ("[objective]\ncost_device = \"a100\"\n", "objective.cost_device", "'a100'"),
@@ -275,7 +277,8 @@ def test_train_config_is_the_one_built_before_the_training_section_held_it(studi
                              seed=t.seed if seed is None else seed, eval_batches=t.eval_batches,
                              eval_batch_size=t.eval_batch_size, window=t.window, warmup_steps=t.warmup_steps,
                              device=device or t.device, autocast=t.autocast, compile=t.compile,
-                             cpu_threads=t.cpu_threads)  # newer than that builder; quickstart.toml sets it
+                             cpu_threads=t.cpu_threads,  # newer than that builder; quickstart.toml sets it
+                             lr_warmup_steps=t.lr_warmup_steps)  # issue 20: the H200 studies set it
         # ... then put in the study's production [regime] (issue 13): on a CPU, without a
         # [regime] table, that changes nothing
         from loka_tune.tuner.build import resolve_device

@@ -325,6 +325,9 @@ def test_finite_train_iterator_is_a_data_error():
         ({"sparse_optimizer": "adam"}, "sparse_optimizer"),
         ({"eval_batches": 0}, "eval_batches"),
         ({"seed": -1}, "seed"),
+        ({"lr_warmup_steps": -1}, "lr_warmup_steps"),
+        ({"lr_warmup_steps": True}, "lr_warmup_steps"),
+        ({"lr_warmup_steps": 2.5}, "lr_warmup_steps"),
     ],
 )
 def test_config_validation(kw, key):
@@ -434,9 +437,12 @@ def test_kernel_summary_per_step():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("compile_", [False, True])
-def test_cuda_graph_steps_train_like_eager_steps(compile_):
-    base = {**CFG.__dict__, "device": "cuda", "steps": 30, "compile": compile_, "profile_steps": 4}
+@pytest.mark.parametrize("compile_, lr_warmup", [(False, 0), (True, 0), (False, 10)])
+def test_cuda_graph_steps_train_like_eager_steps(compile_, lr_warmup):
+    """With a learning-rate warm-up the captured optimizers read their rates from device tensors
+    that each step fills: the replayed steps follow the same schedule as the eager ones."""
+    base = {**CFG.__dict__, "device": "cuda", "steps": 30, "compile": compile_, "profile_steps": 4,
+            "lr_warmup_steps": lr_warmup}
     eager = train(fresh(), TinySource(), TrainConfig(**base), progress=False)
     graphs = train(fresh(), TinySource(), TrainConfig(**{**base, "cuda_graphs": True}), progress=False)
     assert graphs.ok and eager.ok
@@ -460,3 +466,137 @@ def test_gpu_activity_leaves_out_annotation_ranges():
     assert not is_gpu_activity(ev("Optimizer.step#RowwiseAdagrad.step"))
     assert not is_gpu_activity(ev("my_range", ann=True))
     assert not is_gpu_activity(ev("aten::mm", dev=cpu))
+
+
+# ---- the learning-rate warm-up (lr_warmup_steps; warmup_steps is the timing warm-up) ---------------
+
+
+def test_warmup_factor_is_linear_then_one():
+    from loka_tune.objectives.step import warmup_factor
+
+    assert [warmup_factor(i, 4) for i in range(7)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0, 1.0]
+    assert [warmup_factor(i, 1) for i in range(3)] == [1.0, 1.0, 1.0]
+    assert all(warmup_factor(i, 0) == 1.0 for i in range(5))  # off: the full rate from the first step
+
+
+def test_lr_warmup_ramps_every_optimizer_then_holds_its_rate():
+    from loka_tune.objectives.step import TrainStep
+
+    model = fresh()
+    cfg = TrainConfig(**{**CFG.__dict__, "lr_warmup_steps": 4})
+    opts = build_optimizers(model, cfg)
+    step = TrainStep(model, opts, device=torch.device("cpu"), dtype=None, lr_warmup_steps=cfg.lr_warmup_steps)
+    it = TinySource().batches("train", 64)
+    used = []
+    for _ in range(7):
+        step(next(it))
+        used.append([g["lr"] for o in opts for g in o.param_groups])  # what the step just ran at
+    sparse, dense = cfg.lr_sparse, cfg.lr_dense
+    assert used == [[sparse * f, dense * f] for f in (0.25, 0.5, 0.75, 1.0, 1.0, 1.0, 1.0)]
+    assert all(isinstance(v, float) for row in used for v in row)  # eager steps: plain floats
+
+
+def test_lr_warmup_scales_the_first_updates_exactly():
+    """Adam's first step moves each weight by lr * g / (|g| + eps) and row-wise Adagrad's by
+    lr * g / (rms(g) + eps): both linear in lr, so a warm-up of W steps makes step 0 exactly 1/W
+    of the full-rate step (the changes, taken in float64 from float32 weights, agree up to the
+    rounding of those weights: 2 ulp of the largest)."""
+    src = TinySource()
+    full = fresh()
+    w0 = {n: p.detach().double().clone() for n, p in full.named_parameters()}
+    train(full, src, TrainConfig(**{**CFG.__dict__, "steps": 1}), progress=False)
+    warm = fresh()
+    train(warm, src, TrainConfig(**{**CFG.__dict__, "steps": 1, "lr_warmup_steps": 8}), progress=False)
+    moved = 0
+    for (n, pf), (_, pw) in zip(full.named_parameters(), warm.named_parameters()):
+        d_full, d_warm = pf.detach().double() - w0[n], pw.detach().double() - w0[n]
+        ulp = torch.finfo(torch.float32).eps * float(w0[n].abs().max())
+        torch.testing.assert_close(d_warm, d_full / 8, rtol=1e-5, atol=2 * ulp)
+        moved += int(d_full.abs().max() > 0)
+    assert moved == len(w0)  # every parameter (embedding tables included) took a step
+
+
+def test_rowwise_adagrad_takes_a_tensor_rate():
+    """A CUDA-graph step's warm-up hands the fused update its rate as a 0-d tensor."""
+    from loka_tune.objectives.optim import rowwise_adagrad_update_
+
+    g = torch.Generator().manual_seed(1)
+    w, acc = torch.randn(20, 4, generator=g), torch.zeros(20)
+    rows, vals = torch.randint(0, 20, (50,), generator=g), torch.randn(50, 4, generator=g)
+    w_t, acc_t = w.clone(), acc.clone()
+    rowwise_adagrad_update_(w, acc, rows, vals, 0.05, 1e-8)
+    rowwise_adagrad_update_(w_t, acc_t, rows, vals, torch.tensor(0.05), 1e-8)
+    torch.testing.assert_close(w_t, w, rtol=0, atol=1e-7)
+    assert torch.equal(acc_t, acc)
+
+
+class WideNet(nn.Module):
+    """Embeddings -> one wide concatenation (fan-in 1088) -> Linear -> LayerNorm -> SiLU (x2) -> head:
+    the shape of the large presets' MLPs at a CPU test's size."""
+
+    def __init__(self, num_dense: int, cards: list[int], dim: int = 64, hidden: int = 128) -> None:
+        super().__init__()
+        from loka_tune.models.base import EmbeddingTables
+
+        self.embeddings = EmbeddingTables(cards, dim)
+        self.dense = nn.Linear(num_dense, dim)
+        fan_in = (len(cards) + 1) * dim
+        self.mlp = nn.Sequential(nn.Linear(fan_in, hidden), nn.LayerNorm(hidden), nn.SiLU(),
+                                 nn.Linear(hidden, hidden), nn.LayerNorm(hidden), nn.SiLU())
+        self.head = nn.Linear(hidden, 1)
+
+    def forward(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
+        x = torch.cat([self.dense(dense)[:, None], self.embeddings(sparse)], 1).flatten(1)  # (B, fan_in)
+        return self.head(self.mlp(x)).squeeze(-1)  # (B,)
+
+
+def test_lr_warmup_lets_a_wide_model_learn_where_full_rate_adam_stalls():
+    """Issue 20's failure at a CPU test's size. Adam's first steps move every weight by ~lr
+    whatever its gradient, so a layer's outputs shift by ~lr * fan_in times its inputs, the same
+    way for every example: at lr * fan_in ~ 11 (lr 1e-2, fan-in 1088; the large Wukong's head MLP
+    at lr 1e-3 has 16) LayerNorm then maps every example to nearly the same vector and the run
+    ends near the base rate (NE ~0.98-1.0). A 10-step linear warm-up lets Adam's moments settle
+    first: the same model, data and rate learn (NE ~0.93, as at a 10x lower rate)."""
+    from loka_tune.data.synthetic import SyntheticCTR
+
+    cards = [1000, 500, 200, 100, 50, 20, 10, 10] * 2
+    src = SyntheticCTR(num_dense=13, cardinalities=cards, eval_examples=4096)
+    base = dict(steps=40, batch_size=256, window=40, lr_dense=1e-2, device="cpu", cpu_threads=1)
+    ne: dict[int, list[float]] = {0: [], 10: []}
+    for warmup in ne:
+        for seed in (0, 1):
+            torch.manual_seed(seed)
+            model = WideNet(13, cards)
+            with torch.no_grad():
+                model.head.bias.fill_(math.log(src.base_rate / (1 - src.base_rate)))
+            res = train(model, src, TrainConfig(**base, seed=seed, lr_warmup_steps=warmup), progress=False)
+            assert res.ok
+            ne[warmup].append(res.eval_ne)
+    assert max(ne[10]) < 0.96, ne  # both seeds learn with the warm-up
+    assert min(ne[0]) > max(ne[10]) + 0.02, ne  # and neither does as well without it
+
+
+@pytest.mark.gpu
+def test_cuda_graph_step_follows_the_warmup_schedule():
+    """A captured step must not freeze the rate it was captured at: after a 6-step warm-up over
+    10 steps, the graph's weights match eager steps' (a frozen rate of step 3 would leave them
+    ~40% short of the eager update in the later steps)."""
+    from loka_tune.objectives.step import TrainStep
+
+    dev = torch.device("cuda")
+    src = TinySource()
+    weights = []
+    for graphs in (False, True):
+        model = fresh().to(dev)
+        cfg = TrainConfig(**{**CFG.__dict__, "device": "cuda", "lr_warmup_steps": 6, "cuda_graphs": graphs})
+        opts = build_optimizers(model, cfg)
+        step = TrainStep(model, opts, device=dev, dtype=None, cuda_graphs=graphs, lr_warmup_steps=6)
+        it = src.batches("train", 64, device=dev)
+        for _ in range(10):
+            step(next(it))
+        torch.cuda.synchronize()
+        lrs = [float(g["lr"]) for o in opts for g in o.param_groups]
+        assert lrs == pytest.approx([cfg.lr_sparse, cfg.lr_dense], rel=1e-6)  # the full rates at the end
+        weights.append([p.detach().clone() for p in model.parameters()])
+    for eager_w, graph_w in zip(*weights):
+        torch.testing.assert_close(graph_w, eager_w, rtol=1e-3, atol=1e-4)

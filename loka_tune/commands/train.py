@@ -22,7 +22,9 @@ training log loss, held-out log loss / normalized entropy (NE) / AUC, and the st
 The run is deterministic: the data order comes only from the source and --seed, and the model
 is initialized from --seed, so two runs that differ only in --config (the precision) are a
 paired comparison. Embedding tables train with row-wise Adagrad (--lr-sparse), everything
-else with Adam (--lr-dense); bf16 autocast on CUDA, fp32 on CPU.
+else with Adam (--lr-dense); bf16 autocast on CUDA, fp32 on CPU. --lr-warmup-steps N ramps both
+rates up linearly over the first N steps: wide models (the large presets) need it and a lower
+--lr-dense (e.g. 1e-4), or Adam's first full-rate steps can collapse them to the base rate.
 
 --data takes:
   synthetic[:k=v,...]  a synthetic CTR stream with realistic distributions
@@ -98,6 +100,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--lr-dense", type=number("a learning rate", minimum=0.0, strict=True), default=1e-3, help="Adam learning rate (default: 1e-3)")
     t.add_argument("--lr-sparse", type=number("a learning rate", minimum=0.0, strict=True), default=1e-2,
                    help="embedding-table learning rate (default: 1e-2)")
+    t.add_argument("--lr-warmup-steps", type=integer("a number of steps", minimum=0), default=0,
+                   help="ramp both learning rates linearly over the first N steps (default: 0, none)")
     t.add_argument("--sparse-optimizer", default="rowwise_adagrad",
                    choices=("rowwise_adagrad", "sparse_adam"),
                    help="optimizer of the embedding tables (default: rowwise_adagrad)")
@@ -268,6 +272,7 @@ def run(args: argparse.Namespace) -> int:
         batch_size=batch_size,
         lr_dense=args.lr_dense,
         lr_sparse=args.lr_sparse,
+        lr_warmup_steps=args.lr_warmup_steps,
         seed=args.seed,
         eval_batches=args.eval_batches,
         window=args.window,

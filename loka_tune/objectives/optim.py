@@ -28,7 +28,8 @@ __all__ = [
 
 
 def rowwise_adagrad_update_(
-    weight: torch.Tensor, acc: torch.Tensor, rows: torch.Tensor, grads: torch.Tensor, lr: float, eps: float
+    weight: torch.Tensor, acc: torch.Tensor, rows: torch.Tensor, grads: torch.Tensor, lr: float | torch.Tensor,
+    eps: float,
 ) -> None:
     """One row-wise Adagrad update of ``weight`` from an *uncoalesced* sparse gradient, with no
     host synchronization (so it can run ahead of the GPU and inside a CUDA graph).
@@ -41,7 +42,8 @@ def rowwise_adagrad_update_(
     contending atomics: the small tables of an LRM put thousands of lookups on one row. Every
     sorted position then computes its row's new accumulator and weights and writes them with a
     plain ``index_put_``: the positions of one row write identical values, so the result does
-    not depend on which write lands last, and no atomic add touches the table.
+    not depend on which write lands last, and no atomic add touches the table. ``lr`` may be a
+    0-d tensor on the table's device (a CUDA-graph step's warm-up fills it before each replay).
     """
     n = rows.numel()
     if n == 0:
@@ -100,7 +102,7 @@ class RowwiseAdagrad(torch.optim.Optimizer):
         return loss
 
     @staticmethod
-    def _fused_step(p: torch.Tensor, acc: torch.Tensor, lr: float, eps: float) -> None:
+    def _fused_step(p: torch.Tensor, acc: torch.Tensor, lr: float | torch.Tensor, eps: float) -> None:
         g = p.grad
         assert g is not None
         if g.is_sparse:

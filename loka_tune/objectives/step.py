@@ -13,6 +13,12 @@ per op. Each step runs exactly once, so training is the same as without graphs. 
 keep one shape (the trainer's fixed batch size does). The optimizers must be capturable:
 :func:`~loka_tune.objectives.optim.build_optimizers` builds them so when the config asks for
 CUDA graphs.
+
+``lr_warmup_steps = W`` (W > 0) ramps every optimizer's learning rate linearly: step ``i``
+(0-based) runs at ``min(1, (i + 1) / W)`` times each parameter group's own rate
+(:func:`warmup_factor`), so step ``W - 1`` and every later one run at the full rate. The rates
+are set before each step on the host; in a CUDA-graph step they are 0-d device tensors that
+the captured optimizers read, filled before each replay, so the schedule survives capture.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from torch import nn
 from loka_tune.data.base import model_inputs
 from loka_tune.errors import ConfigError, DataError
 
-__all__ = ["TrainStep", "autocast_for"]
+__all__ = ["TrainStep", "autocast_for", "warmup_factor"]
 
 
 def autocast_for(mode: str, device: torch.device) -> torch.dtype | None:
@@ -43,6 +49,14 @@ def autocast_context(device: torch.device, dtype: torch.dtype | None) -> Any:
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
+def warmup_factor(step: int, warmup_steps: int) -> float:
+    """The learning-rate multiplier of 0-based ``step`` under a linear warm-up of ``warmup_steps``:
+    ``min(1, (step + 1) / warmup_steps)``; 1 for every step when ``warmup_steps`` is 0."""
+    if warmup_steps <= 0:
+        return 1.0
+    return min(1.0, (step + 1) / warmup_steps)
+
+
 class TrainStep:
     """``step(batch) -> loss`` (a 0-d float32 device tensor); see the module docstring."""
 
@@ -56,6 +70,7 @@ class TrainStep:
         compile: bool = False,
         cuda_graphs: bool = False,
         graph_warmup: int = 3,
+        lr_warmup_steps: int = 0,
     ) -> None:
         if cuda_graphs and device.type != "cuda":
             raise ConfigError(
@@ -74,6 +89,13 @@ class TrainStep:
         self._static_loss: torch.Tensor | None = None
         self._warm = 0
         self._stream: torch.cuda.Stream | None = None
+        self.lr_warmup_steps, self.steps_done = int(lr_warmup_steps), 0
+        # each parameter group's own rate: the warm-up scales it (the groups' "lr" is what the step reads)
+        self._base_lrs = [[float(g["lr"]) for g in opt.param_groups] for opt in optimizers]
+        if self.lr_warmup_steps > 0 and cuda_graphs:  # a captured optimizer reads its rate from device memory
+            for opt in optimizers:
+                for g in opt.param_groups:
+                    g["lr"] = torch.tensor(float(g["lr"]), dtype=torch.float32, device=device)
 
     def _tensors(self, batch: Any) -> tuple[torch.Tensor, ...]:
         """The model's inputs (:func:`~loka_tune.data.base.model_inputs`), then the labels."""
@@ -91,7 +113,22 @@ class TrainStep:
             opt.step()
         return loss.detach()
 
+    def _set_lrs(self) -> None:
+        """The warm-up's rates for the step about to run (nothing to do once it is over)."""
+        if self.steps_done > self.lr_warmup_steps:
+            return
+        f = warmup_factor(self.steps_done, self.lr_warmup_steps)
+        for opt, bases in zip(self.optimizers, self._base_lrs):
+            for g, base in zip(opt.param_groups, bases):
+                if isinstance(g["lr"], torch.Tensor):
+                    g["lr"].fill_(base * f)  # queued before the replay that reads it
+                else:
+                    g["lr"] = base * f
+
     def __call__(self, batch: Any) -> torch.Tensor:
+        if self.lr_warmup_steps > 0:
+            self._set_lrs()
+        self.steps_done += 1
         if not self.cuda_graphs:
             return self._run(*self._tensors(batch))
         if self.graph is None:

@@ -15,7 +15,8 @@ layers are a *paired* comparison:
 Optimizers follow LRM practice (:mod:`loka_tune.objectives.optim`): embedding tables get a
 sparse-aware optimizer that only touches the rows a batch used (row-wise Adagrad, the
 torchrec/FBGEMM default, or ``torch.optim.SparseAdam``); every other parameter gets Adam.
-Training runs under bf16 autocast on CUDA and in fp32 on the CPU (``cfg.autocast``).
+``cfg.lr_warmup_steps`` ramps both learning rates up linearly over the first steps (off by
+default; ``cfg.warmup_steps`` is only the timing warm-up). Training runs under bf16 autocast on CUDA and in fp32 on the CPU (``cfg.autocast``).
 
 On a GPU the step is built to be GPU-bound (:mod:`loka_tune.objectives.step`): no host sync
 inside it (losses are read back every ``log_every`` steps), fused optimizers, the model
@@ -99,7 +100,15 @@ class TrainConfig:
     eval_batches:     evaluate on at most this many eval batches (None = the whole eval split)
     eval_batch_size:  eval batch size (None = ``batch_size``)
     window:           the loss curve is the mean training log loss over each ``window`` steps
-    warmup_steps:     steps left out of the step-time median (allocation, caches, autotuning)
+    warmup_steps:     *timing* warm-up: steps left out of the step-time median (allocation,
+                      caches, autotuning, compilation); it changes no number of the training
+    lr_warmup_steps:  *learning-rate* warm-up: every optimizer's rate (``lr_dense``, ``lr_sparse``)
+                      ramps linearly over the first ``lr_warmup_steps`` steps, step ``i`` (0-based)
+                      at ``min(1, (i + 1) / lr_warmup_steps)`` of it (0 = full rates from the first
+                      step). Adam's first steps move every weight by about ``lr`` whatever its
+                      gradient's size, so a layer of fan-in ``n`` shifts its outputs by up to
+                      ``lr * n`` times its inputs' size at once: wide models need it (and a lower
+                      ``lr_dense``); see :mod:`loka_tune.objectives.step`
     device:           "auto" (cuda if available, else cpu), "cpu", "cuda" or "cuda:N"
     autocast:         "auto" (bf16 on CUDA, fp32 on CPU), "bf16" (everywhere) or "off" (fp32)
     compile:          wrap the model in ``torch.compile`` (CPU bit-identity not promised then)
@@ -129,6 +138,7 @@ class TrainConfig:
     eval_batch_size: int | None = None
     window: int = 50
     warmup_steps: int = 5
+    lr_warmup_steps: int = 0
     device: str = "auto"
     autocast: str = "auto"
     compile: bool = False
@@ -144,7 +154,7 @@ class TrainConfig:
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"must be an integer >= 1, got {v!r}", key=key)
-        for key in ("seed", "eval_seed", "warmup_steps", "profile_steps"):
+        for key in ("seed", "eval_seed", "warmup_steps", "lr_warmup_steps", "profile_steps"):
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ConfigError(f"must be an integer >= 0, got {v!r}", key=key)
@@ -485,7 +495,7 @@ def train(
         ddp = D.wrap_model(model, dev) if env is not None else model
         src = D.RankSource(source, env) if env is not None else source
         step = TrainStep(ddp, build_optimizers(model, cfg), device=dev, dtype=dtype, compile=cfg.compile,
-                         cuda_graphs=cfg.cuda_graphs)
+                         cuda_graphs=cfg.cuda_graphs, lr_warmup_steps=cfg.lr_warmup_steps)
         run = _run_steps(step, src, cfg, dev, on_step, progress if env is None or env.is_main else False,
                          f"train {type(model).__name__}", after_step, env=env)
         ev = {"logloss": math.nan, "ne": math.nan, "auc": math.nan, "count": 0, "ctr": math.nan}

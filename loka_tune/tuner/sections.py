@@ -221,6 +221,10 @@ class TrainingSection:
         if trainer.window > trainer.steps:
             raise ConfigError(f"got window={trainer.window} > steps={trainer.steps}; the loss window must fit"
                               " in the run", key="training.window")
+        if trainer.lr_warmup_steps > trainer.steps:
+            raise ConfigError(f"got lr_warmup_steps={trainer.lr_warmup_steps} > steps={trainer.steps}; the"
+                              " learning rate would never reach lr_dense / lr_sparse: give a warm-up shorter"
+                              " than the run (e.g. a tenth of it), or 0 for none", key="training.lr_warmup_steps")
         return cls(seeds, trainer)
 
 

@@ -1,0 +1,84 @@
+"""benchmarks/baseline_learning.py on the CPU: the bar's verdict, the variants' parsing, and one
+end-to-end call of its code path on a tiny study (the GPU call runs the H200 studies)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _load() -> Any:
+    spec = importlib.util.spec_from_file_location("baseline_learning_bench", REPO / "benchmarks" / "baseline_learning.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _rows(ne: list[float | None], status: str = "ok", variant: str = "study") -> list[dict[str, Any]]:
+    return [{"study": "s", "variant": variant, "seed": i, "status": status, "eval_ne": x} for i, x in enumerate(ne)]
+
+
+@pytest.mark.parametrize("ne, passed", [
+    ([0.95, 0.955], True),
+    ([0.965, 0.9699], True),
+    ([0.95, 0.971], False),  # a seed above 0.97
+    ([0.951, 0.961], False),  # spread 0.01 is not < 0.01
+    ([0.95], False),  # one seed cannot show a spread
+])
+def test_bar_verdict(ne: list[float], passed: bool) -> None:
+    v = _load().bar_verdict(_rows(ne), "s")
+    assert v["passed"] is passed, v
+    assert "0.97" in v["reason"]
+
+
+def test_bar_verdict_needs_every_seed_to_have_run() -> None:
+    bench = _load()
+    rows = _rows([0.95, None])
+    rows[1].update(status="error", error="BackendCompilerFailed: fake kernel strides")
+    v = bench.bar_verdict(rows, "s")
+    assert not v["passed"] and "BackendCompilerFailed" in v["reason"]
+    assert not bench.bar_verdict(_rows([0.9, 0.9], variant="old"), "s")["passed"]  # only "study" rows count
+    assert not bench.bar_verdict([], "s")["passed"]
+
+
+def test_parse_add() -> None:
+    bench = _load()
+    assert bench.parse_add("lr1e-4:lr_dense=1e-4,lr_warmup_steps=40") == ("lr1e-4", {"lr_dense": 1e-4,
+                                                                                   "lr_warmup_steps": 40})
+    for bad in ("nocolon", "x:momentum=0.9", "x:"):
+        with pytest.raises(SystemExit):
+            bench.parse_add(bad)
+
+
+def test_one_call_on_a_tiny_study(tmp_path: Path) -> None:
+    """The script's whole path on a CPU: the study's own baseline runs, each variant's rates in
+    its rows, a study that cannot load recorded beside the other, and exit 1 when the bar is missed."""
+    study = tmp_path / "tinystudy.toml"
+    study.write_text('[study]\nname = "tinystudy"\n[model]\nname = "dlrm"\npreset = "tiny"\n'
+                     '[data]\nsource = "synthetic"\n[data.params]\nnum_dense = 4\ncardinalities = [50, 20, 7]\n'
+                     'eval_examples = 256\n[training]\nsteps = 6\nbatch_size = 32\nwindow = 3\nseeds = [0, 1]\n'
+                     'lr_dense = 5e-3\nlr_warmup_steps = 4\ndevice = "cpu"\ncpu_threads = 1\n')
+    out = tmp_path / "bl.json"
+    code = _load().main(["--studies", f"{study},{tmp_path / 'missing.toml'}", "--device", "cpu",
+                         "--add", "slow:lr_dense=1e-5", "--variants", "study,old,slow",
+                         "--out", str(out)])
+    d = json.loads(out.read_text())
+    assert code == 1  # 6 steps of a tiny model do not reach NE 0.97, and one study is missing
+    ok = [r for r in d["rows"] if r["study"] == "tinystudy"]
+    assert [(r["variant"], r["seed"]) for r in ok] == [("study", 0), ("study", 1), ("old", 0), ("old", 1),
+                                                        ("slow", 0), ("slow", 1)]
+    assert all(r["status"] == "ok" and 0 < r["eval_ne"] < 2 and r["steps"] == 6 for r in ok)
+    rates = {r["variant"]: (r["lr_dense"], r["lr_warmup_steps"]) for r in ok}
+    assert rates == {"study": (5e-3, 4), "old": (1e-3, 0), "slow": (1e-5, 4)}
+    assert ok[0]["eval_ne"] != ok[1]["eval_ne"]  # two seeds, two runs
+    missing = [r for r in d["rows"] if r["study"] == "missing"]
+    assert missing and all(r["status"] == "error" for r in missing)
+    verdicts = {v["study"]: v["passed"] for v in d["verdicts"]}
+    assert verdicts == {"tinystudy": False, "missing": False}
