@@ -81,12 +81,17 @@ class SmokeCase:
     cardinalities: tuple[int, ...] = CARDINALITIES
     num_dense: int = 13
     overrides: tuple[tuple[str, Any], ...] = ()  # model hyperparameters over the preset's
+    # the H200 studies' rates (studies/wukong_h200.toml): Adam at 1e-3 from step 0 collapses the
+    # large presets' wide layers to the base rate; 1e-4 with a short linear warm-up trains them
+    lr_dense: float = 1e-4
+    lr_warmup_steps: int = 5
 
     def train_config(self, *, compile: bool | None = None, steps: int | None = None) -> TrainConfig:
         steps = self.steps if steps is None else steps
         return TrainConfig(steps=steps, batch_size=self.batch_size, window=min(HEAD, steps),
                            warmup_steps=min(3, steps - 1), eval_batches=1, device=self.device,
-                           compile=self.compile if compile is None else compile, log_every=steps, seed=0)
+                           compile=self.compile if compile is None else compile, log_every=steps, seed=0,
+                           lr_dense=self.lr_dense, lr_warmup_steps=min(self.lr_warmup_steps, steps - 1))
 
 
 @dataclass
