@@ -36,7 +36,7 @@ fi
 
 export LOKA_SMOKE_LOG="$out/gpu_smoke.jsonl"
 : > "$LOKA_SMOKE_LOG"
-args=(-q -m gpu -p no:cacheprovider -rfEs --junitxml "$out/gpu_smoke.xml")
+args=(-v -m gpu -p no:cacheprovider -rfEs --durations=25 --junitxml "$out/gpu_smoke.xml")
 workers=${SMOKE_WORKERS:-6}
 if [ "$workers" -gt 0 ] && python3 -c "import xdist" 2>/dev/null; then
   args+=(-n "$workers" --dist load)
