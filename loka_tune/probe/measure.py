@@ -190,6 +190,9 @@ def measure(
                                           min_speedup, roles, speed_row_scale)
         speed = speed_model if speed_model is not None else default_speed_model(cost_device, timing_cache)
         device = str(device)
+        # the replay's factors and draws on the GPU (float64 torch) where the GEMMs run there:
+        # on a wide site they are most of the measurement's cost on a CPU (synth's docstring)
+        replay_device = device if torch.device(device).type == "cuda" else None
         skipped: list[SkippedCandidate] = []
         names = _usable_sites(stats, sites, dists, skip_bad_sites, skipped)
 
@@ -211,11 +214,11 @@ def measure(
             fallbacks = site.fallbacks  # statistic -> why it fell back (collection, then replay)
             site_results: list[CandidateResult] = []
             try:
-                samplers = [SiteSampler(site, dist, max_rows=max_rows, weights=weights,
+                samplers = [SiteSampler(site, dist, max_rows=max_rows, weights=weights, device=replay_device,
                                         seed=int(np.random.SeedSequence([seed, _stable_hash(name), di]).generate_state(1)[0]))
                             for di, dist in enumerate(dists)
                             if not (dist == "real" and (site.x.real is None or site.dy.real is None))]
-            except (ArithmeticError, np.linalg.LinAlgError) as e:  # the replay's factors: not seen, but never a traceback
+            except (ArithmeticError, np.linalg.LinAlgError, RuntimeError) as e:  # the replay's factors: not seen, but never a traceback
                 why = f"unusable statistics: the replay could not be formed ({type(e).__name__}: {e})"
                 skipped.append(SkippedCandidate(name, "*", "*", why))
                 site_meta[name] = {**meta_site, **_status(fallbacks, unprobed=why)}
@@ -244,6 +247,7 @@ def measure(
             "speed_model": type(speed).__name__, "max_rows": max_rows,
             "operand_dtype": str(operand_dtype).replace("torch.", ""), "guard_frac": guard_frac,
             "weights": weights, "seed": seed, "candidates": [c.short_str() for c in cands],
+            "replay_device": replay_device or "cpu",
             "roles": [r.value for r in roles],
             "stats": {"model": stats.model, "steps": stats.steps, "collections": stats.collections,
                       "every": stats.every, **stats.meta},
@@ -415,7 +419,7 @@ def _measure_site(
     }
     with torch.no_grad():
         for _ in range(n_draws):
-            x, dy, w = (torch.from_numpy(np.ascontiguousarray(a)).to(device) for a in sampler.draw())
+            x, dy, w = sampler.draw_tensors(device)
             for role, cs in valid.items():
                 if not cs:
                     continue

@@ -19,9 +19,20 @@ Distributions (``dist``):
 Rows: draws have ``rows = min(site M, max_rows)`` rows (default :data:`MAX_ROWS` = 4096 on the
 CPU, where float64 references of bigger GEMMs are slow); the speed side of the probe uses the
 real M. wgrad reduces over these rows, so its error is that of a ``max_rows`` reduction.
+
+Where the draws are made (``SiteSampler(..., device=...)``): by default on the CPU with numpy
+(bit-for-bit what earlier versions drew); given a device (``measure`` passes its CUDA device),
+the factors are formed and the draws made there in float64 torch (:func:`psd_factor_torch`:
+the same Cholesky ladder through ``cholesky_ex``, which reports a failure instead of raising,
+and an ``eigh`` fallback that goes to the CPU's LAPACK if the device's fails). On a wide site
+that is what the replay costs: a weight draw ``A Z B^T`` of a 2048 x 2048 layer is 17 GFLOP of
+float64, seconds of a CPU and milliseconds of an H200. The device draws follow a torch
+generator, so they are other numbers than the CPU's from the same seed (the same distribution).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import numpy as np
 import torch
@@ -29,7 +40,7 @@ import torch
 from loka_tune.errors import ProbeError
 from loka_tune.probe.stats import SiteStats, TensorStats, WeightStats
 
-__all__ = ["MAX_ROWS", "DISTS", "psd_factor", "psd_factor_ex", "SiteSampler"]
+__all__ = ["MAX_ROWS", "DISTS", "psd_factor", "psd_factor_ex", "psd_factor_torch", "SiteSampler"]
 
 MAX_ROWS = 4096  # cap on the rows M of a sampled GEMM (float64 reference cost on the CPU)
 DISTS = ("learned", "normal", "real")
@@ -106,18 +117,94 @@ def psd_factor_ex(cov: np.ndarray) -> tuple[np.ndarray, float, str | None]:
     return out, float("nan"), why
 
 
+def _chol(a: torch.Tensor) -> torch.Tensor | None:
+    """The Cholesky factor of ``a``, or None where it is not positive definite (no raise)."""
+    lf, info = torch.linalg.cholesky_ex(a)
+    return lf if int(info) == 0 and bool(torch.isfinite(lf).all()) else None
+
+
+def psd_factor_torch(cov: torch.Tensor) -> tuple[torch.Tensor, float, str | None]:
+    """:func:`psd_factor_ex` of a float64 torch matrix, on its device (same ladder, same
+    result up to rounding). The eigenvalue-clipping step runs ``eigh`` on the device and, if
+    that fails, on the CPU (LAPACK); if both fail, the diagonal stands in. Never raises on
+    finite input."""
+    cov = cov.to(torch.float64)
+    cov = 0.5 * (cov + cov.T)
+    d = cov.shape[0]
+    diag = torch.diagonal(cov).clone()
+    neg = bool((diag < 0).any()) if d else False
+    sd = diag.clamp_min(0.0).sqrt()
+    pos = sd > 0
+    out = torch.zeros_like(cov)
+    if not bool(pos.any()):
+        return out, (float("nan") if neg else 0.0), ("negative variances clipped to 0" if neg else None)
+    scale, small = float(diag.mean()), float(diag[pos].min())
+    eye_d = torch.eye(d, dtype=cov.dtype, device=cov.device)
+    for j in _JITTERS if not neg and scale > 0 else ():
+        lf = _chol(cov + (j * scale) * eye_d)
+        if lf is None:
+            continue
+        if j * scale <= 1e-2 * small:
+            return lf, j, None
+        break  # that jitter would swamp the small features: per feature, below
+    idx = torch.nonzero(pos).flatten()
+    s = sd[idx]
+    r = cov[idx][:, idx] / torch.outer(s, s)  # the correlation matrix of the varying features
+    r.fill_diagonal_(1.0)
+    eye = torch.eye(idx.numel(), dtype=cov.dtype, device=cov.device)
+    block: torch.Tensor | None = None
+    for j in _JITTERS:
+        lr = _chol(r + j * eye)
+        if lr is not None:
+            block = s[:, None] * lr
+            break
+    if block is not None:
+        out[idx[:, None], idx[None, :]] = block
+        if neg:
+            return out, float("nan"), "negative variances clipped to 0"
+        return out, j, None
+    why = f"not positive definite even with jitter {_JITTERS[-1]:g}: eigenvalues clipped to 0"
+    try:
+        try:
+            vals, vecs = torch.linalg.eigh(r)
+        except RuntimeError:  # the device's solver: the CPU's LAPACK instead
+            vals, vecs = (t.to(cov.device) for t in torch.linalg.eigh(r.cpu()))
+        out[idx[:, None], idx[None, :]] = s[:, None] * (vecs * vals.clamp_min(0.0).sqrt())
+    except RuntimeError as e:  # not seen on finite input; the diagonal is always a factor
+        out[idx, idx] = s
+        why = f"no factorization ({e}); the diagonal stands in"
+    return out, float("nan"), why
+
+
 class _GaussianRows:
-    """Sampler of rows ``N(mean, cov)`` from one :class:`TensorStats`."""
+    """Sampler of rows ``N(mean, cov)`` from one :class:`TensorStats` (numpy on the CPU, or
+    float64 torch on ``device``)."""
 
-    factor: np.ndarray | None  # (d, d) with factor @ factor.T = cov (full stats), else None
-    lr: np.ndarray | None  # (d, r) low-rank factor (sketched stats), else None
+    factor: Any  # (d, d) with factor @ factor.T = cov (full stats), else None
+    lr: Any  # (d, r) low-rank factor (sketched stats), else None
 
-    def __init__(self, t: TensorStats) -> None:
-        self.mean = np.asarray(t.mean, dtype=np.float64)
+    def __init__(self, t: TensorStats, device: torch.device | None = None) -> None:
+        self.device = device
+        self.mean: Any = np.asarray(t.mean, dtype=np.float64)
+        self.resid_sd: Any = None
         self.jitter = 0.0
         self.fallback: str | None = None  # how the factor was formed, when not by a Cholesky
-        if t.cov is not None:
-            self.factor, self.jitter, self.fallback = psd_factor_ex(t.cov)  # (d, d)
+        if device is not None:
+            f64: dict[str, Any] = dict(dtype=torch.float64, device=device)
+            self.mean = torch.as_tensor(self.mean, **f64)
+            if t.full:
+                self.factor, self.jitter, self.fallback = psd_factor_torch(torch.as_tensor(t.cov, **f64))
+                self.lr = None
+            else:
+                tvals = torch.as_tensor(np.asarray(t.lr_vals, dtype=np.float64), **f64).clamp_min(0.0)
+                tvecs = torch.as_tensor(np.asarray(t.lr_vecs, dtype=np.float64), **f64).reshape(-1, self.mean.shape[0])
+                self.lr = tvecs.T * tvals.sqrt()  # (d, r)
+                tdiag = (self.lr * self.lr).sum(1)
+                self.resid_sd = (torch.as_tensor(np.asarray(t.var, dtype=np.float64), **f64) - tdiag).clamp_min(0.0).sqrt()
+                self.factor = None
+            return
+        if t.full:
+            self.factor, self.jitter, self.fallback = psd_factor_ex(np.asarray(t.cov))  # (d, d)
             self.lr = None
         else:
             vals = np.clip(np.asarray(t.lr_vals, dtype=np.float64), 0.0, None)
@@ -127,8 +214,16 @@ class _GaussianRows:
             self.resid_sd = np.sqrt(np.clip(np.asarray(t.var, dtype=np.float64) - low_diag, 0.0, None))
             self.factor = None
 
-    def draw(self, rows: int, rng: np.random.Generator) -> np.ndarray:
+    def draw(self, rows: int, rng: Any) -> Any:
+        """``(rows, d)`` float64 rows: numpy from a numpy ``Generator``, or torch on the
+        device from a ``torch.Generator``."""
         d = self.mean.shape[0]
+        if self.device is not None:
+            f64: dict[str, Any] = dict(dtype=torch.float64, device=self.device, generator=rng)
+            if self.factor is not None:
+                return self.mean + torch.randn(rows, d, **f64) @ self.factor.T
+            return (self.mean + torch.randn(rows, self.lr.shape[1], **f64) @ self.lr.T
+                    + torch.randn(rows, d, **f64) * self.resid_sd)
         if self.factor is not None:
             z = rng.standard_normal((rows, d))
             return self.mean + z @ self.factor.T  # (rows, d)
@@ -139,17 +234,28 @@ class _GaussianRows:
 
 
 class _MatrixNormal:
-    """Sampler of ``W = M + A Z B^T`` from a :class:`WeightStats`."""
+    """Sampler of ``W = M + A Z B^T`` from a :class:`WeightStats` (numpy, or torch on ``device``)."""
 
-    def __init__(self, w: WeightStats) -> None:
-        self.mean = np.asarray(w.mean, dtype=np.float64)
+    def __init__(self, w: WeightStats, device: torch.device | None = None) -> None:
+        self.device = device
+        self.mean: Any = np.asarray(w.mean, dtype=np.float64)
         u = np.asarray(w.u, dtype=np.float64)
         v = np.asarray(w.v, dtype=np.float64)
         self.fallbacks: dict[str, str] = {}
+        if device is not None:
+            self.mean = torch.as_tensor(self.mean, dtype=torch.float64, device=device)
         self.a = self._factor("u", u)
         self.b = self._factor("v", v)
 
-    def _factor(self, name: str, f: np.ndarray) -> np.ndarray:
+    def _factor(self, name: str, f: np.ndarray) -> Any:
+        if self.device is not None:
+            ft = torch.as_tensor(f, dtype=torch.float64, device=self.device)
+            if ft.ndim != 2:
+                return ft.clamp_min(0.0).sqrt()
+            lt, _, why = psd_factor_torch(ft)
+            if why is not None:
+                self.fallbacks[name] = why
+            return lt
         if f.ndim != 2:
             return np.sqrt(np.clip(f, 0.0, None))
         lf, _, why = psd_factor_ex(f)
@@ -157,14 +263,21 @@ class _MatrixNormal:
             self.fallbacks[name] = why
         return lf
 
-    def draw(self, rng: np.random.Generator) -> np.ndarray:
-        z = rng.standard_normal(self.mean.shape)  # (N, K)
+    def draw(self, rng: Any) -> Any:
+        if self.device is not None:
+            z = torch.randn(*self.mean.shape, dtype=torch.float64, device=self.device, generator=rng)
+        else:
+            z = rng.standard_normal(self.mean.shape)  # (N, K)
         az = self.a @ z if self.a.ndim == 2 else self.a[:, None] * z
         return self.mean + (az @ self.b.T if self.b.ndim == 2 else az * self.b[None, :])
 
 
 class SiteSampler:
-    """Draws ``(X (rows, K), dY (rows, N), W (N, K))`` float64 operands of one site."""
+    """Draws ``(X (rows, K), dY (rows, N), W (N, K))`` float64 operands of one site.
+
+    ``device`` None: numpy draws on the CPU (:meth:`draw`); a device: factors and draws in
+    float64 torch there (:meth:`draw_tensors`; :meth:`draw` then copies them to numpy).
+    """
 
     def __init__(
         self,
@@ -174,6 +287,7 @@ class SiteSampler:
         max_rows: int = MAX_ROWS,
         weights: str = "model",
         seed: int = 0,
+        device: str | torch.device | None = None,
     ) -> None:
         if dist not in DISTS:
             raise ProbeError(f"unknown distribution {dist!r}: choose one of {', '.join(DISTS)}")
@@ -182,7 +296,12 @@ class SiteSampler:
         if max_rows < 1:
             raise ProbeError(f"max_rows must be >= 1, got {max_rows!r}")
         self.site, self.dist, self.weights = site, dist, weights
+        self.device = None if device is None else torch.device(device)
         self.rng = np.random.default_rng(seed)
+        self.gen: torch.Generator | None = None
+        if self.device is not None:
+            self.gen = torch.Generator(device=self.device)
+            self.gen.manual_seed(int(seed))
         self.rows = max(1, min(site.rows or 1, max_rows))
         if dist == "real":
             if site.x.real is None or site.dy.real is None:
@@ -193,9 +312,9 @@ class SiteSampler:
             n = min(site.x.real.shape[0], site.dy.real.shape[0])
             self.rows = n
         elif dist == "learned":
-            self._x = _GaussianRows(site.x)
-            self._dy = _GaussianRows(site.dy)
-            self._w = _MatrixNormal(site.w) if weights == "model" and site.w.has_model else None
+            self._x = _GaussianRows(site.x, self.device)
+            self._dy = _GaussianRows(site.dy, self.device)
+            self._w = _MatrixNormal(site.w, self.device) if weights == "model" and site.w.has_model else None
 
     @property
     def jitter(self) -> dict[str, float]:
@@ -216,7 +335,40 @@ class SiteSampler:
         return out
 
     def draw(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """One ``(X, dY, W)`` draw, float64."""
+        """One ``(X, dY, W)`` draw, float64 numpy (a device sampler's draw copied to the CPU)."""
+        if self.device is not None:
+            x, dy, w = self.draw_tensors()
+            return x.cpu().numpy(), dy.cpu().numpy(), w.cpu().numpy()
+        return self._draw_numpy()
+
+    def draw_tensors(self, device: str | torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One ``(X, dY, W)`` draw as float64 tensors on ``device`` (default: the sampler's
+        device, else the CPU); a device sampler draws there, a CPU one copies its numpy draw."""
+        if self.device is None:
+            return draws_as_tensors(*self._draw_numpy(), device=device or "cpu")
+        target = self.device if device is None else torch.device(device)
+        s, rows, gen = self.site, self.rows, self.gen
+        k, n = s.in_features, s.out_features
+        f64: dict[str, Any] = dict(dtype=torch.float64, device=self.device)
+        if self.dist == "normal":
+            out = tuple(torch.randn(*shape, generator=gen, **f64) for shape in ((rows, k), (rows, n), (n, k)))
+        elif self.dist == "real":
+            x_real, dy_real = s.x.real, s.dy.real
+            assert x_real is not None and dy_real is not None  # checked in __init__
+            out = tuple(torch.as_tensor(np.asarray(a, dtype=np.float64), **f64)
+                        for a in (x_real[:rows], dy_real[:rows], s.w.last))
+        else:
+            x = self._x.draw(rows, gen)
+            dy = self._dy.draw(rows, gen)
+            if self._w is not None:
+                w = self._w.draw(gen)
+            else:
+                w = torch.as_tensor(np.asarray(s.w.last if self.weights == "current" else s.w.mean,
+                                               dtype=np.float64), **f64)
+            out = (x, dy, w)
+        return tuple(t.to(target) for t in out)  # type: ignore[return-value]
+
+    def _draw_numpy(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         s, rows = self.site, self.rows
         k, n = s.in_features, s.out_features
         if self.dist == "normal":
