@@ -9,9 +9,11 @@
 # from the repo root. Writes into $OUT: env.txt, gpu_smoke.log (pytest's output), gpu_smoke.xml
 # (JUnit), gpu_smoke.jsonl (one JSON line per model variant, probe and study) and
 # gpu_smoke_summary.txt (their table, also printed last). Exit status: pytest's.
-# Settings (environment): SMOKE_WORKERS (6 pytest-xdist workers, --dist load: each test goes to a
-# free worker, the longest come first; 0 runs serially), SMOKE_TIMEOUT (480 s for the whole run),
-# TEST_TIMEOUT (300 s per test, where pytest-timeout is installed), LOKA_SMOKE_PRESET (large).
+# Settings (environment): SMOKE_WORKERS (8 pytest-xdist workers, --dist worksteal: an idle worker
+# takes queued tests from a busy one, the longest are first in the file; 0 runs serially),
+# SMOKE_TIMEOUT (420 s for the whole run; the bar is 300), TEST_TIMEOUT (240 s per test, where
+# pytest-timeout is installed: a hung test fails alone and the run still prints its tracebacks),
+# LOKA_SMOKE_PRESET (large).
 set -uo pipefail
 out=${1:?usage: gpu_smoke_h200.sh OUT [TEST ...]}
 shift
@@ -36,16 +38,16 @@ fi
 
 export LOKA_SMOKE_LOG="$out/gpu_smoke.jsonl"
 : > "$LOKA_SMOKE_LOG"
-args=(-v -m gpu -p no:cacheprovider -rfEs --durations=25 --junitxml "$out/gpu_smoke.xml")
-workers=${SMOKE_WORKERS:-6}
+args=(-v -m gpu -p no:cacheprovider -rfEs --tb=short --durations=30 --junitxml "$out/gpu_smoke.xml")
+workers=${SMOKE_WORKERS:-8}
 if [ "$workers" -gt 0 ] && python3 -c "import xdist" 2>/dev/null; then
-  args+=(-n "$workers" --dist load)
+  args+=(-n "$workers" --dist worksteal)
 fi
 if python3 -c "import pytest_timeout" 2>/dev/null; then
-  args+=(--timeout "${TEST_TIMEOUT:-300}")
+  args+=(--timeout "${TEST_TIMEOUT:-240}")
 fi
 t0=$(date +%s)
-timeout -k 15 "${SMOKE_TIMEOUT:-480}" python3 -m pytest "${args[@]}" \
+timeout -k 15 "${SMOKE_TIMEOUT:-420}" python3 -m pytest "${args[@]}" \
   tests/test_gpu_smoke.py tests/test_custom_ops.py "$@" 2>&1 | tee "$out/gpu_smoke.log"
 rc=${PIPESTATUS[0]}
 echo "== pytest exit $rc after $(( $(date +%s) - t0 )) s" | tee -a "$out/gpu_smoke.log"

@@ -26,14 +26,13 @@ runs on a CPU (a tiny model, eager, emulated FP8), so that CI exercises it too.
   speed: 2 bf16 baselines with the probe, 2 trials, the confirmation) then ``export``; the
   exported config says it was confirmed in the compiled regime on 2 seeds.
 
-Time on one H200 (an estimate, to be replaced by the measured one in BENCHMARKS.md): cold
-compiles dominate, ~10-60 s per model variant (Interformer's the longest: 3 interleaved layers
-of attention, PFFN and interaction), so the 16 compiled variants take ~6-10 min of one
-process, the four probes ~1-2 min, the study ~1.5 min: ~8-13 min serially, ~2-4 min with
-``pytest -n 6 --dist load`` (pytest-xdist is on the H200 image; 16 cores, one GPU shared: each
-test goes to a free worker, the longest classes are first in the file; a model's probe is then
-computed on up to two workers, its own test's and its Dispatch variant's). The device script
-``benchmarks/gpu_smoke_h200.sh`` runs it that way and prints the summary.
+Time on one H200 (measured 2026-12-01, BENCHMARKS.md): 24 passed in 246 s with
+``pytest -n 8 --dist worksteal --timeout 240`` (``benchmarks/gpu_smoke_h200.sh``; pytest-xdist
+on the H200 image, 16 cores, one GPU shared: an idle worker takes queued tests from a busy one,
+the longest classes are first in the file, the study first of all). Cold compiles dominate:
+10-97 s per variant under that sharing (Interformer's the longest), each probe 53-124 s of
+setup (mostly its eager collection; a model's probe is computed on up to two workers, its own
+test's and its Dispatch variant's), the study 74 s.
 
 Output: each test prints one ``[smoke] ...`` line (model, variant, graphs, FP8 GEMMs, first
 and last losses, ms per step, seconds) straight to the terminal, records it as a JUnit
@@ -125,7 +124,11 @@ class _ModelSmoke:
         if variant == "dispatch":
             probed = request.getfixturevalue("probed")
             report = probed.get("report") or modeled_report(case, source)  # probe failed: the cost model's plan
-        result = run_variant(case, variant, source, report)
+        try:
+            result = run_variant(case, variant, source, report)
+        except Exception as e:  # a compile or training error: in the summary too, then the traceback
+            record({"what": f"{case.model}/{case.preset} {variant}", "problem": f"{type(e).__name__}: {e}"[:500]})
+            raise
         if variant == "dispatch" and "error" in probed:
             result.notes = "; ".join(x for x in (result.notes, "planned from the cost model: the probe failed") if x)
         record(result.to_dict())
@@ -133,11 +136,6 @@ class _ModelSmoke:
         assert result.problem is None, result.line()
         if variant == "fp8_tensorwise":
             assert result.fp8_gemms > 0, f"no FP8 GEMM on torchao's filter sites at the {case.preset} preset"
-
-
-# the longest first: pytest-xdist hands the tests to free workers in this order
-class TestInterformer(_ModelSmoke):
-    model = "interformer"
 
 
 class TestStudy:
@@ -149,6 +147,12 @@ class TestStudy:
         record(entry)
         _say(capsys, record_property, f"[smoke] study gpu_smoke: {entry}")
         assert entry["problem"] is None, entry["problem"]
+
+
+# the longest first (the study, then Interformer's compiles): pytest-xdist hands the tests to
+# free workers in this order
+class TestInterformer(_ModelSmoke):
+    model = "interformer"
 
 
 class TestWukong(_ModelSmoke):
