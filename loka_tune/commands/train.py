@@ -35,8 +35,10 @@ rates up linearly over the first N steps: wide models (the large presets) need i
   pkg.module:function  your own: function() returns a DataSource
 
 --config with a config exported by `loka-tune export` and no --model rebuilds the tuned model
-from the config's provenance (model, preset, overrides, data spec and parameters);
---model-arg, --preset and --data still override what it recorded.
+from the config's provenance (model, preset, overrides, data spec and parameters) and trains it
+with the study's schedule and rates (--steps, --batch-size, --lr-dense, --lr-sparse,
+--lr-warmup-steps, --sparse-optimizer as its [training] had them); any of those options, and
+--model-arg, --preset and --data, still override what it recorded.
 
 Exit status: 0 ok, 1 the loss went non-finite, 2 a usage or input error.
 
@@ -97,12 +99,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--batch-size", type=integer("a batch size", minimum=1), default=None,
                    help="training batch size (default: 256; on a file of under 25,600 training rows,"
                         " rows/100 but at least 16, so one epoch is about 100 steps)")
-    t.add_argument("--lr-dense", type=number("a learning rate", minimum=0.0, strict=True), default=1e-3, help="Adam learning rate (default: 1e-3)")
-    t.add_argument("--lr-sparse", type=number("a learning rate", minimum=0.0, strict=True), default=1e-2,
+    t.add_argument("--lr-dense", type=number("a learning rate", minimum=0.0, strict=True), default=None,
+                   help="Adam learning rate (default: 1e-3)")
+    t.add_argument("--lr-sparse", type=number("a learning rate", minimum=0.0, strict=True), default=None,
                    help="embedding-table learning rate (default: 1e-2)")
-    t.add_argument("--lr-warmup-steps", type=integer("a number of steps", minimum=0), default=0,
+    t.add_argument("--lr-warmup-steps", type=integer("a number of steps", minimum=0), default=None,
                    help="ramp both learning rates linearly over the first N steps (default: 0, none)")
-    t.add_argument("--sparse-optimizer", default="rowwise_adagrad",
+    t.add_argument("--sparse-optimizer", default=None,
                    choices=("rowwise_adagrad", "sparse_adam"),
                    help="optimizer of the embedding tables (default: rowwise_adagrad)")
     t.add_argument("--seed", type=integer("a seed", minimum=0), default=0, help="model init and data order seed (default: 0)")
@@ -187,7 +190,7 @@ def _recorded_spec(args: argparse.Namespace) -> dict[str, Any]:
     overrides = dict(args.model_arg)
     if args.model is not None:
         return {"model": args.model, "preset": args.preset or "tiny", "overrides": overrides,
-                "data": args.data or "synthetic", "data_params": {}, "from": None}
+                "data": args.data or "synthetic", "data_params": {}, "from": None, "training": {}}
     if args.config is None:
         raise ConfigError("give --model (dlrm, dcnv2, wukong), or --config with a config exported by"
                           " `loka-tune export` to train the model it was tuned on", key="--model")
@@ -205,9 +208,25 @@ def _recorded_spec(args: argparse.Namespace) -> dict[str, Any]:
     elif not isinstance(data, str):
         raise ConfigError(f"{str(args.config)!r} records no data spec (exported by an older version?);"
                           " give --data", key="--data")
+    training = prov.get("training")
     return {"model": rec["name"], "preset": args.preset or rec.get("preset") or "tiny",
             "overrides": {**dict(rec.get("overrides") or {}), **overrides}, "data": data,
-            "data_params": dict(params) if isinstance(params, dict) else {}, "from": str(args.config)}
+            "data_params": dict(params) if isinstance(params, dict) else {}, "from": str(args.config),
+            "training": {k: v for k, v in training.items() if k in TRAINING_DEFAULTS or k in ("steps", "batch_size")}
+            if isinstance(training, dict) else {}}
+
+
+# the rates' defaults (the command line's, where neither it nor --config's provenance gives one)
+TRAINING_DEFAULTS: dict[str, Any] = {"lr_dense": 1e-3, "lr_sparse": 1e-2, "lr_warmup_steps": 0,
+                                     "sparse_optimizer": "rowwise_adagrad"}
+
+
+def _schedule_args(args: argparse.Namespace, recorded: dict[str, Any]) -> dict[str, Any]:
+    """The training options: each given one, else the one recorded by the study (``recorded``,
+    from --config's provenance), else the default."""
+    keys = ("steps", "batch_size", *TRAINING_DEFAULTS)
+    return {k: getattr(args, k) if getattr(args, k) is not None else recorded.get(k, TRAINING_DEFAULTS.get(k))
+            for k in keys}
 
 
 def _build(spec: dict[str, Any], source: Any) -> Any:
@@ -254,11 +273,15 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"precision config {str(args.config)!r} not found: pass the JSON written by "
                           "'loka-tune export'", key="--config")
     spec = _recorded_spec(args)
+    opts = _schedule_args(args, spec["training"])
     if spec["from"] is not None and not args.no_progress and main_rank and not (args.nproc > 1 and env is None):
+        used = {k: v for k, v in spec["training"].items() if getattr(args, k, None) is None}
         print(f"model from {spec['from']}: {spec['model']}/{spec['preset']} {spec['overrides'] or ''},"
-              f" data {spec['data']} {spec['data_params'] or ''}", file=sys.stderr)
+              f" data {spec['data']} {spec['data_params'] or ''}"
+              + (f"; the study's training: {', '.join(f'{k} {v}' for k, v in used.items())}" if used else ""),
+              file=sys.stderr)
     source = parse_data_spec(spec["data"], **spec["data_params"])
-    batch_size, steps = default_schedule(source, args.batch_size, args.steps)
+    batch_size, steps = default_schedule(source, opts["batch_size"], opts["steps"])
     if args.nproc > 1 and env is None:  # this process launches the job and waits for it
         if batch_size % args.nproc:
             raise ConfigError(f"got a global batch of {batch_size} for {args.nproc} processes; it must split evenly:"
@@ -270,9 +293,9 @@ def run(args: argparse.Namespace) -> int:
     cfg = TrainConfig(
         steps=steps,
         batch_size=batch_size,
-        lr_dense=args.lr_dense,
-        lr_sparse=args.lr_sparse,
-        lr_warmup_steps=args.lr_warmup_steps,
+        lr_dense=opts["lr_dense"],
+        lr_sparse=opts["lr_sparse"],
+        lr_warmup_steps=opts["lr_warmup_steps"],
         seed=args.seed,
         eval_batches=args.eval_batches,
         window=args.window,
@@ -280,7 +303,7 @@ def run(args: argparse.Namespace) -> int:
         autocast=args.autocast,
         compile=args.compile,
         cuda_graphs=args.cuda_graphs,
-        sparse_optimizer=args.sparse_optimizer,
+        sparse_optimizer=opts["sparse_optimizer"],
         cpu_threads=args.cpu_threads,
     )
 
@@ -308,6 +331,7 @@ def run(args: argparse.Namespace) -> int:
         "data": spec["data"],
         "precision_config": str(args.config) if args.config is not None else None,
         "precision_replaced": replaced,  # site -> precision id of every LokaLinear
+        "training": {"steps": steps, "batch_size": batch_size, **{k: opts[k] for k in TRAINING_DEFAULTS}},
         **result.to_dict(),
     }
     print(format_table(d))

@@ -282,6 +282,8 @@ def export_best(study: Any, out: str | Path | None = None, *, trial: int | None 
         "data_params": (st.get("data") or {}).get("params"),  # with model + data: `train --config` rebuilds it
         "objective": objective.get("kind"),
         "regime": st.get("regime"),
+        # the short runs' schedule and rates: `train --config` trains as the study did unless told otherwise
+        "training": _recorded_training(training, st.get("regime") or {}),
         **_confirmed_provenance(study, t.number, r),
         "versions": {"loka_tune": __version__, "torch": torch.__version__, "optuna": optuna.__version__,
                      "python": platform.python_version()},
@@ -293,6 +295,18 @@ def export_best(study: Any, out: str | Path | None = None, *, trial: int | None 
     if out is not None:
         config.save(out)
     return config
+
+
+RECORDED_TRAINING = ("steps", "batch_size", "lr_dense", "lr_sparse", "lr_warmup_steps", "sparse_optimizer")
+
+
+def _recorded_training(training: dict[str, Any], regime: dict[str, Any]) -> dict[str, Any] | None:
+    """The study's schedule and rates as its runs trained (a ``[regime] batch_size`` is the
+    batch they ran at), for ``train --config``; None for a study stored without them."""
+    rec = {k: training[k] for k in RECORDED_TRAINING if training.get(k) is not None}
+    if regime.get("batch_size"):
+        rec["batch_size"] = regime["batch_size"]
+    return rec or None
 
 
 def _confirmed_provenance(study: Any, number: int, r: TrialRecord) -> dict[str, Any]:
