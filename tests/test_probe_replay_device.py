@@ -16,10 +16,10 @@ import math
 import numpy as np
 import pytest
 import torch
-from test_probe_robust import KINDS, adversarial_rows
+from test_probe_robust import KINDS, _collect, adversarial_rows
 
 from loka_tune.probe import Probe, measure
-from loka_tune.probe.synth import SiteSampler, psd_factor_ex, psd_factor_torch
+from loka_tune.probe.synth import SiteSampler, _GaussianRows, psd_factor_ex, psd_factor_torch
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
@@ -138,3 +138,21 @@ def test_gpu_measure_replays_on_the_gpu_and_agrees_with_the_cpu() -> None:
         # other draws of one distribution: the means differ by their sampling noise (4 sigma)
         tol = 4 * math.sqrt((r.mere_std**2 + c.mere_std**2) / 16) + 1e-3
         assert abs(r.mere - c.mere) <= tol, (r.site, r.role, r.choice, r.mere, c.mere, tol)
+
+
+@pytest.mark.parametrize("device", [None, *DEVICES])
+def test_a_full_stream_whose_covariance_fell_back_draws_from_its_diagonal(device: str | None) -> None:
+    """A full-covariance stream whose covariance went non-finite keeps only its exact diagonal
+    (``t.cov`` None, no sketch): both replays draw independent features of those variances."""
+    acc, _, x = _collect("rank1", 16, device="cpu", precision="float32", max_full_dim=64, rank=8,
+                         dtype=torch.float32)
+    acc.moments.m2[2, 7] = float("nan")  # as a float32 overflow would have left it
+    t = acc.snapshot()
+    assert t.cov is None and "non-finite covariance" in t.fallbacks["cov"]
+    if device is None:
+        draws = _GaussianRows(t).draw(4000, np.random.default_rng(0))
+    else:
+        gen = torch.Generator(device=device).manual_seed(0)
+        draws = _GaussianRows(t, torch.device(device)).draw(4000, gen).cpu().numpy()
+    np.testing.assert_allclose(draws.var(0), t.var, rtol=0.15)
+    np.testing.assert_allclose(np.corrcoef(draws, rowvar=False), np.eye(16), atol=0.1)  # independent features

@@ -192,7 +192,7 @@ class _GaussianRows:
         if device is not None:
             f64: dict[str, Any] = dict(dtype=torch.float64, device=device)
             self.mean = torch.as_tensor(self.mean, **f64)
-            if t.full:
+            if t.cov is not None:  # a full covariance (None: sketched, or fell back to the diagonal)
                 self.factor, self.jitter, self.fallback = psd_factor_torch(torch.as_tensor(t.cov, **f64))
                 self.lr = None
             else:
@@ -203,8 +203,8 @@ class _GaussianRows:
                 self.resid_sd = (torch.as_tensor(np.asarray(t.var, dtype=np.float64), **f64) - tdiag).clamp_min(0.0).sqrt()
                 self.factor = None
             return
-        if t.full:
-            self.factor, self.jitter, self.fallback = psd_factor_ex(np.asarray(t.cov))  # (d, d)
+        if t.cov is not None:
+            self.factor, self.jitter, self.fallback = psd_factor_ex(t.cov)  # (d, d)
             self.lr = None
         else:
             vals = np.clip(np.asarray(t.lr_vals, dtype=np.float64), 0.0, None)
