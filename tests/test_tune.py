@@ -142,6 +142,8 @@ def test_tiny_study_end_to_end_with_mlflow(tmp_path: Path) -> None:
     assert len(parents) == 1 and len(children) == 4
     r0 = next(r for r in children if r.data.tags["loka.trial"] == "0")
     assert r0.data.metrics["rel_logloss_pct"] == 0.0 and r0.data.tags["feasible"] == "True"
+    assert r0.data.tags["seeded"] == "all-bf16"  # an enqueued start's label, as on the leaderboard
+    assert not any("seeded" in r.data.tags for r in children if r is not r0)  # the sampler's trials: none
     assert {"step_time_s", "speedup", "eval_ne", "eval_auc"} <= set(r0.data.metrics)
     assert any(k.startswith("site.") for k in r0.data.params) and r0.data.params["mods"] == "none"
     arts = {a.path for a in client.list_artifacts(r0.info.run_id)}

@@ -175,8 +175,9 @@ def _trials(ctx: StudyContext, study: Any, storage: Any, tracker: Tracker | None
                  f" (raise [storage] grace_s above {cfg.storage.grace_s}s if this machine stalls); skipped")
             continue
         if tracker is not None:
-            tracker.log_trial(trial.number, end.params, end.config, end.attrs, end.state, ctx,
-                              step_losses=end.step_losses)
+            seeded = trial.user_attrs.get("seeded")  # an enqueued start's label: the run's tag 'seeded'
+            tracker.log_trial(trial.number, end.params, end.config, {**end.attrs, "seeded": seeded} if seeded
+                              else end.attrs, end.state, ctx, step_losses=end.step_losses)
         if progress:
             _log(_progress_line(ctx, trial.number, n_total, end.attrs, end.state))
 
