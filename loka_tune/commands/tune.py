@@ -21,8 +21,8 @@ during the first, the search space pruned by the probe, then Optuna trials
 spent: first the enqueued starts (bf16 without and with the space's Mods, then under the
 faster feasible of those the recipes tensorwise / rowwise on torchao's size-filter Linears,
 torchao's own with the torchao backend, and the Dispatch plan; labelled in report and MLflow;
-[trials] enqueue_starts = false: none), then the sampler's, then the confirmation stage ([confirm]: the best 3 feasible configs re-run on 2+
-seeds against bf16 with the same Mods). Prints progress and one line per trial to stderr;
+[trials] enqueue_starts = false: none), then the sampler's, then the confirmation stage
+([confirm]: the best 3 feasible configs re-run on 2+ seeds against bf16 with the same Mods). Prints progress and one line per trial to stderr;
 results live in the study's output dir (runs/<name>/: optuna.db, mlflow.db, plots).
 
 Resume: run the same command again; completed trials are kept and never re-run, and the
