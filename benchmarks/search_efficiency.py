@@ -4,7 +4,9 @@ For one fixed trial budget, each *arm* is a real ``loka_tune.tuner.run_study`` o
 base study, repeated for several sampler seeds (``[study] seed``):
 
 * ``loka``: what ``loka-tune tune`` does today: probe pruning (``[probe] enabled = true``) and the
-  enqueued first trials (all-bf16, the Dispatch plan, all-FP8 at the fastest safe choices).
+  enqueued first trials (:mod:`loka_tune.tuner.starts`: bf16 under each Mods set, then the named
+  recipes; the results recorded in ``benchmarks/results/search_efficiency.md`` predate them:
+  all-bf16, the Dispatch plan, all-FP8 at the fastest safe choices).
 * ``tpe``: plain Optuna TPE over the unpruned space (``[probe] enabled = false``: no probe, no
   pruning, no Dispatch plan) with no enqueued trials (``[trials] enqueue_starts = false``).
 * ``pruned_tpe`` (optional ablation, ``--arms loka,tpe,pruned_tpe``): probe pruning, no enqueued trials.

@@ -9,7 +9,8 @@ touches CUDA, triton, fbgemm, torchao or mlflow):
 >>> summary = loka_tune.apply(model, "best.json")                     # doctest: +SKIP
 
 Or without a study, a named recipe: ``loka_tune.apply(model,
-loka_tune.PrecisionConfig.from_recipe("rowwise"))``.
+loka_tune.PrecisionConfig.from_recipe("rowwise"))`` (or ``loka_tune.recipe_config("dispatch",
+report=probe_report)``: LoKA's per-GEMM plan).
 
 What is public is listed in ``__all__`` below. Everything else (modules, their helpers, any
 name with a leading underscore) is internal and may change between releases; the
@@ -43,6 +44,7 @@ _LAZY = {
     "Probe": "loka_tune.probe.collector",
     "measure": "loka_tune.probe.measure",
     "build_plan": "loka_tune.dispatch",
+    "recipe_config": "loka_tune.dispatch",
     "build_model": "loka_tune.models.registry",
     "TrainConfig": "loka_tune.objectives.trainer",
     "train": "loka_tune.objectives.trainer",

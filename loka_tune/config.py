@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping, overload
 from loka_tune.config_file import SCHEMA_VERSION, check_envelope, header, parse_json, read_text, write_text
 from loka_tune.errors import ConfigError
 from loka_tune.mods_config import ModsConfig
+from loka_tune.recipes import DISPATCH, RECIPE_NAMES, RECIPES  # plain data: imports nothing of loka-tune
 
 if TYPE_CHECKING:  # config stays importable without torch
     from torch import Tensor
@@ -518,13 +519,42 @@ class PrecisionConfig:
         )
 
     @classmethod
-    def from_recipe(cls, name: str, **options: Any) -> "PrecisionConfig":
-        """A named whole-model recipe: ``"bf16"``, ``"tensorwise"``, ``"rowwise"``,
-        ``"rowwise_with_gw_hp"`` or ``"dispatch"`` (LoKA's per-GEMM plan from a probe report).
-        Options and what each recipe means: :func:`loka_tune.recipes.recipe_config`."""
-        from loka_tune.recipes import recipe_config  # its own module: the recipe table and its checks
+    def from_recipe(
+        cls,
+        name: str,
+        *,
+        backend: str = "torch_scaled_mm",
+        mods: ModsConfig | Mapping[str, Any] | None = None,
+        **options: Any,
+    ) -> "PrecisionConfig":
+        """A named uniform recipe (the table: :data:`loka_tune.recipes.RECIPES`):
 
-        return recipe_config(name, **options)
+        - ``"bf16"``: every GEMM in bf16 (the baseline; combine it with ``mods``);
+        - ``"tensorwise"``: every GEMM e4m3 with one scale per tensor;
+        - ``"rowwise"``: every GEMM e4m3 with one power-of-two scale per row;
+        - ``"rowwise_with_gw_hp"``: rowwise fwd and dgrad, wgrad kept in bf16.
+
+        ``backend`` names the kernel library of the FP8 recipes: ``torch_scaled_mm`` (cuBLASLt,
+        the default), ``torchao``, ``fbgemm``, ``triton``, or ``emulated`` (runs anywhere, for
+        checking numerics). ``mods``: the model adaptations to apply first (a
+        :class:`ModsConfig`, or a mapping such as ``{"no_bias": True}`` as in the JSON file).
+        The ``"dispatch"`` recipe (LoKA's per-GEMM plan) is built from a probe report, a layer
+        above this vocabulary: ``loka_tune.recipe_config("dispatch", report=...)``."""
+        if name == DISPATCH:
+            raise ConfigError(
+                "the 'dispatch' recipe is built from a probe report: call loka_tune.recipe_config('dispatch',"
+                " report=<a Probe's report or a saved probe report>) or loka_tune.build_plan(report)", key="recipe")
+        if name not in RECIPES:
+            raise ConfigError(f"unknown recipe {name!r}; choose one of {', '.join(RECIPE_NAMES)}", key="recipe")
+        if options:
+            raise ConfigError(f"{', '.join(sorted(options))} belong(s) to the 'dispatch' recipe, not to {name!r};"
+                              " drop them", key="recipe")
+        if backend == "bf16" and name != "bf16":
+            raise ConfigError(f"the {name!r} recipe runs FP8 GEMMs; name an FP8 backend such as 'torch_scaled_mm',"
+                              " 'torchao', 'fbgemm', 'triton' or 'emulated'", key="backend")
+        site = SitePrecision.parse(RECIPES[name].format(backend=backend), key="recipe")
+        return cls(default=site, mods=ModsConfig.of(mods),
+                   provenance={"source": f"loka-tune recipe {name}", "recipe": name, "backend": backend})
 
     def with_provenance(self, **kw: Any) -> "PrecisionConfig":
         return replace(self, provenance={**self.provenance, **kw})

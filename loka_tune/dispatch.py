@@ -14,18 +14,23 @@ Input records are the probe's ``CandidateResult`` objects (or mappings with the 
 :class:`~loka_tune.kernels.timing.TimingCache` or a mapping ``(choice id, m, k, n, role) ->
 seconds``), measured times replace the report's wherever both the candidate and bf16 were
 measured on that GEMM.
+
+:func:`recipe_config` (public as ``loka_tune.recipe_config``) is every named recipe's config:
+the uniform ones from the recipe table (:mod:`loka_tune.recipes`, via
+:meth:`PrecisionConfig.from_recipe`), and ``"dispatch"``, built here from a probe report.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Iterable, Mapping
 
-from loka_tune.config import BF16, ROLES, GemmChoice, GemmRole, PrecisionConfig, SitePrecision
+from loka_tune.config import BF16, ROLES, GemmChoice, GemmRole, ModsConfig, PrecisionConfig, SitePrecision
 from loka_tune.errors import ConfigError, UnsupportedChoiceError
+from loka_tune.recipes import DISPATCH
 
-__all__ = ["GemmDecision", "build_plan", "decide_gemm", "plan_decisions"]
+__all__ = ["GemmDecision", "build_plan", "decide_gemm", "plan_decisions", "recipe_config"]
 
 
 @dataclass(frozen=True)
@@ -197,3 +202,30 @@ def build_plan(report: Any, *, max_error: float = 0.2, min_speedup: float = 1.05
     if notes:
         prov["notes"] = notes
     return PrecisionConfig.from_sites(sites, default="bf16", provenance=prov)
+
+
+def recipe_config(
+    name: str,
+    *,
+    backend: str = "torch_scaled_mm",
+    mods: ModsConfig | Mapping[str, Any] | None = None,
+    report: Any = None,
+    **plan_options: Any,
+) -> PrecisionConfig:
+    """The :class:`PrecisionConfig` of recipe ``name``.
+
+    - ``"bf16"``, ``"tensorwise"``, ``"rowwise"``, ``"rowwise_with_gw_hp"``: the uniform
+      recipes, as :meth:`PrecisionConfig.from_recipe` builds them (``backend``, ``mods``);
+    - ``"dispatch"``: LoKA's per-GEMM plan built from a probe ``report`` by :func:`build_plan`
+      (``plan_options``: ``max_error``, ``min_speedup``, ``timings``, ``resolve_emulated``,
+      ``device``), with ``mods``.
+    """
+    if name != DISPATCH:
+        if report is not None:
+            plan_options = {**plan_options, "report": report}
+        return PrecisionConfig.from_recipe(name, backend=backend, mods=mods, **plan_options)
+    if report is None:
+        raise ConfigError(
+            "the 'dispatch' recipe is built from a probe report: pass report=<a Probe's report or a"
+            " saved probe report>, or call loka_tune.build_plan(report)", key="recipe")
+    return replace(build_plan(report, **plan_options), mods=ModsConfig.of(mods))

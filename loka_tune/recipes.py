@@ -1,26 +1,28 @@
-"""Named whole-model precision recipes: the counterpart of torchao's ``from_recipe_name``.
+"""Named whole-model precision recipes as plain data: the counterpart of torchao's recipe names.
 
 A recipe is a starting point, not a tuned result: the uniform ones run every Linear the same
 way, ``dispatch`` is LoKA's per-GEMM plan from a probe report. A study (``loka-tune tune``)
-searches for the fastest config within the loss budget; a recipe is what you compare it with.
+searches for the fastest config within the loss budget, and starts from these recipes.
+
+This module is data only (it imports nothing of loka-tune): :mod:`loka_tune.config` builds the
+uniform recipes from it (:meth:`~loka_tune.config.PrecisionConfig.from_recipe`), and
+:mod:`loka_tune.dispatch`, a layer above, builds the ``dispatch`` one
+(:func:`loka_tune.dispatch.recipe_config`, public as ``loka_tune.recipe_config``).
 
 >>> from loka_tune import PrecisionConfig
 >>> PrecisionConfig.from_recipe("rowwise").default.short_str()
 'e4m3.row.pow2.torch_scaled_mm'
+>>> SIZE_FILTERS["tensorwise"].keeps(2048, 2048), SIZE_FILTERS["rowwise"].keeps(2048, 2048)
+(True, False)
 """
 
 from __future__ import annotations
 
-import importlib
-from dataclasses import replace
-from typing import Any, Mapping
+from dataclasses import dataclass
 
-from loka_tune.config import ModsConfig, PrecisionConfig, SitePrecision
-from loka_tune.errors import ConfigError
+__all__ = ["RECIPES", "DISPATCH", "RECIPE_NAMES", "SizeFilter", "SIZE_FILTERS"]
 
-__all__ = ["RECIPES", "recipe_config"]
-
-#: Named uniform recipes: a site id whose ``{backend}`` :func:`recipe_config` fills in.
+#: Named uniform recipes: a site id whose ``{backend}`` the recipe's backend fills in.
 RECIPES: dict[str, str] = {
     "bf16": "bf16",
     "tensorwise": "e4m3.tensor.{backend}",
@@ -28,48 +30,40 @@ RECIPES: dict[str, str] = {
     "rowwise_with_gw_hp": "e4m3.row.pow2.{backend}|e4m3.row.pow2.{backend}|bf16",
 }
 
+#: The per-GEMM recipe built from a probe report (by :mod:`loka_tune.dispatch`).
+DISPATCH = "dispatch"
 
-def recipe_config(
-    name: str,
-    *,
-    backend: str = "torch_scaled_mm",
-    mods: ModsConfig | Mapping[str, Any] | None = None,
-    report: Any = None,
-    **plan_options: Any,
-) -> PrecisionConfig:
-    """The :class:`PrecisionConfig` of recipe ``name``.
+#: Every recipe name, in the order errors list them.
+RECIPE_NAMES: tuple[str, ...] = (*RECIPES, DISPATCH)
 
-    - ``"bf16"``: every GEMM in bf16 (the baseline; combine it with ``mods``);
-    - ``"tensorwise"``: every GEMM e4m3 with one scale per tensor;
-    - ``"rowwise"``: every GEMM e4m3 with one power-of-two scale per row;
-    - ``"rowwise_with_gw_hp"``: rowwise fwd and dgrad, wgrad kept in bf16;
-    - ``"dispatch"``: LoKA's per-GEMM plan built from a probe ``report`` by
-      :func:`loka_tune.dispatch.build_plan` (``plan_options``: ``max_error``, ``min_speedup``,
-      ``timings``, ``device``).
 
-    ``backend`` names the kernel library of the uniform recipes: ``torch_scaled_mm``
-    (cuBLASLt, the default), ``torchao``, ``fbgemm``, ``triton``, or ``emulated`` (runs
-    anywhere, for checking numerics). ``mods``: the model adaptations to apply first (a
-    :class:`ModsConfig`, or a mapping such as ``{"no_bias": True}`` as in the JSON file).
+@dataclass(frozen=True)
+class SizeFilter:
+    """Which Linears a recipe converts, by their weight's shape: torchao's size filter as data.
+
+    A Linear is kept when both ``in_features`` and ``out_features`` are multiples of ``align``
+    (FP8 GEMMs need it) and it lies in none of the ``skip`` boxes: ``(max_in, max_out)`` means
+    "skipped when ``in_features <= max_in`` and ``out_features <= max_out``" (``None``: no bound
+    on that side). The boxes are torchao's H100 heuristics (``_auto_filter_for_recipe`` in
+    ``torchao/float8/float8_linear_utils.py``: where the FP8 GEMM and its casts cost more than
+    they save), restated here so that a study can start from torchao's choice of Linears
+    without importing torchao.
     """
-    if name == "dispatch":
-        if report is None:
-            raise ConfigError(
-                "the 'dispatch' recipe is built from a probe report: pass report=<a Probe's report or a"
-                " saved probe report>, or call loka_tune.build_plan(report)", key="recipe")
-        # Dispatch sits above the vocabulary: imported when this recipe is asked for
-        plan = importlib.import_module("loka_tune.dispatch").build_plan(report, **plan_options)
-        return replace(plan, mods=ModsConfig.of(mods))
-    if name not in RECIPES:
-        raise ConfigError(f"unknown recipe {name!r}; choose one of {', '.join([*RECIPES, 'dispatch'])}",
-                          key="recipe")
-    if report is not None or plan_options:
-        extra = sorted(plan_options) + (["report"] if report is not None else [])
-        raise ConfigError(f"{', '.join(extra)} belong(s) to the 'dispatch' recipe, not to {name!r}; drop them",
-                          key="recipe")
-    if backend == "bf16" and name != "bf16":
-        raise ConfigError(f"the {name!r} recipe runs FP8 GEMMs; name an FP8 backend such as 'torch_scaled_mm',"
-                          " 'torchao', 'fbgemm', 'triton' or 'emulated'", key="backend")
-    site = SitePrecision.parse(RECIPES[name].format(backend=backend), key="recipe")
-    return PrecisionConfig(default=site, mods=ModsConfig.of(mods),
-                           provenance={"source": f"loka-tune recipe {name}", "recipe": name, "backend": backend})
+
+    align: int = 16
+    skip: tuple[tuple[int | None, int | None], ...] = ()
+
+    def keeps(self, in_features: int, out_features: int) -> bool:
+        if in_features % self.align or out_features % self.align:
+            return False
+        return not any((mi is None or in_features <= mi) and (mo is None or out_features <= mo)
+                       for mi, mo in self.skip)
+
+
+#: torchao's size filter per recipe (its rowwise_with_gw_hp recipe has none).
+SIZE_FILTERS: dict[str, SizeFilter] = {
+    # tensorwise: small in and out at once lose (in <= 1024 and out <= 4096)
+    "tensorwise": SizeFilter(skip=((1024, 4096),)),
+    # rowwise: its scales cost more, so it needs in > 2048, out > 1024, and not both in <= 4096, out <= 2048
+    "rowwise": SizeFilter(skip=((2048, None), (None, 1024), (4096, 2048))),
+}

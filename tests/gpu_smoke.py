@@ -170,7 +170,7 @@ def variant_config(case: SmokeCase, variant: str, model: nn.Module, report: Any 
     if variant == "dispatch":
         if report is None:
             raise ValueError("the dispatch variant needs a probe report: pass probe_report(case, ...)")
-        from loka_tune.recipes import recipe_config
+        from loka_tune.dispatch import recipe_config
 
         return recipe_config("dispatch", report=report, mods=case.mods, max_error=0.2, min_speedup=1.0,
                              resolve_emulated=case.resolve_emulated)

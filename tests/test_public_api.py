@@ -20,7 +20,7 @@ from loka_tune.kernels.quant import sqnr_db
 REPO = Path(__file__).resolve().parents[1]
 
 WORKFLOW = ["load_study", "run_study", "export_best", "load_config", "apply", "export", "Probe", "measure",
-            "build_plan", "build_model", "TrainConfig", "train"]
+            "build_plan", "recipe_config", "build_model", "TrainConfig", "train"]
 
 
 def test_top_level_lists_the_workflow_and_every_name_resolves() -> None:
@@ -98,7 +98,7 @@ def test_mods_given_as_a_mapping_become_a_mods_config_that_saves(tmp_path: Path)
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(name="rowwize"), "unknown recipe 'rowwize'; choose one of bf16, tensorwise, rowwise"),
-    (dict(name="dispatch"), "built from a probe report"),
+    (dict(name="dispatch"), "built from a probe report: call loka_tune.recipe_config"),
     (dict(name="rowwise", report=object()), "report belong"),
     (dict(name="rowwise", max_error=0.1), "max_error belong"),
     (dict(name="rowwise", backend="bf16"), "name an FP8 backend"),
@@ -119,11 +119,23 @@ def test_dispatch_recipe_is_build_plan_of_the_report() -> None:
         for choice, mere, speedup in (("e4m3.row.emulated", 0.01, 1.4), ("e4m3.tensor.emulated", 0.5, 1.6)):
             rep.append({"site": "mlp.0", "role": role.value, "choice": choice, "m": m, "k": k, "n": n,
                         "mere": mere, "speedup": speedup, "time_source": "modeled"})
-    cfg = PrecisionConfig.from_recipe("dispatch", report=rep, mods=ModsConfig(no_bias=True), resolve_emulated=False)
+    cfg = loka_tune.recipe_config("dispatch", report=rep, mods=ModsConfig(no_bias=True), resolve_emulated=False)
     want = build_plan(rep, resolve_emulated=False)
+    with pytest.raises(ConfigError, match="recipe_config"):  # the vocabulary does not import Dispatch
+        PrecisionConfig.from_recipe("dispatch", report=rep)
+    with pytest.raises(ConfigError, match="built from a probe report: pass report="):
+        loka_tune.recipe_config("dispatch")
     assert cfg.resolve("mlp.0") == want.resolve("mlp.0")
     assert cfg.resolve("mlp.0").fwd.short_str() == "e4m3.row.emulated"  # the accurate one, not the faster unsafe one
     assert cfg.mods.no_bias and not want.mods.no_bias
+
+
+def test_recipe_config_gives_the_uniform_recipes_as_from_recipe() -> None:
+    for name in ("bf16", "tensorwise", "rowwise", "rowwise_with_gw_hp"):
+        assert loka_tune.recipe_config(name, backend="emulated", mods={"no_bias": True}) == \
+            PrecisionConfig.from_recipe(name, backend="emulated", mods={"no_bias": True})
+    with pytest.raises(ConfigError, match="report belong"):
+        loka_tune.recipe_config("rowwise", report=[])
 
 
 def test_recipe_applied_to_a_model_runs_fp8_and_stays_close() -> None:

@@ -125,7 +125,7 @@ def test_a_study_interrupted_twice_exports_what_the_uninterrupted_one_does(tmp_p
     # 1. Ctrl-C during trial 0 (the enqueued all-bf16 start) while the next start waits in the queue
     _interrupt(_cli("tune", str(cut), "--no-tracking", delay_s=3.0), cut, after=0, sig=signal.SIGINT)
     waiting = [t for t in _load(cut).get_trials(deepcopy=False) if t.state.name == "WAITING"]
-    assert [t.user_attrs.get("seeded") for t in waiting] == ["all-bf16", "all-fp8-fastest-safe"]  # in their order
+    assert [t.user_attrs.get("seeded") for t in waiting] == ["all-bf16", "bf16+mods:nobias"]  # in their order
     # 2. kill -9 during the 5th trial, one the sampler drew (TPE: after the 2 starts and 2 more)
     _interrupt(_cli("tune", str(cut), "--no-tracking", delay_s=3.0), cut, after=4, sig=signal.SIGKILL)
     # 3. the same command again finishes the study

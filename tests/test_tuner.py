@@ -143,6 +143,71 @@ def test_no_import_cycle_at_module_level() -> None:
         assert not re.search(r"tuner\.(loop|prepare|trial)\b|loka_tune\.tune\b", text), name
 
 
+
+def _all_imports(path: Path, modules: set[str]) -> set[str]:
+    """The loka_tune modules ``path`` imports anywhere: at module level and inside functions."""
+    name = _module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(up + ([node.module] if node.module else []))
+            found.add(base)
+            found.update(f"{base}.{a.name}" for a in node.names)
+    out = set()
+    for imported in found:
+        while imported and imported not in modules:
+            imported = imported.rpartition(".")[0]
+        if imported and imported != name:
+            out.add(imported)
+    return out
+
+
+# the vocabulary (layer 1 of docs/design.md): plain data everyone shares; it imports only itself
+_VOCABULARY = {"loka_tune.config", "loka_tune.config_file", "loka_tune.mods_config", "loka_tune.recipes",
+               "loka_tune.errors", "loka_tune._io"}
+
+
+def test_config_recipes_and_dispatch_import_only_downward() -> None:
+    """config -> recipes (plain data) and dispatch -> config / recipes / kernels, never back: no
+    import runs upward from the vocabulary, not even inside a function or through importlib."""
+    paths = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    for m in sorted(_VOCABULARY):
+        up = _all_imports(paths[m], set(paths)) - _VOCABULARY
+        assert not up, f"{m} imports {sorted(up)}: upward from the vocabulary"
+        assert "importlib" not in paths[m].read_text(), f"{m} imports by name (importlib): an import the check cannot see"
+    assert _all_imports(paths["loka_tune.recipes"], set(paths)) == set(), "recipes is data: it imports nothing"
+    dispatch = _all_imports(paths["loka_tune.dispatch"], set(paths))
+    assert "importlib" not in paths["loka_tune.dispatch"].read_text()
+    assert dispatch - _VOCABULARY <= {m for m in paths if m.startswith("loka_tune.kernels")}, sorted(dispatch)
+    assert {"loka_tune.config", "loka_tune.recipes"} <= dispatch  # it builds the Dispatch recipe
+    # no cycle among the three, counting every import (a function-level one too)
+    trio = ("loka_tune.config", "loka_tune.recipes", "loka_tune.dispatch")
+    reach = {m: _all_imports(paths[m], set(paths)) for m in paths}
+
+    def reaches(a: str, b: str) -> bool:
+        seen, todo = set(), [a]
+        while todo:
+            m = todo.pop()
+            for d in reach.get(m, ()):
+                if d == b:
+                    return True
+                if d not in seen:
+                    seen.add(d)
+                    todo.append(d)
+        return False
+
+    for a in trio:
+        for b in trio:
+            if a != b and reaches(a, b):
+                assert not reaches(b, a), f"import cycle through {a} and {b}"
+
+
 # files of the tuner refactor (issue 12): modules <= 600 lines, functions <= 120 lines
 _OWNED = [*sorted((PACKAGE / "tuner").glob("*.py")), PACKAGE / "_toml.py", PACKAGE / "objectives" / "speed.py",
           PACKAGE / "recipes.py", PACKAGE / "version.py", PACKAGE / "cli.py",

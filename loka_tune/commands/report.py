@@ -71,8 +71,9 @@ def format_leaderboard(rows: list[dict], *, limit: int | None = 20) -> str:
            f" {'NE':>7} {'AUC':>6} {'fp8':>4} {'mods':<12} note"
     lines = [head, "-" * len(head)]
     for r in rows[:limit] if limit else rows:
-        note = _notes(r.get("within_noise"),
-                      r["reason"] or (f"cache of {r.get('cached_from')}" if r["cache_hit"] else r.get("seeded") or ""))
+        # an enqueued start's label first (a start can be a cache copy or fail too), then why
+        why = r["reason"] or (f"cache of {r.get('cached_from')}" if r["cache_hit"] else "")
+        note = _notes(r.get("within_noise"), ", ".join(n for n in (r.get("seeded") or "", why) if n))
         mark = "* " if r.get("exported") else "  "
         lines.append(f"{mark}{r['trial']:>5} {r['state']:<8} {'yes' if r['feasible'] else 'no':<4}"
                      f" {f(r['step_time_s'], '.4g'):>10} {f(r['speedup'], '.3f'):>8}"

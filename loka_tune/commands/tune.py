@@ -18,8 +18,11 @@ relative log loss is the noise floor, which objective.budget_pct must exceed), t
 during the first, the search space pruned by the probe, then Optuna trials
 (each a fresh model + a precision config + a paired short run, timed in the study's
 [regime]: compiled on CUDA by default, at its production batch) until the trial budget is
-spent, then the confirmation stage ([confirm]: the best 3 feasible configs re-run on 2+
-seeds against bf16 with the same Mods). Prints progress and one line per trial to stderr;
+spent: first the enqueued starts (bf16 without and with the space's Mods, then under the
+faster feasible of those the recipes tensorwise / rowwise on torchao's size-filter Linears,
+torchao's own with the torchao backend, and the Dispatch plan; labelled in report and MLflow;
+[trials] enqueue_starts = false: none), then the sampler's, then the confirmation stage
+([confirm]: the best 3 feasible configs re-run on 2+ seeds against bf16 with the same Mods). Prints progress and one line per trial to stderr;
 results live in the study's output dir (runs/<name>/: optuna.db, mlflow.db, plots).
 
 Resume: run the same command again; completed trials are kept and never re-run, and the

@@ -6,7 +6,8 @@ One module per job: ``study`` (the study file's schema; ``sections`` holds its t
 ``build`` (data source, model, trainer config), ``baseline`` (bf16 reference runs, their
 noise twins, the paired noise floor), ``optuna_setup`` (storage, sampler, pruner; ``_sampler``:
 TPE seeded per trial position),
-``prepare`` (baseline + probe + pruned space + enqueued starts), ``trial`` (one configuration's evaluation), ``loop`` (ask/evaluate/tell,
+``prepare`` (baseline + probe + pruned space), ``starts`` (the enqueued first trials: bf16
+under each Mods set, then the named recipes under the best), ``trial`` (one configuration's evaluation), ``loop`` (ask/evaluate/tell,
 several workers; ``_workers`` holds heartbeats and duplicates), ``results`` (trial records,
 feasibility, "within noise", best trial, leaderboard, export), ``plots`` (speed vs loss, the
 choice map) and ``tracking`` (MLflow; both read results).

@@ -6,8 +6,10 @@ One study, end to end (see ``docs/design.md``)::
                     run from perturbed initial weights: the paired noise floor of relative log loss)
                     + the Probe's online statistics during the first one
                 ──> space: sites x roles x candidates, pruned by the ProbeReport (unsafe / slow)
-                ──> enqueued: all-bf16, the Dispatch plan, all-FP8 at the fastest safe choices
-                    (unless ``[trials] enqueue_starts = false``)
+                ──> enqueued starts (unless ``[trials] enqueue_starts = false``): bf16 under each
+                    Mods set, then, under the fastest feasible of those, the named recipes
+                    (tensorwise / rowwise on torchao's size-filter sites, torchao's own, the
+                    Dispatch plan): :mod:`loka_tune.tuner.starts`
                 ──> Optuna ask/tell (TPE with constraints, objective: step time)
                     trial -> PrecisionConfig -> fresh model (same init) -> apply -> paired short run
                           -> relative log loss vs the baseline, step time (measured or modeled)
@@ -62,6 +64,7 @@ from loka_tune.tuner.build import _log, resolve_device
 from loka_tune.tuner.optuna_setup import make_storage, open_study, set_constraint
 from loka_tune.tuner.prepare import StudyContext, prepare_study
 from loka_tune.tuner.results import STATES_DONE, TrialRecord, best_trial, noise_note
+from loka_tune.tuner.starts import enqueue_recipe_starts
 from loka_tune.tuner.study import StudyConfig
 from loka_tune.tuner.tracking import Tracker
 from loka_tune.tuner.trial import evaluate_config
@@ -151,6 +154,9 @@ def _trials(ctx: StudyContext, study: Any, storage: Any, tracker: Tracker | None
             # others are finishing the last trials; a dead one's trial will be re-queued
             time.sleep(min(cfg.storage.heartbeat_s, 2.0))
             continue
+        if enqueue_recipe_starts(study):  # the bf16 + Mods starts run elsewhere: the recipes wait for them
+            time.sleep(min(cfg.storage.heartbeat_s, 2.0))
+            continue
         with warnings.catch_warnings():  # heartbeats are recorded by _Heartbeat below, not by optimize()
             warnings.filterwarnings("ignore", message="Heartbeat of storage")
             trial = study.ask(fixed_distributions=dists)
@@ -169,8 +175,9 @@ def _trials(ctx: StudyContext, study: Any, storage: Any, tracker: Tracker | None
                  f" (raise [storage] grace_s above {cfg.storage.grace_s}s if this machine stalls); skipped")
             continue
         if tracker is not None:
-            tracker.log_trial(trial.number, end.params, end.config, end.attrs, end.state, ctx,
-                              step_losses=end.step_losses)
+            seeded = trial.user_attrs.get("seeded")  # an enqueued start's label: the run's tag 'seeded'
+            tracker.log_trial(trial.number, end.params, end.config, {**end.attrs, "seeded": seeded} if seeded
+                              else end.attrs, end.state, ctx, step_losses=end.step_losses)
         if progress:
             _log(_progress_line(ctx, trial.number, n_total, end.attrs, end.state))
 

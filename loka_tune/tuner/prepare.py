@@ -1,4 +1,5 @@
-"""Preparing a study: the baseline, the probe, the search space it prunes, the enqueued starts.
+"""Preparing a study: the baseline, the probe, the search space it prunes, the first enqueued starts
+(bf16 under each Mods set; the recipes wait for them: :mod:`loka_tune.tuner.starts`).
 
 The first worker computes them and stores the baseline and the space in the study's user
 attributes; every other worker (and every resume) loads them, so all share one space. Two
@@ -21,23 +22,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from loka_tune.config import ROLES, GemmChoice
+from loka_tune.config import GemmChoice
 from loka_tune.data.base import model_inputs
 from loka_tune.errors import UnsupportedChoiceError
-from loka_tune.space.candidates import (
-    BF16_ID,
-    SearchSpace,
-    SiteChoices,
-    build_space,
-    enumerate_candidates,
-    prune_by_probe,
-)
-from loka_tune.space.encode import distributions, mods_dims, params_from_config, params_picking
+from loka_tune.space.candidates import SearchSpace, build_space, enumerate_candidates, prune_by_probe
+from loka_tune.space.encode import distributions, mods_dims
 from loka_tune.space.sites import Site, discover_sites
 from loka_tune.tuner.baseline import Baseline, check_budget, price_baseline, run_baseline
 from loka_tune.tuner.build import _first_batch, _log, make_model, make_source, speed_source
 from loka_tune.tuner.optuna_setup import ATTR_SETTINGS, check_settings
 from loka_tune.tuner.results import ATTR_BASELINE, ATTR_PREPARE_S, ATTR_SPACE, ATTR_STUDY
+from loka_tune.tuner.starts import enqueue_mods_starts, recipe_starts
 from loka_tune.tuner.study import StudyConfig
 
 __all__ = ["StudyContext", "prepare_study", "no_fp8_reason"]
@@ -125,34 +120,15 @@ def _prune(cfg: StudyConfig, space: SearchSpace, report: Any, speed: str) -> Sea
                           skipped=getattr(report, "skipped", ()), unprobed=getattr(report, "unprobed", ()))
 
 
-def _fastest_safe(sc: SiteChoices, role: str, choices: tuple[str, ...]) -> str:
-    fp8 = [c for c in choices if c != BF16_ID]
-    if not fp8:
-        return BF16_ID
-    roles = [r.value for r in ROLES] if role == "all" else [role]
-
-    def score(c: str) -> float:
-        sp = [s for s in (sc.speedup.get(r, {}).get(c) for r in roles) if s is not None]
-        return sum(sp) / len(sp) if sp else 1.0
-
-    return max(fp8, key=score)
-
-
-def _starts(cfg: StudyConfig, space: SearchSpace, report: Any) -> list[tuple[str, dict[str, Any]]]:
+def _enqueue_starts(cfg: StudyConfig, study: Any, space: SearchSpace, report: Any) -> None:
     """The first trials (unless ``[trials] enqueue_starts = false``: then the sampler picks every
-    trial): all-bf16, the Dispatch plan (with a probe report), all-FP8 at the fastest safe choices."""
+    trial): bf16 under each Mods set now, the named recipes under the best of them once those
+    have run (:mod:`loka_tune.tuner.starts`)."""
     if not cfg.trials.enqueue_starts:
-        return []
-    starts = [("all-bf16", params_picking(space, lambda sc, r, ch: BF16_ID))]
-    if report is not None:
-        from loka_tune.dispatch import build_plan
-
-        plan = build_plan(report, max_error=cfg.probe.max_error, min_speedup=max(cfg.probe.min_speedup, 1.0))
-        if plan is not None:
-            params, _notes = params_from_config(space, plan)
-            starts.append(("dispatch", params))
-    starts.append(("all-fp8-fastest-safe", params_picking(space, _fastest_safe)))
-    return starts
+        return
+    recipes = recipe_starts(space, cfg.space.backends, report, max_error=cfg.probe.max_error,
+                            min_speedup=max(cfg.probe.min_speedup, 1.0))
+    enqueue_mods_starts(study, space, recipes)
 
 
 def _loaded(cfg: StudyConfig, study: Any, *, force: bool) -> tuple[Baseline, SearchSpace]:
@@ -256,8 +232,7 @@ def _prepare(cfg: StudyConfig, study: Any, *, device: str, force: bool = False,
     study.set_user_attr(ATTR_BASELINE, baseline.to_dict())
     study.set_user_attr(ATTR_PREPARE_S, time.perf_counter() - t0)  # baselines + probe + space (a receipt's prepare_s)
     ctx = StudyContext(cfg, study, source, baseline, space, device, speed, tracker, batch)
-    for label, params in _starts(cfg, space, report):
-        study.enqueue_trial(params, user_attrs={"seeded": label}, skip_if_exists=True)
+    _enqueue_starts(cfg, study, space, report)
     if tracker is not None:
         tracker.attach_parent(study, cfg)  # the study's MLflow run, with the settings it was prepared with
         tracker.log_baseline(baseline, space, out / "probe_report.json" if report is not None else None,

@@ -82,8 +82,9 @@ class TrialRecord:
     measured (or not finite).
 
     Written when the trial starts: ``config_key``, ``config`` (the PrecisionConfig's dict),
-    ``budget_pct``, ``worker``, ``speed_source``; ``seeded`` by the enqueued starts ("all-bf16",
-    "dispatch", "all-fp8-fastest-safe"). Written when it ends: what evaluating it gave
+    ``budget_pct``, ``worker``, ``speed_source``; ``seeded`` by the enqueued starts (their labels:
+    "all-bf16", "bf16+mods:nobias", "tensorwise@filter", "dispatch", ...; see
+    :mod:`loka_tune.tuner.starts`). Written when it ends: what evaluating it gave
     (``status`` "ok" / "pruned" / "failed", the metrics, ``reason``, ``steps_run``, ``wall_s``),
     ``feasible``, ``cache_hit`` (copied from ``cached_from``, an earlier trial of the same
     config) and, for a trial its config failed, ``fail_reason``.

@@ -67,8 +67,10 @@ Layout (every section but ``[model]`` and ``[data]`` is optional)::
     timeout_s = 600
     pruner = "hopeless"          # "hopeless", "median" or "none"
     n_startup_trials = 8         # random trials before TPE models the results
-    enqueue_starts = true        # first trials: all-bf16, the Dispatch plan, all-FP8 at the fastest safe
-                                 # choices; false leaves every trial to the sampler
+    enqueue_starts = true        # first trials: bf16 with no Mods and with all of [space] mods, then under
+                                 # the faster feasible of the two the recipes tensorwise / rowwise on
+                                 # torchao's size-filter Linears (ours, and torchao's own with the torchao
+                                 # backend) and the Dispatch plan; false leaves every trial to the sampler
 
     [storage]
     url = ""                     # default sqlite:///<output_dir>/optuna.db; postgresql://... for many machines

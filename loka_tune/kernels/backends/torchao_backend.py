@@ -34,7 +34,7 @@ __all__ = ["TorchAOBackend", "RECIPES", "recipe_precision"]
 
 _DT = {Format.E4M3: torch.float8_e4m3fn, Format.E5M2: torch.float8_e5m2}
 
-# torchao's recipe names are loka-tune's uniform recipes (loka_tune.recipes) on this backend
+# torchao's recipe names are loka-tune's uniform recipes (the table: loka_tune.recipes) on this backend
 RECIPES: dict[str, SitePrecision] = {
     name: SitePrecision.parse(site.format(backend="torchao"), key="recipe")
     for name, site in _UNIFORM.items() if name != "bf16"
