@@ -87,30 +87,42 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _module_level_imports(path: Path, modules: set[str]) -> set[str]:
-    """The loka_tune modules ``path`` imports when it is imported (``if TYPE_CHECKING:`` blocks included)."""
+def _imported_names(node: ast.stmt, package: str) -> set[str]:
+    """The dotted names an import statement brings in (relative imports resolved in ``package``)."""
+    if isinstance(node, ast.Import):
+        return {a.name for a in node.names}
+    assert isinstance(node, ast.ImportFrom)
+    base = node.module or ""
+    if node.level:
+        up = package.split(".")[: len(package.split(".")) - node.level + 1]
+        base = ".".join(up + ([node.module] if node.module else []))
+    return {base, *(f"{base}.{a.name}" for a in node.names)}
+
+
+def _imports_of(path: Path, modules: set[str], *, anywhere: bool) -> set[str]:
+    """The loka_tune modules ``path`` imports: when it is imported (``anywhere`` False: module
+    level, ``if TYPE_CHECKING:`` and try blocks included), or anywhere (inside functions too)."""
     name = _module_name(path)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    tree = ast.parse(path.read_text())
     found: set[str] = set()
 
     def visit(body: list[ast.stmt]) -> None:
         for node in body:
-            if isinstance(node, ast.Import):
-                found.update(a.name for a in node.names)
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
-                    base = ".".join(up + ([node.module] if node.module else []))
-                found.add(base)
-                found.update(f"{base}.{a.name}" for a in node.names)
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                found.update(_imported_names(node, package))
             elif isinstance(node, (ast.If, ast.Try)):
                 for block in ("body", "orelse", "finalbody"):
                     visit(getattr(node, block, []))
                 for handler in getattr(node, "handlers", []):
                     visit(handler.body)
 
-    visit(ast.parse(path.read_text()).body)
+    if anywhere:
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                found.update(_imported_names(node, package))
+    else:
+        visit(tree.body)
     out = set()
     for imported in found:
         while imported and imported not in modules:
@@ -118,6 +130,10 @@ def _module_level_imports(path: Path, modules: set[str]) -> set[str]:
         if imported and imported != name:
             out.add(imported)
     return out
+
+
+def _module_level_imports(path: Path, modules: set[str]) -> set[str]:
+    return _imports_of(path, modules, anywhere=False)
 
 
 def test_no_import_cycle_at_module_level() -> None:
@@ -145,27 +161,7 @@ def test_no_import_cycle_at_module_level() -> None:
 
 
 def _all_imports(path: Path, modules: set[str]) -> set[str]:
-    """The loka_tune modules ``path`` imports anywhere: at module level and inside functions."""
-    name = _module_name(path)
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            found.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                up = package.split(".")[: len(package.split(".")) - node.level + 1]
-                base = ".".join(up + ([node.module] if node.module else []))
-            found.add(base)
-            found.update(f"{base}.{a.name}" for a in node.names)
-    out = set()
-    for imported in found:
-        while imported and imported not in modules:
-            imported = imported.rpartition(".")[0]
-        if imported and imported != name:
-            out.add(imported)
-    return out
+    return _imports_of(path, modules, anywhere=True)
 
 
 # the vocabulary (layer 1 of docs/design.md): plain data everyone shares; it imports only itself
