@@ -212,21 +212,20 @@ def _recorded_spec(args: argparse.Namespace) -> dict[str, Any]:
     return {"model": rec["name"], "preset": args.preset or rec.get("preset") or "tiny",
             "overrides": {**dict(rec.get("overrides") or {}), **overrides}, "data": data,
             "data_params": dict(params) if isinstance(params, dict) else {}, "from": str(args.config),
-            "training": {k: v for k, v in training.items() if k in TRAINING_DEFAULTS or k in ("steps", "batch_size")}
-            if isinstance(training, dict) else {}}
+            "training": {k: v for k, v in training.items() if k in _SCHEDULE} if isinstance(training, dict) else {}}
 
 
 # the rates' defaults (the command line's, where neither it nor --config's provenance gives one)
 TRAINING_DEFAULTS: dict[str, Any] = {"lr_dense": 1e-3, "lr_sparse": 1e-2, "lr_warmup_steps": 0,
                                      "sparse_optimizer": "rowwise_adagrad"}
+_SCHEDULE = ("steps", "batch_size", *TRAINING_DEFAULTS)  # what an export's provenance.training may set
 
 
 def _schedule_args(args: argparse.Namespace, recorded: dict[str, Any]) -> dict[str, Any]:
     """The training options: each given one, else the one recorded by the study (``recorded``,
     from --config's provenance), else the default."""
-    keys = ("steps", "batch_size", *TRAINING_DEFAULTS)
     return {k: getattr(args, k) if getattr(args, k) is not None else recorded.get(k, TRAINING_DEFAULTS.get(k))
-            for k in keys}
+            for k in _SCHEDULE}
 
 
 def _build(spec: dict[str, Any], source: Any) -> Any:
