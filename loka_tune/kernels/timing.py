@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import statistics
 import time
 from dataclasses import dataclass
@@ -42,6 +43,8 @@ __all__ = [
     "time_gemm",
     "time_choices",
     "copy_bandwidth",
+    "is_gpu_activity",
+    "gpu_activity_us",
 ]
 
 _CACHE_VERSION = 1
@@ -167,6 +170,28 @@ class TimingCache:
         tmp.write_text(json.dumps({"version": _CACHE_VERSION, "entries": self._data}, indent=0, sort_keys=True))
         tmp.replace(self.path)
         return self.path
+
+
+# ----------------------------------------------------------------------------- profiler events
+def is_gpu_activity(event: Any) -> bool:
+    """A kernel, copy or set on the GPU's timeline; not a user annotation (``record_function``
+    ranges such as ``Optimizer.step#Adam.step`` are drawn on the GPU timeline too, spanning the
+    kernels they launched: counting them would count those kernels twice)."""
+    if event.device_type != torch.autograd.DeviceType.CUDA:
+        return False
+    if getattr(event, "is_user_annotation", False):
+        return False
+    return not _ANNOTATION_RE.match(event.name)
+
+
+#: names of annotation ranges (older torch builds do not flag them as user annotations)
+_ANNOTATION_RE = re.compile(r"^(Optimizer\.|ProfilerStep#|## |CompiledFunction|autograd::|aten::)")
+
+
+def gpu_activity_us(events: Iterable[Any]) -> float:
+    """Microseconds of GPU activity (kernels, copies, sets) among ``torch.profiler`` events."""
+    return float(sum(e.time_range.elapsed_us() for e in events if is_gpu_activity(e)))
+
 
 
 # ----------------------------------------------------------------------------- GPU part

@@ -15,26 +15,13 @@ from typing import Any, Iterable
 
 import torch
 
+from loka_tune.kernels.timing import is_gpu_activity
+
 __all__ = ["StepProfiler", "kernel_summary", "is_gpu_activity", "GEMM_KERNEL_RE"]
 
 #: kernel names of matrix products: cuBLAS / cuBLASLt (gemm, nvjet, sm90_xmma), CUTLASS
 #: (FBGEMM's f8f8bf16*), torch._scaled_mm, our Triton GEMMs and inductor's mm templates
 GEMM_KERNEL_RE = re.compile(r"gemm|nvjet|xmma|cutlass|f8f8bf16|scaled_mm|_mm_|mm_kernel|matmul|wgmma", re.I)
-
-
-def is_gpu_activity(event: Any) -> bool:
-    """A kernel, copy or set on the GPU's timeline; not a user annotation (``record_function``
-    ranges such as ``Optimizer.step#Adam.step`` are drawn on the GPU timeline too, spanning the
-    kernels they launched: counting them would count those kernels twice)."""
-    if event.device_type != torch.autograd.DeviceType.CUDA:
-        return False
-    if getattr(event, "is_user_annotation", False):
-        return False
-    return not _ANNOTATION_RE.match(event.name)
-
-
-#: names of annotation ranges (older torch builds do not flag them as user annotations)
-_ANNOTATION_RE = re.compile(r"^(Optimizer\.|ProfilerStep#|## |CompiledFunction|autograd::|aten::)")
 
 
 def kernel_summary(kernels: Iterable[tuple[str, float]], steps: int, *, top: int = 15) -> dict[str, Any]:

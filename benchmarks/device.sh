@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# One runner for the GPU receipts, by what they measure (run from the repo root on the device,
+# carrying ".whl": ../shared/tools/fetch-gpu-wheels plus pytest-xdist, execnet, pytest-timeout):
+#   bash benchmarks/device.sh "$OUT" smoke    # the GPU smoke suite (benchmarks/gpu_smoke_h200.sh)
+#   bash benchmarks/device.sh "$OUT" prices   # compiled per-site prices of studies/wukong_h200.toml
+#                                             # (benchmarks/site_prices.py: the cache the study reads),
+#                                             # then e2e.py of the greedy config beside torchao's filter
+#   bash benchmarks/device.sh "$OUT" study    # benchmarks/study_h200.py (tune + export + e2e)
+# Settings (environment): STUDY (studies/wukong_h200.toml), PRICE_BUDGET (270 s), E2E_BUDGET
+# (250 s), E2E_STEPS (80), BATCH (the study's regime batch).
+set -uo pipefail
+out=${1:?usage: device.sh OUT smoke|prices|study}
+part=${2:?usage: device.sh OUT smoke|prices|study}
+shift 2
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 MPLBACKEND=Agg NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+if [ "$part" = smoke ]; then exec bash benchmarks/gpu_smoke_h200.sh "$out" "$@"; fi
+site=$(mktemp -d)
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" .whl/*.whl \
+  || { echo "installing the carried wheels failed" >&2; exit 2; }
+export PYTHONPATH="$site:$PWD"
+study=${STUDY:-studies/wukong_h200.toml}
+batch_arg=(); [ -n "${BATCH:-}" ] && batch_arg=(--batch "$BATCH")
+case "$part" in
+  prices)
+    timeout -k 10 $(( ${PRICE_BUDGET:-270} + 60 )) python3 benchmarks/site_prices.py --study "$study" "${batch_arg[@]}" \
+      --cache "$out/site_prices.json" --out "$out/site_prices_receipt.json" --greedy-config "$out/greedy.json" \
+      --budget "${PRICE_BUDGET:-270}" "$@" 2>&1 | tee "$out/site_prices.log"
+    [ -f "$out/greedy.json" ] || exit 1
+    timeout -k 10 $(( ${E2E_BUDGET:-250} + 60 )) python3 benchmarks/e2e.py --study "$study" "${batch_arg[@]}" --seeds 0 \
+      --compile --warmup 25 --steps "${E2E_STEPS:-80}" --config "$out/greedy.json" \
+      --variants bf16_mods,config,torchao_tensorwise_filter,scaled_mm_tensorwise_filter \
+      --budget "${E2E_BUDGET:-250}" --out "$out/e2e" 2>&1 | tail -30
+    ;;
+  study)
+    python3 benchmarks/study_h200.py --study "$study" --work "$out/work" --out "$out/study_h200.json" "$@" ;;
+  *) echo "unknown part $part: smoke, prices or study" >&2; exit 2 ;;
+esac

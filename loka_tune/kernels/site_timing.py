@@ -1,0 +1,252 @@
+"""Compiled per-site prices: what one Linear's precision saves per training step, timed the way
+the study trains it.
+
+A *site price* is measured on one GPU for one Linear shape ``(M, K, N)`` (rows, in, out at the
+batch the study trains) and one :class:`~loka_tune.config.SitePrecision` (the three GEMMs'
+choices): the block ``Hard Swish -> LokaLinear(K, N, no bias)`` runs forward and backward (fwd,
+dgrad and wgrad GEMMs with their quantization) under ``torch.compile(fullgraph=True)`` with bf16
+autocast and fp32 master weights, as a Mods-adapted model's Linear does (its input comes from
+an elementwise producer, into which inductor fuses the input's quantization). Two numbers per
+cell, over ``iters`` back-to-back iterations after warm-up:
+
+- ``gpu_s``: the GPU's busy time per iteration, the sum of the durations of every kernel, copy
+  and set the iteration ran (``torch.profiler``, CUDA activity). This is what the cell costs in
+  a GPU-bound step: a lone small block is host-bound, so its wall time would price the launch
+  queue, not the kernels (measured: an 8192 x 1024 block takes ~0.85 ms of wall time whatever
+  its precision).
+- ``host_s``: the CPU's time to enqueue one iteration (no synchronisation inside the loop). An
+  opaque custom op costs ~1.2 ms of host time per Linear (design.md), which a real step pays
+  when its host time catches up with the GPU.
+
+The *saving* of a precision is ``(gpu_bf16 - gpu_prec) - max(0, host_prec - host_bf16)``
+seconds per step: the GPU time it saves, less any host time it adds (counted in full: a
+conservative rule, since the large models' steps keep only a few milliseconds of host slack).
+:func:`price_sites` returns it per site and precision; the model of the search adds them up.
+
+Cells are cached in a JSON file (:class:`SitePriceCache`) keyed by GPU name, library versions,
+shape and precision string, so a study never times a cell twice and studies share them; the
+repository ships the H200's (``kernels/data/site_prices_h200.json``, written by
+``benchmarks/site_prices.py``), which is read-only and read first when the GPU and versions
+match. Only the GPU part needs CUDA; the cache is plain Python.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from loka_tune.config import SitePrecision
+from loka_tune.errors import ConfigError
+from loka_tune.kernels.timing import _versions_str, environment, gpu_activity_us, require_cuda
+
+__all__ = ["SitePriceCache", "site_key", "time_site", "price_sites", "saving_s", "default_cache_path",
+           "SHIPPED"]
+
+_VERSION = 1
+#: the H200 prices shipped with the package (read-only; benchmarks/site_prices.py writes them)
+SHIPPED = Path(__file__).with_name("data") / "site_prices_h200.json"
+BF16 = "bf16"
+
+
+def site_key(device: str, versions: str, m: int, k: int, n: int, prec: str) -> str:
+    """``device|versions|MxKxN|precision``."""
+    return f"{device}|{versions}|{m}x{k}x{n}|{prec}"
+
+
+def default_cache_path() -> Path:
+    """The user's cache: ``$LOKA_TUNE_CACHE_DIR/site_prices.json`` (default ``~/.cache/loka-tune``)."""
+    root = os.environ.get("LOKA_TUNE_CACHE_DIR") or str(Path.home() / ".cache" / "loka-tune")
+    return Path(root) / "site_prices.json"
+
+
+def _read(path: Path) -> dict[str, dict[str, Any]]:
+    try:
+        obj = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"site price cache {str(path)!r} is not valid JSON ({e.msg} at line {e.lineno});"
+                          " delete it to start a new one", key="site_prices") from None
+    if not isinstance(obj, dict) or obj.get("version") != _VERSION or not isinstance(obj.get("entries"), dict):
+        found = obj.get("version") if isinstance(obj, dict) else type(obj).__name__
+        raise ConfigError(f"site price cache {str(path)!r} has version {found!r}; this loka-tune reads"
+                          f" version {_VERSION}: delete the file to start a new one", key="site_prices")
+    return dict(obj["entries"])
+
+
+class SitePriceCache:
+    """Cells ``{gpu_s, host_s, spread, iters, when}`` by :func:`site_key`, in a JSON file (atomic writes).
+
+    ``shipped``: read-only files consulted after the file's own entries (default: the H200's
+    file in the package). ``device`` / ``versions`` default to this process's
+    :func:`~loka_tune.kernels.timing.environment` (resolved on first use).
+    """
+
+    def __init__(self, path: str | Path | None = None, *, shipped: Sequence[str | Path] | None = None,
+                 device: str | None = None, versions: str | None = None) -> None:
+        self.path = Path(path) if path is not None else default_cache_path()
+        self._data = _read(self.path) if self.path.is_file() else {}
+        self._shipped: dict[str, dict[str, Any]] = {}
+        for p in (SHIPPED,) if shipped is None else shipped:
+            if Path(p).is_file():
+                self._shipped.update(_read(Path(p)))
+        self._device, self._versions = device, versions
+
+    @property
+    def device(self) -> str:
+        if self._device is None:
+            self._device = environment()["device"]
+        return self._device
+
+    @property
+    def versions(self) -> str:
+        if self._versions is None:
+            self._versions = _versions_str(environment())
+        return self._versions
+
+    def key(self, m: int, k: int, n: int, prec: str) -> str:
+        return site_key(self.device, self.versions, m, k, n, prec)
+
+    def get(self, m: int, k: int, n: int, prec: str) -> dict[str, Any] | None:
+        key = self.key(m, k, n, prec)
+        return self._data.get(key) or self._shipped.get(key)
+
+    def put(self, m: int, k: int, n: int, prec: str, cell: Mapping[str, Any], *, save: bool = True) -> None:
+        g, h = float(cell["gpu_s"]), float(cell["host_s"])
+        if not (math.isfinite(g) and g > 0 and math.isfinite(h) and h >= 0):
+            raise ValueError(f"a site price needs gpu_s > 0 and host_s >= 0, got {g!r}, {h!r}")
+        self._data[self.key(m, k, n, prec)] = {**dict(cell), "when": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        if save:
+            self.save()
+
+    def entries(self) -> dict[str, dict[str, Any]]:
+        return dict(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def save(self) -> Path:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(self.path.name + f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps({"version": _VERSION, "entries": self._data}, indent=0, sort_keys=True))
+        tmp.replace(self.path)
+        return self.path
+
+
+def saving_s(bf16: Mapping[str, Any], cell: Mapping[str, Any]) -> float:
+    """Seconds per step a precision saves against bf16 at the same shape (see the module docstring)."""
+    return (float(bf16["gpu_s"]) - float(cell["gpu_s"])) - max(0.0, float(cell["host_s"]) - float(bf16["host_s"]))
+
+
+def time_site(m: int, k: int, n: int, prec: SitePrecision | str, *, device: str = "cuda", iters: int = 10,
+              reps: int = 3) -> dict[str, Any]:
+    """Time one cell (see the module docstring): ``{gpu_s, host_s, spread, iters, graphs}``.
+
+    ``gpu_s`` is the median over ``reps`` profiled windows of ``iters`` iterations each;
+    ``spread`` = (max - min) / median of those windows. Raises :class:`BackendError` without CUDA
+    and whatever the compile raises on a graph break (``fullgraph=True``).
+    """
+    require_cuda("site timing")
+    from loka_tune.kernels.linear import LokaLinear
+
+    p = SitePrecision.from_obj(prec, key="site precision")
+    dev = torch.device(device)
+    torch.manual_seed(0)
+    lin = LokaLinear(k, n, bias=False, device=dev, precision=p, name=f"{m}x{k}x{n}")
+    block = torch.nn.Sequential(torch.nn.Hardswish(), lin)
+    g = torch.Generator(device=dev).manual_seed(1)
+    x = torch.randn(m, k, device=dev, generator=g, dtype=torch.bfloat16).requires_grad_()
+    dy = torch.randn(m, n, device=dev, generator=g, dtype=torch.bfloat16)
+    params = [x, *block.parameters()]
+    compiled = torch.compile(block, fullgraph=True, dynamic=False)
+
+    def step() -> None:
+        for q in params:
+            q.grad = None
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = compiled(x)
+        y.backward(dy)
+
+    for _ in range(3):  # compile, autotune, allocator
+        step()
+    torch.cuda.synchronize(dev)
+    gpu, host = [], []
+    for _ in range(reps):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            torch.cuda.synchronize(dev)
+            h0 = time.perf_counter()
+            for _ in range(iters):
+                step()
+            host.append((time.perf_counter() - h0) / iters)
+            torch.cuda.synchronize(dev)
+        gpu.append(gpu_activity_us(prof.events()) / 1e6 / iters)
+    med = statistics.median(gpu)
+    return {"gpu_s": med, "host_s": statistics.median(host), "spread": (max(gpu) - min(gpu)) / med,
+            "iters": iters * reps}
+
+
+def price_sites(shapes: Mapping[str, tuple[int, int, int]], precs: Mapping[str, Sequence[str]], *,
+                device: str = "cuda", cache: SitePriceCache | None = None,
+                progress: Callable[[str], None] | None = None,
+                timer: Callable[..., Mapping[str, Any]] | None = None) -> dict[str, dict[str, float]]:
+    """Per site, per precision string of ``precs[site]``: the seconds per step it saves vs bf16.
+
+    ``shapes[site]`` = ``(M, K, N)`` at the batch the study trains. Each distinct (shape,
+    precision) is timed once (bf16 too, as the reference), cached in ``cache`` (default: the
+    user's :func:`default_cache_path`, with the shipped H200 file read-only behind it) and saved
+    after every cell, so an interrupted pricing keeps what it measured. A cell that fails to
+    compile or run is priced ``-inf`` (never chosen) and its error passed to ``progress``.
+    ``timer`` replaces :func:`time_site` (tests).
+    """
+    cache = cache if cache is not None else SitePriceCache()
+    timer = timer or time_site
+    say = progress or (lambda _msg: None)
+    cells: dict[tuple[tuple[int, int, int], str], dict[str, Any] | None] = {}
+
+    def cell(shape: tuple[int, int, int], prec: str) -> dict[str, Any] | None:
+        key = (shape, prec)
+        if key not in cells:
+            hit = cache.get(*shape, prec)
+            if hit is None:
+                t0 = time.perf_counter()
+                try:
+                    hit = dict(timer(*shape, prec, device=device))
+                except Exception as e:  # noqa: BLE001 - one bad cell must not stop the pricing
+                    say(f"site price {shape} {prec}: failed ({type(e).__name__}: {str(e).splitlines()[0][:160]})")
+                    cells[key] = None
+                    return None
+                cache.put(*shape, prec, hit)
+                say(f"site price {'x'.join(map(str, shape))} {prec}: gpu {hit['gpu_s'] * 1e3:.3f} ms,"
+                    f" host {hit['host_s'] * 1e3:.3f} ms ({time.perf_counter() - t0:.1f}s)")
+            cells[key] = hit
+        return cells[key]
+
+    out: dict[str, dict[str, float]] = {}
+    for site, ps in precs.items():
+        shape = tuple(int(v) for v in shapes[site])
+        assert len(shape) == 3
+        ref = cell(shape, BF16)
+        row: dict[str, float] = {}
+        for prec in ps:
+            if SitePrecision.parse(prec).is_bf16:
+                row[prec] = 0.0
+                continue
+            c = cell(shape, prec)
+            row[prec] = -math.inf if c is None or ref is None else saving_s(ref, c)
+        out[site] = row
+    return out
+
+
+def distinct_cells(shapes: Mapping[str, tuple[int, int, int]], precs: Mapping[str, Iterable[str]]) -> int:
+    """How many distinct (shape, precision) cells pricing ``precs`` needs, bf16 references included."""
+    seen = set()
+    for site, ps in precs.items():
+        seen.add((tuple(shapes[site]), BF16))
+        seen.update((tuple(shapes[site]), p) for p in ps)
+    return len(seen)

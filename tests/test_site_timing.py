@@ -1,0 +1,91 @@
+"""Compiled per-site prices (loka_tune.kernels.site_timing): the cache, the saving rule, pricing."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from loka_tune.errors import ConfigError
+from loka_tune.kernels.site_timing import SitePriceCache, distinct_cells, price_sites, saving_s, time_site
+
+
+def _cache(tmp_path, **kw):
+    return SitePriceCache(tmp_path / "p.json", shipped=kw.pop("shipped", ()), device="GPU X", versions="torch=1", **kw)
+
+
+def test_saving_counts_gpu_time_saved_less_host_time_added():
+    ref = {"gpu_s": 1.0e-3, "host_s": 0.2e-3}
+    assert saving_s(ref, {"gpu_s": 0.6e-3, "host_s": 0.1e-3}) == pytest.approx(0.4e-3)  # less host: no credit
+    assert saving_s(ref, {"gpu_s": 0.6e-3, "host_s": 1.4e-3}) == pytest.approx(0.4e-3 - 1.2e-3)
+
+
+def test_cache_round_trips_and_keys_by_device_versions_shape_precision(tmp_path):
+    c = _cache(tmp_path)
+    c.put(8192, 2048, 1024, "e4m3.tensor.torch_scaled_mm", {"gpu_s": 1e-4, "host_s": 2e-5})
+    again = _cache(tmp_path)
+    assert again.get(8192, 2048, 1024, "e4m3.tensor.torch_scaled_mm")["gpu_s"] == 1e-4
+    assert again.get(8192, 2048, 2048, "e4m3.tensor.torch_scaled_mm") is None
+    other = SitePriceCache(tmp_path / "p.json", shipped=(), device="GPU X", versions="torch=2")
+    assert other.get(8192, 2048, 1024, "e4m3.tensor.torch_scaled_mm") is None  # other versions: not reused
+    with pytest.raises(ValueError, match="gpu_s > 0"):
+        c.put(1, 1, 1, "bf16", {"gpu_s": 0.0, "host_s": 0.0})
+
+
+def test_shipped_file_is_read_behind_the_users_and_never_written(tmp_path):
+    shipped = tmp_path / "shipped.json"
+    _cache(tmp_path / "s").put(1, 2, 3, "bf16", {"gpu_s": 5e-4, "host_s": 1e-5})
+    (tmp_path / "s" / "p.json").rename(shipped)
+    before = shipped.read_text()
+    c = _cache(tmp_path, shipped=(shipped,))
+    assert c.get(1, 2, 3, "bf16")["gpu_s"] == 5e-4
+    c.put(1, 2, 3, "bf16", {"gpu_s": 4e-4, "host_s": 1e-5})
+    assert c.get(1, 2, 3, "bf16")["gpu_s"] == 4e-4 and shipped.read_text() == before
+
+
+def test_a_broken_or_foreign_cache_names_the_file_and_the_fix(tmp_path):
+    p = tmp_path / "p.json"
+    p.write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON.*delete it"):
+        SitePriceCache(p, shipped=())
+    p.write_text(json.dumps({"version": 99, "entries": {}}))
+    with pytest.raises(ConfigError, match="version 99"):
+        SitePriceCache(p, shipped=())
+
+
+def test_price_sites_times_each_distinct_cell_once_and_keeps_failures_out(tmp_path):
+    calls = []
+
+    def timer(m, k, n, prec, device="cuda"):
+        calls.append((m, k, n, prec))
+        if "fbgemm" in prec:
+            raise RuntimeError("no kernel\nmore")
+        flops = 6.0 * m * k * n
+        return {"gpu_s": flops / (1e15 if prec != "bf16" else 5e14), "host_s": 1e-4}
+
+    shapes = {"a": (8192, 2048, 2048), "b": (8192, 2048, 2048), "c": (8192, 4096, 1024)}
+    precs = {"a": ["bf16", "e4m3.tensor.torch_scaled_mm", "e4m3.row.fa.fbgemm"],
+             "b": ["e4m3.tensor.torch_scaled_mm"], "c": ["e4m3.tensor.torch_scaled_mm"]}
+    msgs = []
+    out = price_sites(shapes, precs, cache=_cache(tmp_path), timer=timer, progress=msgs.append)
+    assert len(calls) == distinct_cells(shapes, precs) == 5  # a and b share their two cells and the failed one
+    flops = 6.0 * 8192 * 2048 * 2048
+    assert out["a"]["e4m3.tensor.torch_scaled_mm"] == pytest.approx(flops / 5e14 - flops / 1e15)
+    assert out["a"]["bf16"] == 0.0 and out["a"]["e4m3.row.fa.fbgemm"] == -math.inf
+    assert any("failed (RuntimeError: no kernel)" in m for m in msgs)
+    # the cache now answers without the timer; a failed cell (a budget ran out, say) is tried again
+    calls.clear()
+    again = price_sites(shapes, precs, cache=_cache(tmp_path), timer=timer)
+    assert again["b"] == out["b"] and calls == [(8192, 2048, 2048, "e4m3.row.fa.fbgemm")]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_time_site_prices_fp8_below_bf16_on_a_large_linear():
+    ref = time_site(8192, 4096, 4096, "bf16")
+    fp8 = time_site(8192, 4096, 4096, "e4m3.tensor.fa.torch_scaled_mm|e4m3.tensor.torch_scaled_mm|e4m3.tensor.torch_scaled_mm")
+    # 3 x 275 GFLOP: ~1.1 ms in bf16 on an H100/H200; FP8's GEMMs run at about twice the rate
+    assert 0 < fp8["gpu_s"] < ref["gpu_s"] and ref["host_s"] > 0
+    assert saving_s(ref, fp8) > 0.1 * ref["gpu_s"]
