@@ -9,17 +9,23 @@ import pytest
 import torch
 
 from loka_tune.errors import ConfigError
-from loka_tune.kernels.site_timing import SitePriceCache, distinct_cells, price_sites, saving_s, time_site
+from loka_tune.kernels.site_timing import LAUNCH_S, SitePriceCache, distinct_cells, price_sites, saving_s, time_site
 
 
 def _cache(tmp_path, **kw):
     return SitePriceCache(tmp_path / "p.json", shipped=kw.pop("shipped", ()), device="GPU X", versions="torch=1", **kw)
 
 
-def test_saving_counts_gpu_time_saved_less_host_time_added():
-    ref = {"gpu_s": 1.0e-3, "host_s": 0.2e-3}
-    assert saving_s(ref, {"gpu_s": 0.6e-3, "host_s": 0.1e-3}) == pytest.approx(0.4e-3)  # less host: no credit
-    assert saving_s(ref, {"gpu_s": 0.6e-3, "host_s": 1.4e-3}) == pytest.approx(0.4e-3 - 1.2e-3)
+def test_saving_is_gpu_time_saved_less_launches_and_an_opaque_ops_host_time():
+    ref = {"gpu_s": 1.0e-3, "host_s": 0.2e-3, "kernels": 6}
+    slow_host = {"gpu_s": 0.6e-3, "host_s": 1.4e-3, "kernels": 16}
+    # traceable: the block's own host time is the graph's, once; 10 more launches are priced
+    assert saving_s(ref, slow_host, "e4m3.tensor.torch_scaled_mm") == pytest.approx(0.4e-3 - 10 * LAUNCH_S)
+    # an opaque custom op pays its host time in the model too
+    assert saving_s(ref, slow_host, "e4m3.row.fa.fbgemm|e4m3.row.fa.fbgemm|bf16") == pytest.approx(
+        0.4e-3 - 10 * LAUNCH_S - 1.2e-3)
+    assert saving_s(ref, {"gpu_s": 0.6e-3, "host_s": 0.1e-3}, "e4m3.row.fa.fbgemm") == pytest.approx(0.4e-3)
+    assert saving_s(ref, slow_host) == pytest.approx(0.4e-3 - 10 * LAUNCH_S - 1.2e-3)  # unknown: conservative
 
 
 def test_cache_round_trips_and_keys_by_device_versions_shape_precision(tmp_path):
@@ -72,7 +78,7 @@ def test_price_sites_times_each_distinct_cell_once_and_keeps_failures_out(tmp_pa
     out = price_sites(shapes, precs, cache=_cache(tmp_path), timer=timer, progress=msgs.append)
     assert len(calls) == distinct_cells(shapes, precs) == 5  # a and b share their two cells and the failed one
     flops = 6.0 * 8192 * 2048 * 2048
-    assert out["a"]["e4m3.tensor.torch_scaled_mm"] == pytest.approx(flops / 5e14 - flops / 1e15)
+    assert out["a"]["e4m3.tensor.torch_scaled_mm"] == pytest.approx(flops / 5e14 - flops / 1e15)  # same host
     assert out["a"]["bf16"] == 0.0 and out["a"]["e4m3.row.fa.fbgemm"] == -math.inf
     assert any("failed (RuntimeError: no kernel)" in m for m in msgs)
     # the cache now answers without the timer; a failed cell (a budget ran out, say) is tried again
@@ -88,4 +94,5 @@ def test_gpu_time_site_prices_fp8_below_bf16_on_a_large_linear():
     fp8 = time_site(8192, 4096, 4096, "e4m3.tensor.fa.torch_scaled_mm|e4m3.tensor.torch_scaled_mm|e4m3.tensor.torch_scaled_mm")
     # 3 x 275 GFLOP: ~1.1 ms in bf16 on an H100/H200; FP8's GEMMs run at about twice the rate
     assert 0 < fp8["gpu_s"] < ref["gpu_s"] and ref["host_s"] > 0
-    assert saving_s(ref, fp8) > 0.1 * ref["gpu_s"]
+    assert saving_s(ref, fp8, "e4m3.tensor.torch_scaled_mm") > 0.1 * ref["gpu_s"]
+    assert fp8["kernels"] > ref["kernels"] >= 3  # the quantization kernels

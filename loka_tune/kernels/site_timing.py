@@ -14,15 +14,18 @@ cell, over ``iters`` back-to-back iterations after warm-up:
   a GPU-bound step: a lone small block is host-bound, so its wall time would price the launch
   queue, not the kernels (measured: an 8192 x 1024 block takes ~0.85 ms of wall time whatever
   its precision).
-- ``host_s``: the CPU's time to enqueue one iteration (no synchronisation inside the loop). An
-  opaque custom op costs ~1.2 ms of host time per Linear (design.md), which a real step pays
-  when its host time catches up with the GPU.
+- ``host_s``: the CPU's time to enqueue one iteration (no synchronisation inside the loop), and
+  ``kernels``: the GPU activities per iteration.
 
-The *saving* of a precision is ``(gpu_bf16 - gpu_prec) - max(0, host_prec - host_bf16)``
-seconds per step: the GPU time it saves, less any host time it adds (counted in full: a
-conservative rule, since the large models' steps keep only a few milliseconds of host slack).
-:func:`price_sites` returns it per site and precision; the model of the search adds them up.
-
+The *saving* of a precision (:func:`saving_s`) is the GPU time it saves, less the host time it
+adds where that host time is the model's too: ``LAUNCH_S`` per extra kernel launch for the
+traceable backends (``torch_scaled_mm``, ``torchao``: inside a whole model's compiled graph a
+lone block's per-call host time (guards, the autograd wrapper, ~1.1 ms for bf16 as much as for
+FP8) is paid once per graph, not per Linear), and the whole measured host time added for the
+backends whose GEMMs run as opaque custom ops (``fbgemm``, ``triton``: ~1.2 ms of host time per
+Linear in a model, design.md). Checked on the H200 (2026-12-01, large Wukong, B = 8192): the
+GPU-time savings of torchao's 15 filter sites under tensorwise add up to 2.7 ms, the e2e step
+time they save.
 Cells are cached in a JSON file (:class:`SitePriceCache`) keyed by GPU name, library versions,
 shape and precision string, so a study never times a cell twice and studies share them; the
 repository ships the H200's (``kernels/data/site_prices_h200.json``, written by
@@ -45,10 +48,10 @@ import torch
 
 from loka_tune.config import SitePrecision
 from loka_tune.errors import ConfigError
-from loka_tune.kernels.timing import _versions_str, environment, gpu_activity_us, require_cuda
+from loka_tune.kernels.timing import _versions_str, environment, gpu_activity_us, is_gpu_activity, require_cuda
 
 __all__ = ["SitePriceCache", "site_key", "time_site", "price_sites", "saving_s", "default_cache_path",
-           "SHIPPED"]
+           "SHIPPED", "LAUNCH_S", "OPAQUE"]
 
 _VERSION = 1
 #: the H200 prices shipped with the package (read-only; benchmarks/site_prices.py writes them)
@@ -139,14 +142,30 @@ class SitePriceCache:
         return self.path
 
 
-def saving_s(bf16: Mapping[str, Any], cell: Mapping[str, Any]) -> float:
-    """Seconds per step a precision saves against bf16 at the same shape (see the module docstring)."""
-    return (float(bf16["gpu_s"]) - float(cell["gpu_s"])) - max(0.0, float(cell["host_s"]) - float(bf16["host_s"]))
+#: host seconds per kernel launch inside a compiled graph (the H200 machine's CPU: ~4-5 us)
+LAUNCH_S = 5e-6
+#: backends whose GEMMs run as opaque custom ops (their Python runs at execution time)
+OPAQUE = ("fbgemm", "triton", "emulated")
+
+
+def saving_s(bf16: Mapping[str, Any], cell: Mapping[str, Any], prec: SitePrecision | str | None = None) -> float:
+    """Seconds per step ``prec`` (timed as ``cell``) saves against bf16 at the same shape.
+
+    GPU time saved, less ``LAUNCH_S`` per extra kernel (cells without ``kernels``: none), less the
+    whole host time added when a GEMM of ``prec`` runs on an :data:`OPAQUE` backend (or when
+    ``prec`` is not given); see the module docstring.
+    """
+    gpu = float(bf16["gpu_s"]) - float(cell["gpu_s"])
+    extra = max(0.0, float(cell.get("kernels") or 0) - float(bf16.get("kernels") or 0))
+    p = None if prec is None else SitePrecision.from_obj(prec, key="site precision")
+    opaque = p is None or any(not c.is_bf16 and c.backend in OPAQUE for c in (p.fwd, p.dgrad, p.wgrad))
+    host = max(0.0, float(cell["host_s"]) - float(bf16["host_s"])) if opaque else 0.0
+    return gpu - LAUNCH_S * extra - host
 
 
 def time_site(m: int, k: int, n: int, prec: SitePrecision | str, *, device: str = "cuda", iters: int = 10,
               reps: int = 3) -> dict[str, Any]:
-    """Time one cell (see the module docstring): ``{gpu_s, host_s, spread, iters, graphs}``.
+    """Time one cell (see the module docstring): ``{gpu_s, host_s, spread, iters, kernels}``.
 
     ``gpu_s`` is the median over ``reps`` profiled windows of ``iters`` iterations each;
     ``spread`` = (max - min) / median of those windows. Raises :class:`BackendError` without CUDA
@@ -176,7 +195,7 @@ def time_site(m: int, k: int, n: int, prec: SitePrecision | str, *, device: str 
     for _ in range(3):  # compile, autotune, allocator
         step()
     torch.cuda.synchronize(dev)
-    gpu, host = [], []
+    gpu, host, kernels = [], [], []
     for _ in range(reps):
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             torch.cuda.synchronize(dev)
@@ -185,10 +204,12 @@ def time_site(m: int, k: int, n: int, prec: SitePrecision | str, *, device: str 
                 step()
             host.append((time.perf_counter() - h0) / iters)
             torch.cuda.synchronize(dev)
-        gpu.append(gpu_activity_us(prof.events()) / 1e6 / iters)
+        events = [e for e in prof.events() if is_gpu_activity(e)]
+        gpu.append(gpu_activity_us(events) / 1e6 / iters)
+        kernels.append(len(events) / iters)
     med = statistics.median(gpu)
     return {"gpu_s": med, "host_s": statistics.median(host), "spread": (max(gpu) - min(gpu)) / med,
-            "iters": iters * reps}
+            "iters": iters * reps, "kernels": statistics.median(kernels)}
 
 
 def price_sites(shapes: Mapping[str, tuple[int, int, int]], precs: Mapping[str, Sequence[str]], *,
@@ -238,7 +259,7 @@ def price_sites(shapes: Mapping[str, tuple[int, int, int]], precs: Mapping[str, 
                 row[prec] = 0.0
                 continue
             c = cell(shape, prec)
-            row[prec] = -math.inf if c is None or ref is None else saving_s(ref, c)
+            row[prec] = -math.inf if c is None or ref is None else saving_s(ref, c, prec)
         out[site] = row
     return out
 
