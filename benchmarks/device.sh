@@ -20,7 +20,10 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --tar
   || { echo "installing the carried wheels failed" >&2; exit 2; }
 export PYTHONPATH="$site:$PWD"
 study=${STUDY:-studies/wukong_h200.toml}
-batch_arg=(); [ -n "${BATCH:-}" ] && batch_arg=(--batch "$BATCH")
+# the batch the study's trials train at (its [regime] batch_size, else [training]'s): e2e.py must use it
+batch=${BATCH:-$(python3 -c "import sys; from loka_tune.tuner.build import train_config; from loka_tune.tuner.study import load_study; print(train_config(load_study(sys.argv[1]), device='cuda').batch_size)" "$study")}
+[ -n "$batch" ] || { echo "could not read the batch of $study" >&2; exit 2; }
+batch_arg=(--batch "$batch")
 case "$part" in
   prices)
     timeout -k 10 $(( ${PRICE_BUDGET:-270} + 60 )) python3 benchmarks/site_prices.py --study "$study" "${batch_arg[@]}" \
