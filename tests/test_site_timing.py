@@ -96,3 +96,44 @@ def test_gpu_time_site_prices_fp8_below_bf16_on_a_large_linear():
     assert 0 < fp8["gpu_s"] < ref["gpu_s"] and ref["host_s"] > 0
     assert saving_s(ref, fp8, "e4m3.tensor.torch_scaled_mm") > 0.1 * ref["gpu_s"]
     assert fp8["kernels"] > ref["kernels"] >= 3  # the quantization kernels
+
+
+# ---------------------------------------------------------------- the cost model's compiled mode
+def _shipped_cells():
+    from loka_tune.kernels.site_timing import SHIPPED
+
+    by = {}
+    for key, v in json.loads(SHIPPED.read_text())["entries"].items():
+        _dev, _ver, shape, prec = key.split("|", 3)
+        by[(tuple(int(x) for x in shape.split("x")), prec)] = v
+    return by
+
+
+def test_compiled_cost_model_quantizes_a_shared_tensorwise_operand_once():
+    from loka_tune.kernels.costmodel import estimate_site_seconds
+
+    tw = "e4m3.tensor.torch_scaled_mm"
+    per_gemm = estimate_site_seconds(tw, 8192, 2048, 8192)
+    comp = estimate_site_seconds(tw, 8192, 2048, 8192, compiled=True)
+    assert comp["fwd"] == per_gemm["fwd"]  # fwd quantizes X and W as before
+    assert comp["dgrad"] < per_gemm["dgrad"] and comp["wgrad"] < per_gemm["wgrad"]
+    row = "e4m3.row.fa.torch_scaled_mm"  # rowwise scales differ per GEMM: nothing shared
+    assert estimate_site_seconds(row, 8192, 2048, 8192, compiled=True) == estimate_site_seconds(row, 8192, 2048, 8192)
+
+
+def test_compiled_cost_model_is_closer_than_the_per_gemm_one_to_the_h200s_compiled_prices():
+    from loka_tune.kernels.costmodel import estimate_site_seconds
+
+    cells = _shipped_cells()
+    errs = {False: [], True: []}
+    for (shape, prec), cell in cells.items():
+        if prec == "bf16" or "fbgemm" in prec or shape[0] > 10**6:
+            continue
+        measured = saving_s(cells[(shape, "bf16")], cell, prec)
+        for compiled in (False, True):
+            modeled = (sum(estimate_site_seconds("bf16", *shape).values())
+                       - sum(estimate_site_seconds(prec, *shape, compiled=compiled).values()))
+            errs[compiled].append(abs(modeled - measured))
+    assert len(errs[True]) >= 30
+    mae = {k: sum(v) / len(v) for k, v in errs.items()}
+    assert mae[True] < 45e-6 and mae[True] < mae[False]  # measured 2026-12-01: 39 us vs 59 us
