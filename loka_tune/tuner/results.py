@@ -73,7 +73,7 @@ def noise_floor(study: Any) -> float | None:
 # the record's keys written when a trial starts; other workers find a running duplicate by config_key
 _START_KEYS = ("config_key", "config", "budget_pct", "worker", "speed_source")
 # keys present only when set (their presence means something: failed by the config, a cache copy, enqueued)
-_OPTIONAL_KEYS = ("fail_reason", "cached_from", "seeded")
+_OPTIONAL_KEYS = ("fail_reason", "cached_from", "seeded", "run", "compile_cache")
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,11 @@ class TrialRecord:
     :mod:`loka_tune.tuner.starts`). Written when it ends: what evaluating it gave
     (``status`` "ok" / "pruned" / "failed", the metrics, ``reason``, ``steps_run``, ``wall_s``),
     ``feasible``, ``cache_hit`` (copied from ``cached_from``, an earlier trial of the same
-    config) and, for a trial its config failed, ``fail_reason``.
+    config) and, for a trial its config failed, ``fail_reason``. A completed run also records
+    ``run``, how it trained (its seed, steps and regime: :func:`~loka_tune.tuner.trial.run_description`;
+    the confirmation takes it for that seed's run), and a compiled one ``compile_cache``,
+    inductor's cache counts of its compile (:func:`~loka_tune.objectives.compiled.compile_cache_counts`);
+    a cache copy carries its source's.
     """
 
     config_key: str | None = None
@@ -113,6 +117,8 @@ class TrialRecord:
     cache_hit: bool = False
     fail_reason: str | None = None
     cached_from: int | None = None
+    run: Mapping[str, Any] | None = None
+    compile_cache: Mapping[str, int] | None = None
 
     @classmethod
     def of(cls, trial: Any) -> TrialRecord:
