@@ -5,12 +5,22 @@ search picks the luckiest of many. So after the search the best ``[confirm] n_be
 configs (fastest first, one per config) are run again in the study's ``[regime]`` on every
 confirmation seed (at least two), each seed paired with bf16 on the same seed (its eval log
 loss: the baseline's run where it has that seed) and, for speed, with bf16 + the same Mods
-(measured: a timing run in the regime beside each config run; modeled: the cost model). On a
-CPU with modeled speed a run is deterministic, so the trial's own run stands for its seed
-instead of an identical second one. The
+(measured: a timing run in the regime beside each config run; modeled: the cost model). The
 confirmed best is the fastest whose *mean* relative log loss over the seeds is within the
 budget; :func:`~loka_tune.tuner.results.export_best` exports it, with the claimed and the
 confirmed speed-ups and the loss's mean and spread in its provenance.
+
+A trial already ran its config on one seed, the pairing seed ``training.seeds[0]``, in the
+regime. Where a confirmation seed is that seed, the trial's own run stands for it, instead of
+running it again: when the trial's record says (``run``: seed, steps, regime, device) that it
+trained exactly as the confirmation's run on that seed would, with the same speed source.
+That seed's row is then built from the trial's stored numbers, marked ``"reused": "trial N"``:
+its step time; for speed, the bf16 + same Mods reference timed for the trial's run (its
+``mods_step_time_s``: the study's one timing per Mods set, or the baseline without Mods, or
+the cost model); its eval log loss against bf16's on the same seed. Only the other seeds
+train. A trial recorded without ``run`` (an older study) is run again on every seed, except on
+a CPU with modeled speed, where runs are deterministic and its own run stands for the pairing
+seed as before.
 
 The result is stored in the study's user attribute ``loka.confirmation``; running the stage
 again with the same candidates and seeds reuses it.
@@ -30,7 +40,7 @@ from loka_tune.tuner.baseline import modeled_seconds, time_reference
 from loka_tune.tuner.build import _first_batch, _log, _train, make_model, resolve_device, train_config
 from loka_tune.tuner.prepare import StudyContext
 from loka_tune.tuner.results import ATTR_CONFIRM, TrialRecord, noise_note
-from loka_tune.tuner.trial import reference_seconds
+from loka_tune.tuner.trial import reference_seconds, run_description
 
 __all__ = ["confirm_best", "confirmation_candidates"]
 
@@ -114,9 +124,10 @@ def _run_seed(ctx: StudyContext, config: PrecisionConfig, seed: int) -> dict[str
 
     cfg = ctx.cfg
     model = make_model(cfg, ctx.source, seed=seed).to(resolve_device(ctx.device))
+    tcfg = train_config(cfg, seed, device=ctx.device)
     try:
         apply(model, config)
-        res = _train(model, ctx.source, train_config(cfg, seed, device=ctx.device), seed=seed, config=config)
+        res = _train(model, ctx.source, tcfg, seed=seed, config=config)
     except (UnsupportedChoiceError, BackendError) as e:
         return {"seed": seed, "status": "failed", "reason": f"unsupported: {e}"}
     if res.status != "ok":
@@ -135,17 +146,31 @@ def _run_seed(ctx: StudyContext, config: PrecisionConfig, seed: int) -> dict[str
             "step_time_s": float(t), "ref_step_time_s": float(ref), "measured_step_time_s": float(res.step_time_s)}
 
 
+def _same_run(ctx: StudyContext, r: TrialRecord, seed: int) -> bool:
+    """Whether the trial's own run is the confirmation's run on ``seed`` (see the module
+    docstring): its record says it trained so; for a record without ``run`` (an older study),
+    only on a CPU with modeled speed, where runs are deterministic, on the pairing seed."""
+    if r.run is None:
+        return ctx.speed == "modeled" and resolve_device(ctx.device) == "cpu" and seed == ctx.cfg.training.seeds[0]
+    want = run_description(ctx.cfg, train_config(ctx.cfg, seed, device=ctx.device))
+    return dict(r.run) == want and r.speed_source == ctx.speed
+
+
 def _reused_run(ctx: StudyContext, trial: Any, r: TrialRecord, config: PrecisionConfig, seed: int) -> dict[str, Any] | None:
-    """The trial's own run as its confirmation run on ``seed``, where running it again could only
-    repeat it bit for bit: the trial's seed, CPU (deterministic runs), modeled speed (no timing
-    noise to average). Else None: the seed is run again."""
-    if (ctx.speed != "modeled" or resolve_device(ctx.device) != "cpu" or seed != ctx.cfg.training.seeds[0]
-            or trial.value is None or r.eval_logloss is None or r.rel_logloss_pct is None):
+    """The trial's own run as its confirmation run on ``seed``, where it is that run (see
+    :func:`_same_run`): its step time, the reference timed for it, its eval log loss against
+    bf16's on ``seed``. Else None: the seed is run."""
+    from loka_tune.objectives.metrics import relative_log_loss
+
+    if trial.value is None or r.eval_logloss is None or not _same_run(ctx, r, seed):
         return None
-    return {"seed": seed, "status": "ok", "rel_logloss_pct": float(r.rel_logloss_pct),
-            "eval_logloss": float(r.eval_logloss), "step_time_s": float(trial.value),
-            "ref_step_time_s": float(reference_seconds(ctx, config.mods)),
-            "measured_step_time_s": r.measured_step_time_s, "reused_trial_run": True}
+    ref = r.mods_step_time_s if r.mods_step_time_s is not None else reference_seconds(ctx, config.mods)
+    rel = relative_log_loss(r.eval_logloss, _bf16_logloss(ctx, seed)) * 100.0
+    source = r.cached_from if r.cache_hit and r.cached_from is not None else trial.number
+    _log(f"[loka-tune] confirm: trial {source}'s own run stands for seed {seed}")
+    return {"seed": seed, "status": "ok", "rel_logloss_pct": float(rel), "eval_logloss": float(r.eval_logloss),
+            "step_time_s": float(trial.value), "ref_step_time_s": float(ref),
+            "measured_step_time_s": r.measured_step_time_s, "reused": f"trial {source}"}
 
 
 def _confirm_one(ctx: StudyContext, trial: Any, seeds: tuple[int, ...]) -> dict[str, Any]:
