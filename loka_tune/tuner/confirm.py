@@ -22,8 +22,10 @@ train. A trial recorded without ``run`` (an older study) is run again on every s
 a CPU with modeled speed, where runs are deterministic and its own run stands for the pairing
 seed as before.
 
-The result is stored in the study's user attribute ``loka.confirmation``; running the stage
-again with the same candidates and seeds reuses it.
+The result is stored in the study's user attribute ``loka.confirmation`` (and inductor's cache
+counts of the trials' and the confirmation's compiled runs in ``loka.compile_cache``:
+:func:`~loka_tune.tuner.results.compile_cache_summary`); running the stage again with the same
+candidates and seeds reuses it.
 """
 
 from __future__ import annotations
@@ -39,8 +41,8 @@ from loka_tune.objectives.speed import measure_forward_seconds
 from loka_tune.tuner.baseline import modeled_seconds, time_reference
 from loka_tune.tuner.build import _first_batch, _log, _train, make_model, resolve_device, train_config
 from loka_tune.tuner.prepare import StudyContext
-from loka_tune.tuner.results import ATTR_CONFIRM, TrialRecord, noise_note
-from loka_tune.tuner.trial import reference_seconds, run_description
+from loka_tune.tuner.results import ATTR_COMPILE_CACHE, ATTR_CONFIRM, TrialRecord, compile_cache_summary, noise_note
+from loka_tune.tuner.trial import _cache_counts, reference_seconds, run_description
 
 __all__ = ["confirm_best", "confirmation_candidates"]
 
@@ -78,6 +80,7 @@ def confirm_best(ctx: StudyContext, *, n_best: int | None = None,
     numbers = [t.number for t in cands]
     prior = study.user_attrs.get(ATTR_CONFIRM)
     if prior and prior.get("trials") == numbers and prior.get("seeds") == list(seeds):
+        _store_compile_cache(study)
         return dict(prior)
     t0 = time.perf_counter()
     _log(f"[loka-tune] confirming the best {len(cands)} configs (trials {numbers}) on seeds {list(seeds)},"
@@ -91,6 +94,7 @@ def confirm_best(ctx: StudyContext, *, n_best: int | None = None,
               "regime": cfg.regime.describe(tcfg), "rows": rows,
               "chosen": None if chosen is None else chosen["trial"], "wall_s": time.perf_counter() - t0}
     study.set_user_attr(ATTR_CONFIRM, result)
+    _store_compile_cache(study)
     what = ("none within the budget" if chosen is None else
             f"trial {chosen['trial']}: {chosen['speedup_vs_mods']:.3f}x vs bf16 + same Mods (claimed"
             f" {chosen['claimed_speedup_vs_mods']:.3f}x), rel. LL {chosen['rel_logloss_pct']:+.4f}%"
@@ -98,6 +102,12 @@ def confirm_best(ctx: StudyContext, *, n_best: int | None = None,
             + noise_note(chosen['rel_logloss_pct'], ctx.baseline.noise_floor_pct))
     _log(f"[loka-tune] confirmed: {what} ({result['wall_s']:.0f}s)")
     return result
+
+
+def _store_compile_cache(study: Any) -> None:
+    summary = compile_cache_summary(study)
+    if summary is not None:
+        study.set_user_attr(ATTR_COMPILE_CACHE, summary)
 
 
 def _bf16_logloss(ctx: StudyContext, seed: int) -> float:
@@ -130,6 +140,7 @@ def _run_seed(ctx: StudyContext, config: PrecisionConfig, seed: int) -> dict[str
         res = _train(model, ctx.source, tcfg, seed=seed, config=config)
     except (UnsupportedChoiceError, BackendError) as e:
         return {"seed": seed, "status": "failed", "reason": f"unsupported: {e}"}
+    cache = _cache_counts(tcfg)  # this run's, before the reference's run compiles
     if res.status != "ok":
         return {"seed": seed, "status": res.status, "reason": f"{res.status} at step {res.nonfinite_step}"}
     if ctx.speed == "modeled":
@@ -142,8 +153,9 @@ def _run_seed(ctx: StudyContext, config: PrecisionConfig, seed: int) -> dict[str
     else:  # paired: bf16 + the same Mods timed on the same seed, right beside the config's run
         t, ref = float(res.step_time_s), time_reference(cfg, ctx.source, ctx.device, config.mods, seed=seed)
     rel = relative_log_loss(res.eval_logloss, _bf16_logloss(ctx, seed)) * 100.0
-    return {"seed": seed, "status": "ok", "rel_logloss_pct": float(rel), "eval_logloss": float(res.eval_logloss),
-            "step_time_s": float(t), "ref_step_time_s": float(ref), "measured_step_time_s": float(res.step_time_s)}
+    out = {"seed": seed, "status": "ok", "rel_logloss_pct": float(rel), "eval_logloss": float(res.eval_logloss),
+           "step_time_s": float(t), "ref_step_time_s": float(ref), "measured_step_time_s": float(res.step_time_s)}
+    return out if cache is None else {**out, "compile_cache": cache}
 
 
 def _same_run(ctx: StudyContext, r: TrialRecord, seed: int) -> bool:
