@@ -12,7 +12,9 @@ H200), ``compile`` (the regime the trials were timed in), ``study_speedup`` (the
 claimed speed-up vs bf16 with the same Mods: its trial's), ``confirmed_speedup`` (the
 confirmation stage's, same reference), ``e2e_speedup`` (e2e.py's ``speedup_vs_bf16_mods`` of
 the export), ``study_vs_e2e`` = |study - e2e| / e2e (target <= 0.03), the relative log losses
-beside them, and the commands that produced them. ``--skip-tune`` / ``--skip-e2e`` reuse the
+beside them, ``inductor_cache_hit_rate`` (inductor's FX graph cache over the compiled trial
+runs: hits / (hits + misses + bypass); ``inductor_cache`` has the counts, the confirmation's
+too: the study's ``loka.compile_cache``), and the commands that produced them. ``--skip-tune`` / ``--skip-e2e`` reuse the
 work folder's earlier results (``assemble`` alone is what the CPU test checks).
 """
 
@@ -33,8 +35,9 @@ TARGET_GAP = 0.03  # |study - e2e| / e2e
 
 
 def assemble(provenance: dict[str, Any], e2e: dict[str, Any], prepare_s: float | None,
-             commands: list[str] | None = None) -> dict[str, Any]:
-    """The receipt from the export's provenance, e2e.py's results.json and the preparation time."""
+             commands: list[str] | None = None, inductor_cache: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The receipt from the export's provenance, e2e.py's results.json, the preparation time and
+    the study's inductor cache counts (``compile_cache_summary``; None: no trial compiled)."""
     rows = {r["variant"]: r for r in e2e.get("rows", [])}
     cfg_row = rows.get("config") or {}
     e2e_speedup = cfg_row.get("speedup_vs_bf16_mods")
@@ -56,6 +59,7 @@ def assemble(provenance: dict[str, Any], e2e: dict[str, Any], prepare_s: float |
         "e2e_rel_ll_pct_vs_bf16_mods": cfg_row.get("rel_ll_pct_vs_bf16_mods"),
         "e2e_compile": meta.get("compile"), "e2e_batch": meta.get("batch"), "e2e_seeds": meta.get("seeds"),
         "study_vs_e2e": gap,
+        "inductor_cache_hit_rate": (inductor_cache or {}).get("hit_rate"), "inductor_cache": inductor_cache,
         "pass": {"prepare_s": prepare_s is not None and prepare_s <= TARGET_PREPARE_S,
                  "compile": bool(regime.get("compile")) and bool(meta.get("compile")),
                  "study_vs_e2e": gap is not None and gap <= TARGET_GAP},
@@ -72,17 +76,29 @@ def _run(cmd: list[str], log: Path) -> None:
         raise SystemExit(f"{cmd[:4]} failed (exit {rc}); see {log}")
 
 
-def _prepare_s(study_file: Path, out_dir: Path) -> float | None:
-    """The preparation seconds the study stored (``loka.prepare_s``)."""
+def _stored_study(study_file: Path, out_dir: Path) -> Any:
+    """The study as the work folder's optuna.db holds it."""
     import optuna
 
-    from loka_tune.tuner.results import ATTR_PREPARE_S
     from loka_tune.tuner.study import load_study
 
     cfg = load_study(study_file).with_output_dir(out_dir)
-    study = optuna.load_study(study_name=cfg.name, storage=cfg.storage.url)
-    v = study.user_attrs.get(ATTR_PREPARE_S)
+    return optuna.load_study(study_name=cfg.name, storage=cfg.storage.url)
+
+
+def _prepare_s(study_file: Path, out_dir: Path) -> float | None:
+    """The preparation seconds the study stored (``loka.prepare_s``)."""
+    from loka_tune.tuner.results import ATTR_PREPARE_S
+
+    v = _stored_study(study_file, out_dir).user_attrs.get(ATTR_PREPARE_S)
     return None if v is None else float(v)
+
+
+def _inductor_cache(study_file: Path, out_dir: Path) -> dict[str, Any] | None:
+    """Inductor's cache counts over the study's compiled trial runs and its confirmation's."""
+    from loka_tune.tuner.results import compile_cache_summary
+
+    return compile_cache_summary(_stored_study(study_file, out_dir))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,11 +147,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     results = json.loads((e2e_dir / "results.json").read_text())
     receipt = assemble(prov, results, _prepare_s(args.study, study_dir),
-                       commands=[" ".join(c[1:]) for c in (tune, export, e2e)])
+                       commands=[" ".join(c[1:]) for c in (tune, export, e2e)],
+                       inductor_cache=_inductor_cache(args.study, study_dir))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(receipt, indent=1))
     print(json.dumps({k: receipt[k] for k in ("prepare_s", "compile", "study_speedup", "confirmed_speedup",
-                                              "e2e_speedup", "study_vs_e2e", "pass")}, indent=1))
+                                              "e2e_speedup", "study_vs_e2e", "inductor_cache_hit_rate", "pass")},
+                     indent=1))
     return 0 if all(receipt["pass"].values()) else 1
 
 

@@ -45,3 +45,31 @@ def test_receipt_assembles_study_confirmation_and_e2e() -> None:
     r = bench.assemble({**prov, "confirmed_regime": {"compile": False}}, {"rows": [], "meta": {}}, None)
     assert r["e2e_speedup"] is None and r["study_vs_e2e"] is None
     assert r["pass"] == {"prepare_s": False, "compile": False, "study_vs_e2e": False}
+
+
+def test_receipt_keeps_inductors_cache_hit_rate_read_from_the_work_folders_study(tmp_path: Path) -> None:
+    import optuna
+    from optuna.distributions import CategoricalDistribution
+
+    from loka_tune.tuner.study import load_study
+
+    bench = _load("study_h200.py")
+    study_file = tmp_path / "s.toml"
+    study_file.write_text('[study]\nname = "h200"\n[model]\nname = "dlrm"\npreset = "tiny"\n[data]\nsource = "synthetic"\n')
+    work = tmp_path / "work" / "study"
+    cfg = load_study(study_file).with_output_dir(work)
+    work.mkdir(parents=True)
+    study = optuna.create_study(study_name=cfg.name, storage=cfg.storage.url)
+    for i, cache in enumerate([{"hits": 0, "misses": 4}, {"hits": 3, "misses": 1}]):
+        study.add_trial(optuna.trial.create_trial(
+            params={"x": i}, distributions={"x": CategoricalDistribution([0, 1])}, value=0.01,
+            user_attrs={"status": "ok", "cache_hit": False, "compile_cache": cache}))
+    study.set_user_attr("loka.prepare_s", 41.5)
+    cache = bench._inductor_cache(study_file, work)
+    assert bench._prepare_s(study_file, work) == 41.5
+    assert cache is not None and (cache["runs"], cache["hits"], cache["misses"]) == (2, 3, 5)
+    prov = {"claimed_speedup": 1.10, "confirmed_regime": {"compile": True, "batch_size": 8192}}
+    r = bench.assemble(prov, _e2e_results({"bf16": 50.0, "bf16_mods": 47.0, "config": 43.0}), 41.5,
+                       inductor_cache=cache)
+    assert r["inductor_cache_hit_rate"] == pytest.approx(3 / 8) and r["inductor_cache"]["misses"] == 5
+    assert bench.assemble(prov, {"rows": [], "meta": {}}, None)["inductor_cache_hit_rate"] is None  # eager: none

@@ -57,6 +57,12 @@ def test_trial_record_round_trips_the_attributes_the_loop_writes() -> None:
     back = TrialRecord.from_attrs(stored)
     assert back.seeded == "all-bf16" and back.rel_logloss_pct == 0.1 and back.worker == "w:1"
     assert back.result_attrs() == attrs
+    # how a completed run trained, and a compiled one's cache counts: kept where set
+    ran = TrialOutcome("ok", rel_logloss_pct=0.1, step_time_s=1e-3, run={"seed": 0, "steps": 8},
+                       compile_cache={"hits": 2, "misses": 0})
+    attrs = TrialRecord(**ran.attrs(), feasible=True, cache_hit=False).result_attrs()
+    assert attrs["run"] == {"seed": 0, "steps": 8} and attrs["compile_cache"] == {"hits": 2, "misses": 0}
+    assert TrialRecord.from_attrs(attrs).result_attrs() == attrs
 
 
 # ------------------------------------------------------------------ the package and its old names

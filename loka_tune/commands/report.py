@@ -13,7 +13,9 @@ DESCRIPTION = """\
 STUDY is a study file (.toml) or a study name with --storage. Prints the trials (feasible
 ones first, fastest first; speed-up vs bf16 and vs bf16 with the same Mods; '*' marks the
 trial `loka-tune export` writes), then the confirmation stage (claimed vs confirmed speed-up,
-relative log loss mean and sd over its seeds), the probe's sites (from the study's
+relative log loss mean and sd over its seeds), inductor's cache hits over the compiled trial
+runs (when the trials were compiled: hits / misses of its FX graph cache; a hit is a graph an
+earlier run compiled, loaded instead of compiled again), the probe's sites (from the study's
 probe_report.json: per site its status, probed / fallback / unprobed, and each statistic that
 fell back, with why), a legend of its terms (NE, AUC, relative log loss, noise floor, budget),
 and writes speed_vs_loss.png (trial labels, noise-floor band, Pareto front, exported trial)
@@ -110,6 +112,26 @@ def format_confirmation(c: dict | None, noise_floor_pct: float | None = None) ->
     return "\n".join(lines)
 
 
+def format_compile_cache(summary: dict | None) -> str | None:
+    """One line of inductor's cache over the compiled trial runs (and the confirmation's), from
+    :func:`~loka_tune.tuner.results.compile_cache_summary`; None when no trial compiled."""
+    if not summary:
+        return None
+
+    def counts(c: dict, runs: str) -> str:
+        rate = "-" if c.get("hit_rate") is None else f"{100 * c['hit_rate']:.0f}%"
+        bypass = f", {c['bypass']} bypassed" if c.get("bypass") else ""
+        return f"{c['hits']} hits / {c['misses']} misses{bypass} across {c['runs']} compiled {runs} (hit rate {rate})"
+
+    line = "inductor cache: " + counts(summary, "trial runs")
+    if summary.get("confirmation"):
+        line += "; confirmation: " + counts(summary["confirmation"], "runs")
+    aot = [summary.get(k) or 0 for k in ("aot_hits", "aot_misses", "aot_bypass")]
+    if any(aot):
+        line += f"; AOTAutograd's cache: {aot[0]} hits / {aot[1]} misses / {aot[2]} bypassed"
+    return line
+
+
 def _probe_report_path(cfg: Any, study_attr: dict[str, Any]) -> Path | None:
     """The study's ``probe_report.json``: in its output dir (the study file's, else the stored one's)."""
     out = cfg.output_dir if cfg is not None else (study_attr.get("study") or {}).get("output_dir")
@@ -155,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
     st = study.user_attrs.get(ATTR_STUDY) or {}
     budget = (st.get("objective") or {}).get("budget_pct")
     from loka_tune.tuner.baseline import Baseline
-    from loka_tune.tuner.results import confirmation, noise_floor
+    from loka_tune.tuner.results import compile_cache_summary, confirmation, noise_floor
 
     floor = noise_floor(study)
     base = Baseline.from_dict(bl)
@@ -165,6 +187,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"noise floor {base.noise_floor_pct:.3g}% ({base.noise_floor_what()})")
     print(format_leaderboard(rows, limit=args.limit))
     print(format_confirmation(confirmation(study), floor))
+    cache_line = format_compile_cache(compile_cache_summary(study))
+    if cache_line:
+        print(cache_line)
     print(format_probe_sites(_probe_report_path(cfg, st)))
     print(legend(budget, floor))
     if not args.no_plots and ATTR_SPACE in study.user_attrs:

@@ -12,6 +12,16 @@ instead of falling back, and afterwards checks dynamo's counters: a graph break,
 compiled at all, raises :class:`CompileHealthError`. The counters it read are in the report
 it yields, for the run's JSON.
 
+Resetting dynamo does not drop inductor's caches on disk (``torch._dynamo.reset`` clears
+in-process state only: "It does NOT affect any file system caches"): a run that traces a
+graph an earlier run compiled (the same model, the same precision config, the same shapes;
+other weights and another seed do not matter) loads it from inductor's FX graph cache (and
+AOTAutograd's, where it applies) instead of compiling it again. Not yet a graph with a site
+on the ``loka::gemm`` custom op (the emulated backend's; the GPU backends call their kernels
+directly): the op's ``tag`` argument, unique per layer instance (its non-finite counter), is
+a constant of the graph, so each fresh model's graph is a new one. :func:`compile_cache_counts`
+says how often the cache served the latest run.
+
 :func:`allow_sparse_gradients` works around an inductor bug that a sparse embedding gradient
 can run into (:class:`~loka_tune.objectives.step.TrainStep` calls it before compiling): see
 its docstring.
@@ -22,7 +32,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Iterator
 
-__all__ = ["CompileHealthError", "strict_compile", "dynamo_report", "allow_sparse_gradients"]
+__all__ = ["CompileHealthError", "strict_compile", "dynamo_report", "compile_cache_counts", "allow_sparse_gradients"]
 
 
 _SPARSE_PATCHED: list[bool] = []  # set once allow_sparse_gradients has looked (and patched if needed)
@@ -90,7 +100,30 @@ def dynamo_report() -> dict[str, Any]:
         "graph_breaks": int(sum(counters["graph_break"].values())),
         "graph_break_reasons": [r.split("\n")[0][:200] for r in counters["graph_break"]],
         "fxgraph_cache_hits": int(counters["inductor"].get("fxgraph_cache_hit", 0)),
+        "compile_cache": compile_cache_counts(),
     }
+
+
+#: compile_cache_counts' keys: (counter group, dynamo's counter name)
+CACHE_COUNTERS = {"hits": ("inductor", "fxgraph_cache_hit"), "misses": ("inductor", "fxgraph_cache_miss"),
+                  "bypass": ("inductor", "fxgraph_cache_bypass"),
+                  "aot_hits": ("aot_autograd", "autograd_cache_hit"), "aot_misses": ("aot_autograd", "autograd_cache_miss"),
+                  "aot_bypass": ("aot_autograd", "autograd_cache_bypass")}
+
+
+def compile_cache_counts() -> dict[str, int]:
+    """How the compiled graphs of the latest run were had: ``hits`` (inductor's FX graph cache
+    gave a compiled graph), ``misses`` (it had none: inductor compiled it and stored it),
+    ``bypass`` (a graph inductor cannot cache), and AOTAutograd's own cache of the traced
+    forward + backward, ``aot_hits`` / ``aot_misses`` / ``aot_bypass`` (0 on a torch without
+    it; torch 2.13 bypasses it for a graph with a custom ``autograd.Function``, a LokaLinear's,
+    unless ``torch._functorch.config.autograd_cache_allow_custom_autograd_functions``: inductor's
+    FX graph cache still serves such a graph's compiled forward and backward). The latest run:
+    dynamo's counters since :func:`strict_compile` last cleared them, as a run starts (so read
+    right after a run, they are that run's)."""
+    from torch._dynamo.utils import counters
+
+    return {key: int(counters[group].get(name, 0)) for key, (group, name) in CACHE_COUNTERS.items()}
 
 
 @contextlib.contextmanager

@@ -5,15 +5,27 @@ search picks the luckiest of many. So after the search the best ``[confirm] n_be
 configs (fastest first, one per config) are run again in the study's ``[regime]`` on every
 confirmation seed (at least two), each seed paired with bf16 on the same seed (its eval log
 loss: the baseline's run where it has that seed) and, for speed, with bf16 + the same Mods
-(measured: a timing run in the regime beside each config run; modeled: the cost model). On a
-CPU with modeled speed a run is deterministic, so the trial's own run stands for its seed
-instead of an identical second one. The
+(measured: a timing run in the regime beside each config run; modeled: the cost model). The
 confirmed best is the fastest whose *mean* relative log loss over the seeds is within the
 budget; :func:`~loka_tune.tuner.results.export_best` exports it, with the claimed and the
 confirmed speed-ups and the loss's mean and spread in its provenance.
 
-The result is stored in the study's user attribute ``loka.confirmation``; running the stage
-again with the same candidates and seeds reuses it.
+A trial already ran its config on one seed, the pairing seed ``training.seeds[0]``, in the
+regime. Where a confirmation seed is that seed, the trial's own run stands for it, instead of
+running it again: when the trial's record says (``run``: seed, steps, regime, device) that it
+trained exactly as the confirmation's run on that seed would, with the same speed source.
+That seed's row is then built from the trial's stored numbers, marked ``"reused": "trial N"``:
+its step time; for speed, the bf16 + same Mods reference timed for the trial's run (its
+``mods_step_time_s``: the study's one timing per Mods set, or the baseline without Mods, or
+the cost model); its eval log loss against bf16's on the same seed. Only the other seeds
+train. A trial recorded without ``run`` (an older study) is run again on every seed, except on
+a CPU with modeled speed, where runs are deterministic and its own run stands for the pairing
+seed as before.
+
+The result is stored in the study's user attribute ``loka.confirmation`` (and inductor's cache
+counts of the trials' and the confirmation's compiled runs in ``loka.compile_cache``:
+:func:`~loka_tune.tuner.results.compile_cache_summary`); running the stage again with the same
+candidates and seeds reuses it.
 """
 
 from __future__ import annotations
@@ -29,8 +41,8 @@ from loka_tune.objectives.speed import measure_forward_seconds
 from loka_tune.tuner.baseline import modeled_seconds, time_reference
 from loka_tune.tuner.build import _first_batch, _log, _train, make_model, resolve_device, train_config
 from loka_tune.tuner.prepare import StudyContext
-from loka_tune.tuner.results import ATTR_CONFIRM, TrialRecord, noise_note
-from loka_tune.tuner.trial import reference_seconds
+from loka_tune.tuner.results import ATTR_COMPILE_CACHE, ATTR_CONFIRM, TrialRecord, compile_cache_summary, noise_note
+from loka_tune.tuner.trial import _cache_counts, reference_seconds, run_description
 
 __all__ = ["confirm_best", "confirmation_candidates"]
 
@@ -68,6 +80,7 @@ def confirm_best(ctx: StudyContext, *, n_best: int | None = None,
     numbers = [t.number for t in cands]
     prior = study.user_attrs.get(ATTR_CONFIRM)
     if prior and prior.get("trials") == numbers and prior.get("seeds") == list(seeds):
+        _store_compile_cache(study)
         return dict(prior)
     t0 = time.perf_counter()
     _log(f"[loka-tune] confirming the best {len(cands)} configs (trials {numbers}) on seeds {list(seeds)},"
@@ -81,6 +94,7 @@ def confirm_best(ctx: StudyContext, *, n_best: int | None = None,
               "regime": cfg.regime.describe(tcfg), "rows": rows,
               "chosen": None if chosen is None else chosen["trial"], "wall_s": time.perf_counter() - t0}
     study.set_user_attr(ATTR_CONFIRM, result)
+    _store_compile_cache(study)
     what = ("none within the budget" if chosen is None else
             f"trial {chosen['trial']}: {chosen['speedup_vs_mods']:.3f}x vs bf16 + same Mods (claimed"
             f" {chosen['claimed_speedup_vs_mods']:.3f}x), rel. LL {chosen['rel_logloss_pct']:+.4f}%"
@@ -88,6 +102,12 @@ def confirm_best(ctx: StudyContext, *, n_best: int | None = None,
             + noise_note(chosen['rel_logloss_pct'], ctx.baseline.noise_floor_pct))
     _log(f"[loka-tune] confirmed: {what} ({result['wall_s']:.0f}s)")
     return result
+
+
+def _store_compile_cache(study: Any) -> None:
+    summary = compile_cache_summary(study)
+    if summary is not None:
+        study.set_user_attr(ATTR_COMPILE_CACHE, summary)
 
 
 def _bf16_logloss(ctx: StudyContext, seed: int) -> float:
@@ -114,11 +134,13 @@ def _run_seed(ctx: StudyContext, config: PrecisionConfig, seed: int) -> dict[str
 
     cfg = ctx.cfg
     model = make_model(cfg, ctx.source, seed=seed).to(resolve_device(ctx.device))
+    tcfg = train_config(cfg, seed, device=ctx.device)
     try:
         apply(model, config)
-        res = _train(model, ctx.source, train_config(cfg, seed, device=ctx.device), seed=seed, config=config)
+        res = _train(model, ctx.source, tcfg, seed=seed, config=config)
     except (UnsupportedChoiceError, BackendError) as e:
         return {"seed": seed, "status": "failed", "reason": f"unsupported: {e}"}
+    cache = _cache_counts(tcfg)  # this run's, before the reference's run compiles
     if res.status != "ok":
         return {"seed": seed, "status": res.status, "reason": f"{res.status} at step {res.nonfinite_step}"}
     if ctx.speed == "modeled":
@@ -131,21 +153,36 @@ def _run_seed(ctx: StudyContext, config: PrecisionConfig, seed: int) -> dict[str
     else:  # paired: bf16 + the same Mods timed on the same seed, right beside the config's run
         t, ref = float(res.step_time_s), time_reference(cfg, ctx.source, ctx.device, config.mods, seed=seed)
     rel = relative_log_loss(res.eval_logloss, _bf16_logloss(ctx, seed)) * 100.0
-    return {"seed": seed, "status": "ok", "rel_logloss_pct": float(rel), "eval_logloss": float(res.eval_logloss),
-            "step_time_s": float(t), "ref_step_time_s": float(ref), "measured_step_time_s": float(res.step_time_s)}
+    out = {"seed": seed, "status": "ok", "rel_logloss_pct": float(rel), "eval_logloss": float(res.eval_logloss),
+           "step_time_s": float(t), "ref_step_time_s": float(ref), "measured_step_time_s": float(res.step_time_s)}
+    return out if cache is None else {**out, "compile_cache": cache}
+
+
+def _same_run(ctx: StudyContext, r: TrialRecord, seed: int) -> bool:
+    """Whether the trial's own run is the confirmation's run on ``seed`` (see the module
+    docstring): its record says it trained so; for a record without ``run`` (an older study),
+    only on a CPU with modeled speed, where runs are deterministic, on the pairing seed."""
+    if r.run is None:
+        return ctx.speed == "modeled" and resolve_device(ctx.device) == "cpu" and seed == ctx.cfg.training.seeds[0]
+    want = run_description(ctx.cfg, train_config(ctx.cfg, seed, device=ctx.device))
+    return dict(r.run) == want and r.speed_source == ctx.speed
 
 
 def _reused_run(ctx: StudyContext, trial: Any, r: TrialRecord, config: PrecisionConfig, seed: int) -> dict[str, Any] | None:
-    """The trial's own run as its confirmation run on ``seed``, where running it again could only
-    repeat it bit for bit: the trial's seed, CPU (deterministic runs), modeled speed (no timing
-    noise to average). Else None: the seed is run again."""
-    if (ctx.speed != "modeled" or resolve_device(ctx.device) != "cpu" or seed != ctx.cfg.training.seeds[0]
-            or trial.value is None or r.eval_logloss is None or r.rel_logloss_pct is None):
+    """The trial's own run as its confirmation run on ``seed``, where it is that run (see
+    :func:`_same_run`): its step time, the reference timed for it, its eval log loss against
+    bf16's on ``seed``. Else None: the seed is run."""
+    from loka_tune.objectives.metrics import relative_log_loss
+
+    if trial.value is None or r.eval_logloss is None or not _same_run(ctx, r, seed):
         return None
-    return {"seed": seed, "status": "ok", "rel_logloss_pct": float(r.rel_logloss_pct),
-            "eval_logloss": float(r.eval_logloss), "step_time_s": float(trial.value),
-            "ref_step_time_s": float(reference_seconds(ctx, config.mods)),
-            "measured_step_time_s": r.measured_step_time_s, "reused_trial_run": True}
+    ref = r.mods_step_time_s if r.mods_step_time_s is not None else reference_seconds(ctx, config.mods)
+    rel = relative_log_loss(r.eval_logloss, _bf16_logloss(ctx, seed)) * 100.0
+    source = r.cached_from if r.cache_hit and r.cached_from is not None else trial.number
+    _log(f"[loka-tune] confirm: trial {source}'s own run stands for seed {seed}")
+    return {"seed": seed, "status": "ok", "rel_logloss_pct": float(rel), "eval_logloss": float(r.eval_logloss),
+            "step_time_s": float(trial.value), "ref_step_time_s": float(ref),
+            "measured_step_time_s": r.measured_step_time_s, "reused": f"trial {source}"}
 
 
 def _confirm_one(ctx: StudyContext, trial: Any, seeds: tuple[int, ...]) -> dict[str, Any]:

@@ -22,9 +22,10 @@ from typing import Any
 from loka_tune.config import ModsConfig, PrecisionConfig
 from loka_tune.errors import LokaError, StudyError
 
-__all__ = ["ATTR_BASELINE", "ATTR_SPACE", "ATTR_STUDY", "ATTR_REFERENCE", "ATTR_CONFIRM", "ATTR_PREPARE_S", "STATES_DONE",
+__all__ = ["ATTR_BASELINE", "ATTR_SPACE", "ATTR_STUDY", "ATTR_REFERENCE", "ATTR_CONFIRM", "ATTR_PREPARE_S",
+           "ATTR_COMPILE_CACHE", "STATES_DONE",
            "TrialRecord", "constraint", "within_noise", "noise_floor", "noise_note", "best_trial", "confirmation",
-           "exported_trial", "leaderboard", "export_best",
+           "exported_trial", "leaderboard", "export_best", "compile_cache_totals", "compile_cache_summary",
            "study_summary"]
 
 ATTR_BASELINE = "loka.baseline"  # study user attr: the Baseline JSON
@@ -33,6 +34,7 @@ ATTR_STUDY = "loka.study"  # study user attr: the StudyConfig summary
 ATTR_REFERENCE = "loka.reference."  # study user attrs: + Mods short_str -> measured bf16 + Mods step seconds
 ATTR_PREPARE_S = "loka.prepare_s"  # study user attr: seconds the preparation took (baselines, probe, space)
 ATTR_CONFIRM = "loka.confirmation"  # study user attr: the confirmation stage's result (tuner.confirm)
+ATTR_COMPILE_CACHE = "loka.compile_cache"  # study user attr: inductor's cache over the compiled runs (compile_cache_summary)
 STATES_DONE = ("COMPLETE", "PRUNED", "FAIL")
 INFEASIBLE = 1e9  # the constraint of an unknown (or non-finite) loss: Optuna wants a finite number
 
@@ -73,7 +75,7 @@ def noise_floor(study: Any) -> float | None:
 # the record's keys written when a trial starts; other workers find a running duplicate by config_key
 _START_KEYS = ("config_key", "config", "budget_pct", "worker", "speed_source")
 # keys present only when set (their presence means something: failed by the config, a cache copy, enqueued)
-_OPTIONAL_KEYS = ("fail_reason", "cached_from", "seeded")
+_OPTIONAL_KEYS = ("fail_reason", "cached_from", "seeded", "run", "compile_cache")
 
 
 @dataclass(frozen=True)
@@ -87,7 +89,11 @@ class TrialRecord:
     :mod:`loka_tune.tuner.starts`). Written when it ends: what evaluating it gave
     (``status`` "ok" / "pruned" / "failed", the metrics, ``reason``, ``steps_run``, ``wall_s``),
     ``feasible``, ``cache_hit`` (copied from ``cached_from``, an earlier trial of the same
-    config) and, for a trial its config failed, ``fail_reason``.
+    config) and, for a trial its config failed, ``fail_reason``. A completed run also records
+    ``run``, how it trained (its seed, steps and regime: :func:`~loka_tune.tuner.trial.run_description`;
+    the confirmation takes it for that seed's run), and a compiled one ``compile_cache``,
+    inductor's cache counts of its compile (:func:`~loka_tune.objectives.compiled.compile_cache_counts`);
+    a cache copy carries its source's.
     """
 
     config_key: str | None = None
@@ -113,6 +119,8 @@ class TrialRecord:
     cache_hit: bool = False
     fail_reason: str | None = None
     cached_from: int | None = None
+    run: Mapping[str, Any] | None = None
+    compile_cache: Mapping[str, int] | None = None
 
     @classmethod
     def of(cls, trial: Any) -> TrialRecord:
@@ -218,6 +226,34 @@ def _mods_str(d: Mapping[str, Any]) -> str:
         return ModsConfig.from_dict(d).short_str()
     except LokaError:
         return "?"
+
+
+_CACHE_KEYS = ("hits", "misses", "bypass", "aot_hits", "aot_misses", "aot_bypass")
+
+
+def compile_cache_totals(counts: list[Mapping[str, Any]]) -> dict[str, Any] | None:
+    """The sum of compiled runs' ``compile_cache`` counts, with ``runs`` (how many) and
+    ``hit_rate`` = hits / (hits + misses + bypass) of inductor's FX graph cache (None when it
+    was never asked); None for no run."""
+    if not counts:
+        return None
+    tot = {k: sum(int(c.get(k) or 0) for c in counts) for k in _CACHE_KEYS}
+    asked = tot["hits"] + tot["misses"] + tot["bypass"]
+    return {"runs": len(counts), **tot, "hit_rate": tot["hits"] / asked if asked else None}
+
+
+def compile_cache_summary(study: Any) -> dict[str, Any] | None:
+    """Inductor's cache over the study's compiled trial runs (the trials' ``compile_cache``,
+    cache copies left out: they ran nothing): :func:`compile_cache_totals`, plus
+    ``confirmation``, the same over the confirmation's runs (None when it ran none compiled).
+    None when no trial compiled. The confirmation stage stores it as ``loka.compile_cache``."""
+    trials = [TrialRecord.of(t) for t in study.get_trials(deepcopy=False) if t.state.name in STATES_DONE]
+    out = compile_cache_totals([r.compile_cache for r in trials if r.compile_cache and not r.cache_hit])
+    if out is None:
+        return None
+    runs = [x["compile_cache"] for row in (confirmation(study) or {}).get("rows", []) for x in row.get("runs", [])
+            if x.get("compile_cache")]
+    return {**out, "confirmation": compile_cache_totals(runs)}
 
 
 def study_summary(study: Any) -> dict[str, Any]:

@@ -2,6 +2,10 @@
 
 :func:`evaluate_config` is the objective; what it gives is a :class:`TrialOutcome`. Failures a
 config can cause (unsupported choice, non-finite loss, out of memory) are outcomes, not errors.
+A trial runs on the pairing seed ``training.seeds[0]`` (init and data order: the baseline's
+first run); a completed one records how (``run``: :func:`run_description`), so that the
+confirmation can take it as that seed's run, and a compiled one its graphs' cache counts
+(``compile_cache``: inductor's FX graph cache and AOTAutograd's).
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -21,8 +25,12 @@ from loka_tune.tuner.baseline import modeled_seconds, time_reference
 from loka_tune.tuner.build import _first_batch, _train, resolve_device, train_config, trial_model
 from loka_tune.tuner.prepare import StudyContext
 from loka_tune.tuner.results import ATTR_REFERENCE, constraint
+from loka_tune.tuner.study import StudyConfig
 
-__all__ = ["TrialOutcome", "evaluate_config", "reference_seconds"]
+if TYPE_CHECKING:
+    from loka_tune.objectives.trainer import TrainConfig
+
+__all__ = ["TrialOutcome", "evaluate_config", "reference_seconds", "run_description"]
 
 
 @dataclass
@@ -43,14 +51,32 @@ class TrialOutcome:
     steps_run: int = 0
     wall_s: float = 0.0
     step_losses: tuple[float, ...] = field(default=(), repr=False)  # the run's training loss per step (MLflow)
+    run: dict[str, Any] | None = None  # how the completed run trained (run_description)
+    compile_cache: dict[str, int] | None = None  # a compiled run's cache counts (compile_cache_counts)
 
     def feasible(self, budget_pct: float) -> bool:
         return self.status == "ok" and constraint(self.rel_logloss_pct, budget_pct) <= 0
 
     def attrs(self) -> dict[str, Any]:
-        """As trial attributes: non-finite floats become None."""
+        """As trial attributes: non-finite floats become None; ``run`` and ``compile_cache`` only when set."""
         return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in asdict(self).items()
-                if k != "step_losses"}
+                if k != "step_losses" and not (k in ("run", "compile_cache") and v is None)}
+
+
+def run_description(cfg: StudyConfig, tcfg: TrainConfig) -> dict[str, Any]:
+    """What makes two runs of one config the same run: the seed (init and data order), the
+    steps and the regime (:meth:`~loka_tune.tuner.regime.RegimeSection.describe`, and
+    ``nproc``); everything else comes from the study's settings, which its trials share."""
+    return {"seed": tcfg.seed, "steps": tcfg.steps, **cfg.regime.describe(tcfg), "nproc": cfg.regime.nproc}
+
+
+def _cache_counts(tcfg: TrainConfig) -> dict[str, int] | None:
+    """The cache counts of the run that just ended, if it was compiled."""
+    if not tcfg.compile:
+        return None
+    from loka_tune.objectives.compiled import compile_cache_counts
+
+    return compile_cache_counts()
 
 
 def reference_seconds(ctx: StudyContext, mods: ModsConfig) -> float:
@@ -119,9 +145,9 @@ def evaluate_config(ctx: StudyContext, config: PrecisionConfig, *,
         rel = (window_loss - base) / base * 100.0 if math.isfinite(window_loss) else math.inf
         return bool(report(step, rel))
 
+    tcfg = train_config(cfg, device=ctx.device)  # the pairing seed, training.seeds[0]
     try:
-        res = _train(model, ctx.source, train_config(cfg, device=ctx.device), seed=None, config=config,
-                     on_step=on_step)
+        res = _train(model, ctx.source, tcfg, seed=None, config=config, on_step=on_step)
     except (UnsupportedChoiceError, BackendError) as e:
         return TrialOutcome("failed", reason=f"unsupported: {e}", wall_s=time.perf_counter() - t0)
     except torch.cuda.OutOfMemoryError as e:  # a config may need more memory (e.g. fp32 copies)
@@ -130,15 +156,18 @@ def evaluate_config(ctx: StudyContext, config: PrecisionConfig, *,
         return TrialOutcome("failed", reason=f"out of memory: {str(e).splitlines()[0]}",
                             wall_s=time.perf_counter() - t0)
     wall = time.perf_counter() - t0
+    cache = _cache_counts(tcfg)  # read now: the reference's run below compiles too
     if res.status == "nonfinite":
         return TrialOutcome("failed", reason=f"non-finite loss at step {res.nonfinite_step}",
-                            steps_run=res.steps_run, wall_s=wall, step_losses=tuple(res.step_losses))
+                            steps_run=res.steps_run, wall_s=wall, step_losses=tuple(res.step_losses),
+                            compile_cache=cache)
     if res.status == "pruned":
         last = res.loss_curve[-1] if res.loss_curve else math.nan
         base = base_curve.get(res.curve_steps[-1]) if res.curve_steps else None
         rel = (last - base) / base * 100 if base else math.nan
         return TrialOutcome("pruned", rel_logloss_pct=rel, steps_run=res.steps_run, wall_s=wall,
-                            reason="windowed loss hopeless vs the baseline", step_losses=tuple(res.step_losses))
+                            reason="windowed loss hopeless vs the baseline", step_losses=tuple(res.step_losses),
+                            compile_cache=cache)
     if modeled is not None:
         t = modeled
     elif cfg.objective.kind == "inference":
@@ -151,4 +180,5 @@ def evaluate_config(ctx: StudyContext, config: PrecisionConfig, *,
                         mods_step_time_s=ref, speedup_vs_mods=float(ref / t),
                         eval_logloss=float(res.eval_logloss), eval_ne=float(res.eval_ne),
                         eval_auc=float(res.eval_auc), measured_step_time_s=float(res.step_time_s),
-                        steps_run=res.steps_run, wall_s=wall, step_losses=tuple(res.step_losses))
+                        steps_run=res.steps_run, wall_s=wall, step_losses=tuple(res.step_losses),
+                        run=run_description(cfg, tcfg), compile_cache=cache)

@@ -1,0 +1,151 @@
+"""Issue 21 (time to answer): inductor's cache over a study's compiled runs, measured per run,
+kept per trial and summed for the study, ``loka-tune report`` and the H200 receipt.
+
+One test compiles for real on the CPU (inductor's C++ backend): a second trial run of one
+config, and a confirmation run of it on another seed, load every graph from inductor's FX
+graph cache; the others check the sums and the report's line on stored counts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from loka_tune.config import ModsConfig, PrecisionConfig
+
+STUDY = """
+[study]
+name = "cache"
+[model]
+name = "dlrm"
+preset = "tiny"
+[data]
+source = "synthetic"
+[data.params]
+num_dense = 4
+cardinalities = [50, 50]
+eval_examples = 256
+[training]
+steps = 8
+batch_size = 32
+window = 4
+warmup_steps = 1
+seeds = [0, 1]
+device = "cpu"
+[objective]
+budget_pct = 1.0
+speed = "measured"
+[regime]
+compile = true
+"""
+
+
+def _ctx(tmp_path: Path, study: Any) -> Any:
+    from loka_tune.tuner.baseline import Baseline
+    from loka_tune.tuner.build import make_source
+    from loka_tune.tuner.prepare import StudyContext
+    from loka_tune.tuner.study import load_study
+
+    p = tmp_path / "s.toml"
+    p.write_text(STUDY)
+    cfg = load_study(p, cwd=tmp_path)
+    bl = Baseline(seeds=(0, 1), eval_logloss=(0.69, 0.69), eval_ne=1.0, eval_auc=0.5, window_losses=(0.69, 0.69),
+                  window_steps=(4, 8), noise_floor_pct=0.1, step_time_s=0.01, speed_source="measured",
+                  measured_step_time_s=0.01)
+    return StudyContext(cfg, study, make_source(cfg), bl, space=None, device="cpu", speed="measured")  # type: ignore[arg-type]
+
+
+@pytest.mark.slow
+def test_a_second_compiled_run_of_a_config_loads_its_graphs_from_the_cache(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two trial runs of one config (a fresh model each, a fresh dynamo each) and a confirmation
+    run on another seed: the first compiles its graphs, the others find every one of them in
+    inductor's FX graph cache (a fresh cache folder: nothing from another test or run)."""
+    pytest.importorskip("torch._inductor")
+    from loka_tune.tuner import confirm
+    from loka_tune.tuner.results import compile_cache_totals
+    from loka_tune.tuner.trial import evaluate_config
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor_cache"))
+    study = SimpleNamespace(user_attrs={}, set_user_attr=lambda k, v: study.user_attrs.__setitem__(k, v))
+    ctx = _ctx(tmp_path, study)
+    config = PrecisionConfig(mods=ModsConfig(no_bias=True))  # bf16 + No Bias: one of a study's starts
+    first = evaluate_config(ctx, config)
+    second = evaluate_config(ctx, config)
+    assert first.status == second.status == "ok", (first.reason, second.reason)
+    assert first.run is not None and first.run["compile"] is True
+    a, b = first.compile_cache, second.compile_cache
+    assert a is not None and b is not None
+    assert a["misses"] > 0 and a["hits"] == 0  # compiled, and stored
+    assert b["hits"] == a["misses"] and b["misses"] == 0  # every graph again, from the cache
+    seed1 = confirm._run_seed(ctx, config, 1)  # other weights, other data: the same graphs
+    assert seed1["status"] == "ok" and seed1["compile_cache"]["hits"] == a["misses"]
+    assert seed1["compile_cache"]["misses"] == 0
+    tot = compile_cache_totals([a, b])
+    assert tot is not None and tot["runs"] == 2 and tot["hit_rate"] == pytest.approx(0.5)
+
+
+def _study(trials: list[dict[str, Any]]) -> Any:
+    import optuna
+    from optuna.distributions import CategoricalDistribution
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(study_name="cache")
+    for i, attrs in enumerate(trials):
+        study.add_trial(optuna.trial.create_trial(
+            params={"x": i}, distributions={"x": CategoricalDistribution(list(range(len(trials))))}, value=0.01,
+            user_attrs={"config_key": f"k{i}", "status": "ok", "feasible": True, "cache_hit": False, **attrs}))
+    return study
+
+
+def _counts(hits: int, misses: int, bypass: int = 0, **aot: int) -> dict[str, int]:
+    return {"hits": hits, "misses": misses, "bypass": bypass, "aot_hits": 0, "aot_misses": 0, "aot_bypass": 0, **aot}
+
+
+def test_the_study_sums_its_trials_cache_counts_and_report_prints_them() -> None:
+    from loka_tune.commands.report import format_compile_cache
+    from loka_tune.tuner.results import ATTR_CONFIRM, compile_cache_summary
+
+    assert compile_cache_summary(_study([{}, {}])) is None  # eager trials: nothing compiled
+    assert format_compile_cache(None) is None
+    study = _study([{"compile_cache": _counts(0, 6, aot_bypass=1)},
+                    {"compile_cache": _counts(4, 2, 1, aot_bypass=1)},
+                    {"compile_cache": _counts(4, 2, 1), "cache_hit": True, "cached_from": 1},  # a copy ran nothing
+                    {}])  # a trial recorded before the counts (or eager): left out
+    s = compile_cache_summary(study)
+    assert s is not None
+    assert (s["runs"], s["hits"], s["misses"], s["bypass"], s["aot_bypass"]) == (2, 4, 8, 1, 2)
+    assert s["hit_rate"] == pytest.approx(4 / 13) and s["confirmation"] is None
+    line = format_compile_cache(s)
+    assert line == ("inductor cache: 4 hits / 8 misses, 1 bypassed across 2 compiled trial runs (hit rate 31%);"
+                    " AOTAutograd's cache: 0 hits / 0 misses / 2 bypassed")
+    # the confirmation's runs are summed apart (a trial's own run that stands for a seed ran nothing)
+    study.set_user_attr(ATTR_CONFIRM, {"rows": [{"trial": 1, "runs": [
+        {"seed": 0, "status": "ok", "reused": "trial 1"},
+        {"seed": 1, "status": "ok", "compile_cache": _counts(6, 0)}]}]})
+    s = compile_cache_summary(study)
+    assert s is not None and s["confirmation"] == {"runs": 1, **_counts(6, 0), "hit_rate": 1.0}
+    assert format_compile_cache(s).startswith(  # type: ignore[union-attr]
+        "inductor cache: 4 hits / 8 misses, 1 bypassed across 2 compiled trial runs (hit rate 31%);"
+        " confirmation: 6 hits / 0 misses across 1 compiled runs (hit rate 100%)")
+
+
+def test_the_confirmation_stores_the_studys_cache_counts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from loka_tune.tuner import confirm
+    from loka_tune.tuner.results import ATTR_COMPILE_CACHE
+
+    config = PrecisionConfig.from_sites({"top_mlp.0.linear": "e4m3.row.emulated"})
+    study = _study([{"config": config.to_dict(), "budget_pct": 1.0, "speed_source": "measured", "rel_logloss_pct": 0.1,
+                     "speedup_vs_mods": 1.1, "speedup": 1.1,
+                     "compile_cache": _counts(1, 5)}])
+    study.set_user_attr("loka.baseline", {"eval_logloss": [0.69, 0.69], "step_time_s": 0.01, "noise_floor_pct": 0.1})
+    monkeypatch.setattr(confirm, "_run_seed", lambda ctx, config, seed: {
+        "seed": seed, "status": "ok", "rel_logloss_pct": 0.1, "step_time_s": 0.009, "ref_step_time_s": 0.01,
+        "compile_cache": _counts(6, 0)})
+    res = confirm.confirm_best(_ctx(tmp_path, study))
+    assert res is not None and res["chosen"] == 0
+    stored = study.user_attrs[ATTR_COMPILE_CACHE]
+    assert (stored["runs"], stored["hits"], stored["misses"]) == (1, 1, 5)
+    assert stored["confirmation"]["runs"] == 2 and stored["confirmation"]["hits"] == 12
