@@ -5,7 +5,12 @@
 #   bash benchmarks/device.sh "$OUT" prices   # compiled per-site prices of studies/wukong_h200.toml
 #                                             # (benchmarks/site_prices.py: the cache the study reads),
 #                                             # then e2e.py of the greedy config beside torchao's filter
-#   bash benchmarks/device.sh "$OUT" study    # benchmarks/study_h200.py (tune + export + e2e)
+#   bash benchmarks/device.sh "$OUT" study    # benchmarks/study_h200.py --skip-e2e: tune + export (< 10 min);
+#                                             # $OUT/w/{best.json,tune_s.json,optuna.db,study_h200.log},
+#                                             # $OUT/study_report.txt
+#   bash benchmarks/device.sh "$OUT" study-e2e  # the same with --skip-tune, from that folder carried back
+#                                             # in .carry/w (copy $OUT/w there, carry ".carry"):
+#                                             # $OUT/study_h200.json, $OUT/e2e_results.json
 # Settings (environment): STUDY (studies/wukong_h200.toml), PRICE_BUDGET (270 s), E2E_BUDGET
 # (250 s), E2E_STEPS (80), BATCH (the study's regime batch).
 set -uo pipefail
@@ -36,6 +41,19 @@ case "$part" in
       --budget "${E2E_BUDGET:-250}" --out "$out/e2e" 2>&1 | tail -30
     ;;
   study)
-    python3 benchmarks/study_h200.py --study "$study" --work "$out/work" --out "$out/study_h200.json" "$@" ;;
-  *) echo "unknown part $part: smoke, prices or study" >&2; exit 2 ;;
+    timeout -s INT -k 20 "${STUDY_TIMEOUT:-570}" python3 benchmarks/study_h200.py --study "$study" --work "$out/w" \
+      --skip-e2e --out "$out/study_h200.json" "$@"
+    echo "== study_h200 exit $?"; tail -45 "$out/w/study_h200.log"
+    cp "$out/w/study/optuna.db" "$out/w/optuna.db" 2>/dev/null
+    cp "$out/w/study/probe_report.json" "$out/w/probe_report.json" 2>/dev/null
+    timeout 60 python3 -m loka_tune report "$study" --storage "sqlite:///$out/w/study/optuna.db" --no-plots \
+      > "$out/study_report.txt" 2>&1; tail -30 "$out/study_report.txt"
+    rm -rf "$out/w/study" "$out/w/e2e" ;;
+  study-e2e)
+    mkdir -p "$out/w/study"; cp .carry/w/best.json .carry/w/tune_s.json "$out/w/" || exit 2
+    cp .carry/w/optuna.db "$out/w/study/optuna.db" || exit 2
+    python3 benchmarks/study_h200.py --study "$study" --work "$out/w" --skip-tune --out "$out/study_h200.json" "$@"
+    rc=$?; cp "$out/w/e2e/results.json" "$out/e2e_results.json" 2>/dev/null; cp "$out/w/e2e/table.md" "$out/e2e_table.md"
+    cat "$out/e2e_table.md"; cp "$out/w/study_h200.log" "$out/study_h200_e2e.log"; rm -rf "$out/w"; exit $rc ;;
+  *) echo "unknown part $part: smoke, prices, study or study-e2e" >&2; exit 2 ;;
 esac

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -112,10 +113,22 @@ def assemble(provenance: dict[str, Any], e2e: dict[str, Any], prepare_s: float |
     }
 
 
-def _run(cmd: list[str], log: Path) -> None:
+def _run(cmd: list[str], log: Path, *, interruptible: bool = False) -> None:
+    """Run ``cmd`` (output appended to ``log``); exit on failure. ``interruptible``: a SIGINT to
+    this script (``timeout -s INT``) is passed on to ``cmd`` (tune stops cleanly, keeping what it
+    finished, and exits 130), and the script carries on."""
     print("+", " ".join(cmd), flush=True)
     with log.open("a") as f:
-        rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO)
+        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO)
+        try:
+            rc = p.wait()
+        except KeyboardInterrupt:
+            p.send_signal(signal.SIGINT)
+            rc = p.wait(timeout=120)
+            if not interruptible:
+                raise
+            print(f"interrupted: {cmd[3]} stopped with exit {rc}", flush=True)
+            return
     if rc:
         raise SystemExit(f"{cmd[:4]} failed (exit {rc}); see {log}")
 
@@ -177,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     tune_s_file = work / "tune_s.json"
     if not args.skip_tune:
         t0 = time.perf_counter()
-        _run(tune, log)
+        _run(tune, log, interruptible=True)
         tune_s_file.write_text(json.dumps({"study_s": time.perf_counter() - t0}))
         _run(export, log)
     study_s = json.loads(tune_s_file.read_text())["study_s"] if tune_s_file.is_file() else None
