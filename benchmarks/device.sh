@@ -41,7 +41,7 @@ case "$part" in
       --budget "${E2E_BUDGET:-250}" --out "$out/e2e" 2>&1 | tail -30
     ;;
   study)
-    timeout -s INT -k 20 "${STUDY_TIMEOUT:-570}" python3 benchmarks/study_h200.py --study "$study" --work "$out/w" \
+    timeout -s INT -k 45 "${STUDY_TIMEOUT:-530}" python3 benchmarks/study_h200.py --study "$study" --work "$out/w" \
       --skip-e2e --out "$out/study_h200.json" "$@"
     echo "== study_h200 exit $?"; tail -45 "$out/w/study_h200.log"
     cp "$out/w/study/optuna.db" "$out/w/optuna.db" 2>/dev/null
