@@ -6,15 +6,30 @@
 #                                             # (benchmarks/site_prices.py: the cache the study reads),
 #                                             # then e2e.py of the greedy config beside torchao's filter
 #   bash benchmarks/device.sh "$OUT" study    # benchmarks/study_h200.py (tune + export + e2e)
+#   bash benchmarks/device.sh "$OUT" serve    # benchmarks/serve.py: bf16 + Mods vs the served config vs
+#                                             # torchao's float8 inference under CUDA graphs -> serve_h200.json
 # Settings (environment): STUDY (studies/wukong_h200.toml), PRICE_BUDGET (270 s), E2E_BUDGET
-# (250 s), E2E_STEPS (80), BATCH (the study's regime batch).
+# (250 s), E2E_STEPS (80), BATCH (the study's regime batch); for serve: CONFIG
+# (benchmarks/results/wukong_large_modeled_plan.json), PLAN_BUDGET (120 s of per-site timing),
+# SERVE_BUDGET (400 s: no row starts after it), SERVE_BATCHES (8192,2048,512).
 set -uo pipefail
-out=${1:?usage: device.sh OUT smoke|prices|study}
-part=${2:?usage: device.sh OUT smoke|prices|study}
+out=${1:?usage: device.sh OUT smoke|prices|study|serve}
+part=${2:?usage: device.sh OUT smoke|prices|study|serve}
 shift 2
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 MPLBACKEND=Agg NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 if [ "$part" = smoke ]; then exec bash benchmarks/gpu_smoke_h200.sh "$out" "$@"; fi
+if [ "$part" = serve ]; then  # one model at three serving batches: no study batch needed
+  site=$(mktemp -d)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" .whl/*.whl \
+    || { echo "installing the carried wheels failed" >&2; exit 2; }
+  export PYTHONPATH="$site:$PWD"
+  timeout -k 10 $(( ${SERVE_BUDGET:-400} + 80 )) python3 benchmarks/serve.py --study "${STUDY:-studies/wukong_h200.toml}" \
+    --config "${CONFIG:-benchmarks/results/wukong_large_modeled_plan.json}" --batches "${SERVE_BATCHES:-8192,2048,512}" \
+    --plan measured --plan-budget "${PLAN_BUDGET:-120}" --budget "${SERVE_BUDGET:-400}" \
+    --out "$out/serve_h200.json" "$@" 2>&1 | tee "$out/serve.log" | tail -45
+  exit "${PIPESTATUS[0]}"
+fi
 site=$(mktemp -d)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" .whl/*.whl \
   || { echo "installing the carried wheels failed" >&2; exit 2; }
@@ -37,5 +52,5 @@ case "$part" in
     ;;
   study)
     python3 benchmarks/study_h200.py --study "$study" --work "$out/work" --out "$out/study_h200.json" "$@" ;;
-  *) echo "unknown part $part: smoke, prices or study" >&2; exit 2 ;;
+  *) echo "unknown part $part: smoke, prices, study or serve" >&2; exit 2 ;;
 esac
