@@ -455,9 +455,10 @@ def plan_serving(model: nn.Module, config: PrecisionConfig | Mapping[str, Any] |
         source = "mixed"
     else:
         source = "measured" if n_measured else "modeled"
-    dev_name = cost_device
-    if n_measured and torch.cuda.is_available():
-        dev_name = torch.cuda.get_device_name(torch.device(device))
+    dev_name = cost_device  # modeled: the cost model's device; measured: where the cells were timed
+    if n_measured:
+        d = torch.device(device)
+        dev_name = torch.cuda.get_device_name(d) if d.type == "cuda" and torch.cuda.is_available() else d.type
     cells = {str(b): prices[str(b)] for b in sizes}
     return cfg.with_serving(ServingPlan(buckets=tuple(plan.items()), time_source=source, device=dev_name,
                                         prices={"min_speedup": min_speedup, "cells": cells}))

@@ -376,6 +376,25 @@ def test_a_measured_plan_uses_the_timer_and_its_cache(tmp_path: Path) -> None:
     assert modeled is not None and modeled.time_source == "modeled"  # no time left: the cost model
 
 
+def test_the_serving_timer_runs_and_a_plan_follows_its_prices() -> None:
+    """time_serving_site's code on the CPU (wall time, no CUDA graphs): a price is a GPU's, so the
+    test checks the plan's decisions against the recorded cells, not against any speed."""
+    from loka_tune.kernels.serve_timing import time_serving_site
+
+    cell = time_serving_site(32, 64, 48, "e4m3.row.emulated", device="cpu", iters=2, reps=2, warmup=1)
+    assert cell["gpu_s"] > 0 and cell["timing"] == "wall" and cell["iters"] == 4
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 48), nn.Hardswish(), nn.Linear(48, 16))
+    cfg = PrecisionConfig(default=SitePrecision.parse("e4m3.row.emulated|bf16|bf16"))
+    plan = plan_serving(model, cfg, (torch.randn(4, 64),), buckets=(32,), measure=True, device="cpu").serving
+    assert plan is not None and plan.time_source == "measured" and plan.device == "cpu"  # where it was timed
+    for site in ("0", "2"):
+        c = plan.prices["cells"]["32"][site]
+        assert c["source"] == {"bf16": "measured", "e4m3.row.emulated": "measured"}
+        fp8_wins = c["bf16_us"] / c["e4m3.row.emulated_us"] > 1.0
+        assert plan.choices(32)[site].short_str() == ("e4m3.row.emulated" if fp8_wins else "bf16")
+
+
 def test_static_b_drops_only_the_weights_quantization() -> None:
     for choice, role in (("e4m3.row.torch_scaled_mm", "fwd"), ("e4m3.tensor.fa.torch_scaled_mm", "fwd"),
                          ("e4m3.row.fbgemm", "dgrad"), ("e4m3.block.fbgemm", "fwd"), ("e4m3.row.fa.triton", "fwd"),
