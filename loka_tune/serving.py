@@ -263,7 +263,9 @@ class ServingBuckets(nn.Module):
     :class:`ServingError`. :meth:`compiled` wraps each bucket's model in ``torch.compile``
     (CUDA graphs by default): shapes then never change, so each bucket records its graph once.
     Under CUDA graphs an output is overwritten by the next call of the same bucket: clone what
-    you keep.
+    you keep. Rows are independent in eval for row- and blockwise activation scaling (the pad
+    rows change nothing); a tensorwise site's activation scale is the amax of the whole padded
+    batch, so pad rows may move the real rows' rounding slightly.
     """
 
     def __init__(self, models: Mapping[int, nn.Module]) -> None:
