@@ -11,15 +11,30 @@
 #   bash benchmarks/device.sh "$OUT" study-e2e  # the same with --skip-tune, from that folder carried back
 #                                             # in .carry/w (copy $OUT/w there, carry ".carry"):
 #                                             # $OUT/study_h200.json, $OUT/e2e_results.json
+#   bash benchmarks/device.sh "$OUT" serve    # benchmarks/serve.py: bf16 + Mods vs the served config vs
+#                                             # torchao's float8 inference under CUDA graphs -> serve_h200.json
 # Settings (environment): STUDY (studies/wukong_h200.toml), PRICE_BUDGET (270 s), E2E_BUDGET
-# (250 s), E2E_STEPS (80), BATCH (the study's regime batch).
+# (250 s), E2E_STEPS (80), BATCH (the study's regime batch); for serve: CONFIG
+# (benchmarks/results/wukong_large_modeled_plan.json), PLAN_BUDGET (120 s of per-site timing),
+# SERVE_BUDGET (400 s: no row starts after it), SERVE_BATCHES (8192,2048,512).
 set -uo pipefail
-out=${1:?usage: device.sh OUT smoke|prices|study}
-part=${2:?usage: device.sh OUT smoke|prices|study}
+out=${1:?usage: device.sh OUT smoke|prices|study|study-e2e|serve}
+part=${2:?usage: device.sh OUT smoke|prices|study|study-e2e|serve}
 shift 2
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 MPLBACKEND=Agg NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 if [ "$part" = smoke ]; then exec bash benchmarks/gpu_smoke_h200.sh "$out" "$@"; fi
+if [ "$part" = serve ]; then  # one model at three serving batches: no study batch needed
+  site=$(mktemp -d)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" .whl/*.whl \
+    || { echo "installing the carried wheels failed" >&2; exit 2; }
+  export PYTHONPATH="$site:$PWD"
+  timeout -k 10 $(( ${SERVE_BUDGET:-400} + 80 )) python3 benchmarks/serve.py --study "${STUDY:-studies/wukong_h200.toml}" \
+    --config "${CONFIG:-benchmarks/results/wukong_large_modeled_plan.json}" --batches "${SERVE_BATCHES:-8192,2048,512}" \
+    --plan measured --plan-budget "${PLAN_BUDGET:-120}" --budget "${SERVE_BUDGET:-400}" \
+    --out "$out/serve_h200.json" "$@" 2>&1 | tee "$out/serve.log" | tail -45
+  exit "${PIPESTATUS[0]}"
+fi
 site=$(mktemp -d)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" .whl/*.whl \
   || { echo "installing the carried wheels failed" >&2; exit 2; }
@@ -55,5 +70,5 @@ case "$part" in
     python3 benchmarks/study_h200.py --study "$study" --work "$out/w" --skip-tune --out "$out/study_h200.json" "$@"
     rc=$?; cp "$out/w/e2e/results.json" "$out/e2e_results.json" 2>/dev/null; cp "$out/w/e2e/table.md" "$out/e2e_table.md"
     cat "$out/e2e_table.md"; cp "$out/w/study_h200.log" "$out/study_h200_e2e.log"; rm -rf "$out/w"; exit $rc ;;
-  *) echo "unknown part $part: smoke, prices, study or study-e2e" >&2; exit 2 ;;
+  *) echo "unknown part $part: smoke, prices, study, study-e2e or serve" >&2; exit 2 ;;
 esac

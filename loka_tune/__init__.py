@@ -32,6 +32,7 @@ _LAZY = {
     "Format": "loka_tune.config",
     "Granularity": "loka_tune.config",
     "GemmRole": "loka_tune.config",
+    "ServingPlan": "loka_tune.config",
     "StudyConfig": "loka_tune.tuner.study",
     # the workflow: a study file in, the fastest feasible config out, applied to your model
     "load_study": "loka_tune.tuner.study",
@@ -40,6 +41,9 @@ _LAZY = {
     "load_config": "loka_tune.applier",
     "apply": "loka_tune.applier",
     "export": "loka_tune.applier",
+    # serving: apply(model, config, serving=True, batch=B) with a plan priced per batch bucket
+    "plan_serving": "loka_tune.serving",
+    "serve_buckets": "loka_tune.serving",
     # the method's pieces, for your own loop: probe, measure, dispatch; models, training
     "Probe": "loka_tune.probe.collector",
     "measure": "loka_tune.probe.measure",
@@ -48,8 +52,9 @@ _LAZY = {
     "build_model": "loka_tune.models.registry",
     "TrainConfig": "loka_tune.objectives.trainer",
     "train": "loka_tune.objectives.trainer",
-    # types: what apply puts in place of an nn.Linear
+    # types: what apply puts in place of an nn.Linear (for training; for serving)
     "LokaLinear": "loka_tune.kernels.linear",
+    "ServingLinear": "loka_tune.kernels.serving",
     # errors: every error loka-tune raises on purpose derives from LokaError
     "LokaError": "loka_tune.errors",
     "ConfigError": "loka_tune.errors",
@@ -59,6 +64,7 @@ _LAZY = {
     "ProbeError": "loka_tune.errors",
     "StudyError": "loka_tune.errors",
     "ModError": "loka_tune.errors",
+    "ServingError": "loka_tune.errors",
 }
 
 __all__ = ["__version__", *_LAZY]

@@ -26,6 +26,14 @@ All or nothing: on any error the model is restored to what it was before the cal
 module tree, parameters, buffers and attributes, the Mods mark included), so a corrected config
 can be applied to the same model.
 
+Serving (``serving=True``, :mod:`loka_tune.serving`): the same Mods and site resolution, but each
+site whose fwd choice is FP8 becomes an inference-only
+:class:`~loka_tune.kernels.serving.ServingLinear` (its weight quantized once, only the
+activation per call, no dgrad / wgrad); ``batch=B`` takes the fwd choices of the config's
+serving plan at the smallest bucket holding ``B`` rows. A model already applied (for training
+or serving) is refused with :class:`ServingError`, and so is a served model given to a training
+``apply``: its high-precision weights are gone.
+
 Errors: a per-site rule that matches no layer -> :class:`ConfigError` naming the rule and
 listing real site names; an unknown backend name -> :class:`BackendError`; a choice its
 backend cannot run here (device, alignment, format, missing install) ->
@@ -67,7 +75,10 @@ class ApplySummary:
     (Linear, BlockNorm, Hard Swish) chains (container names; the site is ``<chain>.linear``)
     now running as one fused GEMM epilogue, ``fuse_skipped``: chain -> why it stays unfused,
     ``fuse_note``: a remark (e.g. no chain found). ``unmatched``: the per-site rules that matched no
-    layer and were skipped (``strict=False`` only).
+    layer and were skipped (``strict=False`` only). ``serving``: the model was applied for
+    serving (``replaced`` then lists the sites serving a static FP8 weight, by fwd choice;
+    ``fallbacks`` the fwd GEMMs ``strict=False`` serves in bf16); ``bucket``: the serving plan's
+    bucket used (``None``: the config's own fwd choices).
     """
 
     replaced: dict[str, str] = field(default_factory=dict)
@@ -83,6 +94,8 @@ class ApplySummary:
     fuse_skipped: dict[str, str] = field(default_factory=dict)
     fuse_note: str = ""
     unmatched: list[str] = field(default_factory=list)
+    serving: bool = False
+    bucket: int | None = None
 
     @property
     def n_sites(self) -> int:
@@ -103,9 +116,49 @@ class ApplySummary:
             "fuse_skipped": dict(self.fuse_skipped),
             "fuse_note": self.fuse_note,
             "unmatched": list(self.unmatched),
+            "serving": self.serving,
+            "bucket": self.bucket,
         }
 
+    def _serving_lines(self) -> list[str]:
+        fused_sites = {f"{c}.linear" for c in self.fused}
+        head = ("site", "K x N", "fwd (served)", "note")
+        table: list[tuple[str, ...]] = [head]
+        for site, (k, n) in self.shapes.items():
+            note = "static FP8 weight" if site in self.replaced else "bf16 (nn.Linear)"
+            if site in self.fallbacks:
+                note = "fallback to bf16: " + "; ".join(self.fallbacks[site].values())[:100]
+            if site in fused_sites:
+                note += "; fused epilogue"
+            table.append((site, f"{k} x {n}", self.replaced.get(site, "bf16"), note))
+        widths = [max(len(r[i]) for r in table) for i in range(len(head))]
+        where = "the config's own fwd choices" if self.bucket is None else f"serving plan bucket {self.bucket}"
+        lines = [f"apply (serving, {where}): {len(self.replaced)} of {self.n_sites} linear site(s) serve a static"
+                 f" FP8 weight, {len(self.unchanged)} bf16; inference only (no backward)"]
+        for i, r in enumerate(table):
+            lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+            if i == 0:
+                lines.append("  ".join("-" * w for w in widths))
+        if not self.replaced:
+            lines.append("no site has an FP8 fwd choice here: the model serves in bf16 (a config whose FP8 choices"
+                         " are all in dgrad / wgrad speeds up training only)")
+        return lines
+
     def __str__(self) -> str:
+        if self.serving:
+            lines = self._serving_lines()
+            if self.unmatched:
+                lines.append(f"skipped {len(self.unmatched)} rule(s) / plan site(s) that match no linear layer"
+                             " (strict=False): " + ", ".join(repr(r) for r in self.unmatched))
+            if self.mods is not None:
+                lines.append(str(self.mods))
+            elif self.mods_note:
+                lines.append(f"Mods: {self.mods_note}")
+            if self.fuse_epilogue:
+                lines.append(f"Fused epilogue (Linear -> BlockNorm -> Hard Swish): {len(self.fused)} chain(s) fused,"
+                             f" {len(self.fuse_skipped)} skipped" + (f" ({self.fuse_note})" if self.fuse_note else ""))
+                lines += [f"  skipped {c}: {r}" for c, r in self.fuse_skipped.items()]
+            return "\n".join(lines)
         rows = [(s, self.replaced.get(s)) for s in self.shapes]
         fused_sites = {f"{c}.linear" for c in self.fused}
         head = ("site", "K x N", "fwd", "dgrad", "wgrad", "note")
@@ -283,6 +336,8 @@ def apply(
     config: PrecisionConfig | Mapping[str, Any] | str | Path,
     *,
     strict: bool = True,
+    serving: bool = False,
+    batch: int | None = None,
 ) -> ApplySummary:
     """Apply ``config`` (a PrecisionConfig, its dict form or a JSON path) to ``model`` in place.
 
@@ -290,7 +345,14 @@ def apply(
     rules that match no layer and runs in bf16 the GEMMs whose backend cannot run here; the
     summary lists both. See the module docstring for the steps and errors. Returns an
     :class:`ApplySummary`.
+
+    ``serving=True``: the inference-only serving form (static FP8 weights, fwd GEMMs only; see
+    :mod:`loka_tune.serving`); ``batch``: with ``serving``, the batch size to serve, which
+    picks the bucket of the config's serving plan.
     """
+    if batch is not None and not serving:
+        raise ConfigError(f"got batch={batch!r} without serving=True: the batch picks a bucket of the config's"
+                          " serving plan; pass serving=True too (training takes no batch here)", key="batch")
     cfg = as_config(config)
     if not isinstance(model, nn.Module):
         raise ConfigError(f"apply takes an nn.Module, got {type(model).__name__}", key="(model)")
@@ -302,24 +364,19 @@ def apply(
         )
     snap = _snapshot(model)
     try:
+        if serving:
+            from loka_tune.serving import apply_serving
+
+            return apply_serving(model, cfg, strict=strict, batch=batch)
         return _apply(model, cfg, strict)
     except BaseException:
         _restore(snap)
         raise
 
 
-def _apply(model: nn.Module, cfg: PrecisionConfig, strict: bool) -> ApplySummary:
-    from loka_tune.kernels.fused import FusedLinearBlockNormHardswish
-    from loka_tune.kernels.linear import LokaLinear, find_linears
-    from loka_tune.mods.fuse import fuse_epilogues, unfuse_epilogues
-
-    summary = ApplySummary(config_key=cfg.key(), fuse_epilogue=cfg.mods.fuse_epilogue)
-    if any(isinstance(m, FusedLinearBlockNormHardswish) for m in model.modules()):
-        unfuse_epilogues(model)  # a model applied before: back to plain chains, fused again below if asked
-    summary.mods, summary.mods_note = _run_mods(model, cfg)
-
-    linears = find_linears(model)
-    names = list(linears)
+def check_rules(cfg: PrecisionConfig, names: list[str], strict: bool, summary: ApplySummary) -> None:
+    """Raise :class:`ConfigError` for per-site rules that match none of ``names`` (``strict``),
+    or list them in ``summary.unmatched``."""
     unmatched = cfg.unmatched_rules(names)
     if unmatched and not strict:
         summary.unmatched = list(unmatched)  # resolve() never picks them: they match nothing
@@ -336,6 +393,22 @@ def _apply(model: nn.Module, cfg: PrecisionConfig, strict: bool) -> ApplySummary
             " with strict=False to skip rules that match nothing",
             key=f"sites.{pat}",
         )
+
+
+def _apply(model: nn.Module, cfg: PrecisionConfig, strict: bool) -> ApplySummary:
+    from loka_tune.kernels.fused import FusedLinearBlockNormHardswish
+    from loka_tune.kernels.linear import LokaLinear, find_linears
+    from loka_tune.mods.fuse import fuse_epilogues, unfuse_epilogues
+    from loka_tune.serving import refuse_served
+
+    refuse_served(model, serving=False)
+    summary = ApplySummary(config_key=cfg.key(), fuse_epilogue=cfg.mods.fuse_epilogue)
+    if any(isinstance(m, FusedLinearBlockNormHardswish) for m in model.modules()):
+        unfuse_epilogues(model)  # a model applied before: back to plain chains, fused again below if asked
+    summary.mods, summary.mods_note = _run_mods(model, cfg)
+
+    linears = find_linears(model)
+    check_rules(cfg, list(linears), strict, summary)
 
     plan: dict[str, SitePrecision] = {}
     for site, lin in linears.items():

@@ -10,8 +10,11 @@ Everything here is plain frozen data with string ids, shared by every layer of t
 - :class:`SitePrecision`: the three choices of one linear layer (``fwd``, ``dgrad``, ``wgrad``).
 - :class:`ModsConfig`: which model adaptations run before the precision swap (its own module,
   :mod:`loka_tune.mods_config`, re-exported here).
-- :class:`PrecisionConfig`: mods + default + per-site rules + provenance, versioned JSON (the
-  file's envelope, schema version and safe reading: :mod:`loka_tune.config_file`).
+- :class:`ServingPlan`: per batch bucket, each site's forward choice for serving (an optional
+  ``serving`` section of the config: ``apply(model, config, serving=True, batch=B)``).
+- :class:`PrecisionConfig`: mods + default + per-site rules + provenance (+ a serving plan),
+  versioned JSON (the file's envelope, schema version and safe reading:
+  :mod:`loka_tune.config_file`).
 
 GEMM semantics (the canonical form every backend implements). Each of a linear layer's three
 GEMMs is computed as ``A @ B.T`` with both operands laid out so that the reduction dimension
@@ -48,7 +51,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, overload
 
 from loka_tune.config_file import SCHEMA_VERSION, check_envelope, header, parse_json, read_text, write_text
-from loka_tune.errors import ConfigError
+from loka_tune.errors import ConfigError, ServingError
 from loka_tune.mods_config import ModsConfig
 from loka_tune.recipes import DISPATCH, RECIPE_NAMES, RECIPES  # plain data: imports nothing of loka-tune
 
@@ -67,6 +70,7 @@ __all__ = [
     "SitePrecision",
     "ModsConfig",
     "SiteRule",
+    "ServingPlan",
     "PrecisionConfig",
     "BF16",
     "FP8_FORMATS",
@@ -449,6 +453,124 @@ class SiteRule:
         return self.pattern == name
 
 
+_TIME_SOURCES = ("modeled", "measured", "mixed", "given")  # mixed: measured until a budget, then modeled
+
+
+@dataclass(frozen=True)
+class ServingPlan:
+    """Per batch bucket, the forward GEMM choice of each site when serving: the ``serving``
+    section of a precision config, read by ``apply(model, config, serving=True, batch=B)``.
+
+    ``buckets``: ``((rows, {site: GemmChoice}), ...)`` sorted by ``rows`` (the batch size a
+    bucket serves, padded up to); ``bf16`` keeps a site in bf16 at that bucket (FP8 does not
+    pay there). Sites are exact layer names; a site a bucket does not list serves the config's
+    own fwd choice. ``time_source``: how the buckets were priced (``"modeled"``: the cost
+    model, ``"measured"``: timed on ``device``, ``"mixed"``: both, ``"given"``: written by
+    hand); ``prices``:
+    the record of the pricing (free-form JSON, e.g. ``{bucket: {site: {choice: us}}}``).
+
+    JSON: ``{"buckets": {"512": {site: choice, ...}, ...}, "time_source": ..., "device": ...,
+    "prices": {...}}``. It does not change training: :meth:`PrecisionConfig.key` ignores it.
+    """
+
+    buckets: tuple[tuple[int, Mapping[str, GemmChoice]], ...] = ()
+    time_source: str = "given"
+    device: str = ""
+    prices: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        raw = self.buckets.items() if isinstance(self.buckets, Mapping) else self.buckets
+        out: dict[int, dict[str, GemmChoice]] = {}
+        for entry in raw:
+            if not (isinstance(entry, tuple) and len(entry) == 2):
+                raise ConfigError(f"got {entry!r}; a bucket is (rows, {{site: choice}})", key="serving.buckets")
+            rows, sites = entry
+            n = _bucket_rows(rows)
+            if n in out:
+                raise ConfigError(f"the bucket {n} is listed twice", key=f"serving.buckets.{n}")
+            if not isinstance(sites, Mapping):
+                raise ConfigError(f"got {type(sites).__name__} {sites!r:.60}; a bucket maps site names to fwd"
+                                  " choices, e.g. {\"head_mlp.0.linear\": \"e4m3.row.torch_scaled_mm\"}",
+                                  key=f"serving.buckets.{n}")
+            choices: dict[str, GemmChoice] = {}
+            for site, c in sites.items():
+                if not isinstance(site, str) or not site or site.startswith("re:"):
+                    raise ConfigError(f"got site {site!r}; a serving bucket names sites exactly (no 're:' rules)",
+                                      key=f"serving.buckets.{n}")
+                choices[site] = _choice(c, f"serving.buckets.{n}.{site}")
+            out[n] = choices
+        object.__setattr__(self, "buckets", tuple(sorted(out.items())))
+        if self.time_source not in _TIME_SOURCES:
+            raise ConfigError(f"got {self.time_source!r}; expected one of {', '.join(_TIME_SOURCES)}",
+                              key="serving.time_source")
+        if not isinstance(self.device, str):
+            raise ConfigError(f"got {self.device!r}; expected a device name", key="serving.device")
+        if not isinstance(self.prices, Mapping):
+            raise ConfigError(f"got {self.prices!r}; expected an object", key="serving.prices")
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        """The buckets' batch sizes, ascending."""
+        return tuple(n for n, _ in self.buckets)
+
+    def bucket_for(self, batch: int) -> int:
+        """The smallest bucket that holds ``batch`` rows (the batch is padded up to it).
+
+        Raises :class:`ServingError` for a batch above every bucket (or not a positive int).
+        """
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch <= 0:
+            raise ServingError(f"got batch={batch!r}; a batch size is a positive integer")
+        if not self.buckets:
+            raise ServingError(f"batch {batch}: this serving plan has no bucket; price one with"
+                               " loka_tune.serving.plan_serving(model, config, inputs, buckets=[...])")
+        for n in self.sizes:
+            if batch <= n:
+                return n
+        raise ServingError(
+            f"batch {batch} is above every bucket of the serving plan ({', '.join(map(str, self.sizes))}):"
+            f" serve it in chunks of at most {self.sizes[-1]} rows, or price a plan with a bucket >= {batch}"
+            f" (loka_tune.serving.plan_serving(..., buckets=[..., {batch}]))")
+
+    def choices(self, bucket: int) -> dict[str, GemmChoice]:
+        """``{site: fwd choice}`` of ``bucket`` (one of :attr:`sizes`)."""
+        for n, c in self.buckets:
+            if n == bucket:
+                return dict(c)
+        raise ServingError(f"got bucket {bucket!r}; the serving plan's buckets are {list(self.sizes)}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"buckets": {str(n): {s: c.short_str() for s, c in sites.items()} for n, sites in self.buckets},
+                "time_source": self.time_source, "device": self.device, "prices": dict(self.prices)}
+
+    @classmethod
+    def from_dict(cls, obj: Any, *, key: str = "serving") -> "ServingPlan":
+        if isinstance(obj, ServingPlan):
+            return obj
+        if not isinstance(obj, Mapping):
+            raise ConfigError(f"got {type(obj).__name__} {obj!r:.60}; the serving section is an object"
+                              " {\"buckets\": {\"512\": {site: choice}, ...}}", key=key)
+        unknown = set(obj) - {"buckets", "time_source", "device", "prices"}
+        if unknown:
+            raise ConfigError(f"unknown key(s) {sorted(unknown)}; valid keys: buckets, time_source, device, prices",
+                              key=key)
+        buckets = obj.get("buckets", {})
+        if not isinstance(buckets, Mapping):
+            raise ConfigError(f"got {type(buckets).__name__}; expected an object of batch size -> sites",
+                              key=f"{key}.buckets")
+        return cls(buckets=tuple(buckets.items()), time_source=obj.get("time_source", "given"),
+                   device=obj.get("device", ""), prices=obj.get("prices", {}))
+
+
+def _bucket_rows(rows: Any) -> int:
+    """A bucket's batch size from its JSON key (``"512"``) or an int."""
+    if isinstance(rows, str) and rows.strip().isdigit():
+        rows = int(rows.strip())
+    if isinstance(rows, bool) or not isinstance(rows, int) or rows <= 0:
+        raise ConfigError(f"got bucket {rows!r}; a bucket is a positive batch size such as \"512\"",
+                          key="serving.buckets")
+    return rows
+
+
 @dataclass(frozen=True)
 class PrecisionConfig:
     """A whole model's precision plan: mods, a default, per-site rules and provenance.
@@ -456,16 +578,20 @@ class PrecisionConfig:
     Resolution for a layer name: the exact-name rule, else the first matching ``re:`` rule
     (in file order), else ``default``. ``sites`` may be given as a mapping ``{name or
     "re:<regex>": SitePrecision or its id}`` (kept in order as :class:`SiteRule` entries). ``provenance`` records where the config came from
-    (study, trial, metrics, device, versions): free-form JSON-able data.
+    (study, trial, metrics, device, versions): free-form JSON-able data. ``serving``: an optional
+    :class:`ServingPlan` (per batch bucket, the fwd choice of each site when serving).
     """
 
     default: SitePrecision = field(default_factory=SitePrecision)
     sites: tuple[SiteRule, ...] = ()
     mods: ModsConfig = field(default_factory=ModsConfig)
     provenance: Mapping[str, Any] = field(default_factory=dict)
+    serving: ServingPlan | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mods", ModsConfig.of(self.mods))  # a mapping as in the JSON file is taken too
+        if self.serving is not None and not isinstance(self.serving, ServingPlan):
+            object.__setattr__(self, "serving", ServingPlan.from_dict(self.serving))
         sites = self.sites
         if isinstance(sites, Mapping):  # {name or "re:<regex>": SitePrecision or its id}, in order
             sites = tuple(SiteRule(k, v if isinstance(v, SitePrecision) else SitePrecision.from_obj(v, key=f"sites.{k}"))
@@ -559,8 +685,13 @@ class PrecisionConfig:
     def with_provenance(self, **kw: Any) -> "PrecisionConfig":
         return replace(self, provenance={**self.provenance, **kw})
 
+    def with_serving(self, plan: ServingPlan | Mapping[str, Any] | None) -> "PrecisionConfig":
+        """This config with the serving plan ``plan`` (``None``: without one)."""
+        return replace(self, serving=None if plan is None else ServingPlan.from_dict(plan))
+
     def key(self) -> str:
-        """A canonical string of what changes numerics (mods, default, rules): the trial cache key."""
+        """A canonical string of what changes training numerics (mods, default, rules; not the
+        serving plan): the trial cache key."""
         body = {"mods": self.mods.to_dict(), "default": self.default.to_dict(),
                 "sites": [[r.pattern, r.precision.to_dict()] for r in self.sites]}
         return json.dumps(body, sort_keys=True, separators=(",", ":"))
@@ -573,6 +704,8 @@ class PrecisionConfig:
             "default": self.default.to_dict(),
             "sites": {r.pattern: r.precision.to_dict() for r in self.sites},
             "provenance": dict(self.provenance),
+            # only when present: older readers reject the key, and configs without a plan stay as they were
+            **({"serving": self.serving.to_dict()} if self.serving is not None else {}),
         }
 
     def to_json(self, indent: int = 2) -> str:
@@ -588,6 +721,7 @@ class PrecisionConfig:
             ),
             mods=ModsConfig.from_dict(obj.get("mods"), key="mods"),
             provenance=dict(obj.get("provenance", {})),
+            serving=ServingPlan.from_dict(obj["serving"]) if obj.get("serving") is not None else None,
         )
 
     @classmethod

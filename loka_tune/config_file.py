@@ -3,7 +3,8 @@
 A precision config is one JSON object::
 
     {"schema_version": 1, "kind": "loka-tune.precision-config",
-     "mods": {...}, "default": {...}, "sites": {name or "re:<regex>": {...}}, "provenance": {...}}
+     "mods": {...}, "default": {...}, "sites": {name or "re:<regex>": {...}}, "provenance": {...},
+     "serving": {...}}                                   # optional: the serving plan
 
 This module owns the envelope: the schema version and kind (:func:`header`,
 :func:`check_envelope`), JSON text parsed with duplicate keys rejected (:func:`parse_json`;
@@ -26,7 +27,7 @@ __all__ = ["SCHEMA_VERSION", "KIND", "header", "check_envelope", "parse_json", "
 
 SCHEMA_VERSION = 1  # bump on any incompatible change of the JSON layout
 KIND = "loka-tune.precision-config"  # the "kind" field of a precision config file
-_KEYS = ("schema_version", "kind", "mods", "default", "sites", "provenance")
+_KEYS = ("schema_version", "kind", "mods", "default", "sites", "provenance", "serving")  # serving: optional
 
 
 def header() -> dict[str, Any]:

@@ -15,6 +15,7 @@ __all__ = [
     "ProbeError",
     "StudyError",
     "ModError",
+    "ServingError",
 ]
 
 
@@ -69,6 +70,11 @@ class ProbeError(LokaError, ValueError):
 
 class ModError(LokaError, ValueError):
     """A model adaptation (Mod) cannot be applied as asked."""
+
+
+class ServingError(LokaError, ValueError):
+    """A model's serving form is used as it cannot be: trained, applied again, or given a batch
+    outside every bucket of its serving plan. The message names the fix."""
 
 
 class StudyError(LokaError, ValueError):

@@ -9,7 +9,12 @@ AOT autograd and dynamic shapes, and compares. The package's custom ops:
 - ``loka_tune::fp8_gemm`` (:mod:`loka_tune.kernels.backends`): the opaque call of a non-traceable
   GPU backend's kernels. On the CPU it is checked through a CPU backend built exactly like the
   GPU ones (``torch._scaled_mm`` runs on the CPU); on a GPU through every real backend that
-  calls it (``fbgemm``, ``triton``, ``torch_scaled_mm`` in eager mode), skipped where missing.
+  calls it (``fbgemm``, ``triton``, ``torch_scaled_mm`` in eager mode), skipped where missing;
+- ``loka_tune::fp8_gemm_static`` (:mod:`loka_tune.kernels.backends`): the serving GEMM of a weight
+  quantized once (``fbgemm``, ``triton``); on the CPU through a CPU backend whose static path is
+  routed through the op, on a GPU through the real backends;
+- ``loka_tune::serve_fused_epilogue`` (:mod:`loka_tune.kernels.serving`): the served fused
+  Linear -> BlockNorm -> Hard Swish (Triton, GPU only).
 
 No other ``torch.library`` op is defined (the test below that lists them fails when one is
 added without a check here). The row-wise Adagrad (:mod:`loka_tune.objectives.optim`) and the
@@ -33,7 +38,8 @@ from loka_tune.kernels.registry import get_backend, register_backend, unregister
 from loka_tune.kernels.scaled import scaled_mm_gemm
 
 ROOT = Path(__file__).resolve().parents[1] / "loka_tune"
-OPS = {"loka::gemm", "loka_tune::fp8_gemm"}  # every custom op this file checks
+OPS = {"loka::gemm", "loka_tune::fp8_gemm", "loka_tune::fp8_gemm_static",  # every custom op this file checks
+       "loka_tune::serve_fused_epilogue"}
 
 
 def _operands(m: int, k: int, n: int, *, device: str = "cpu", dtype: torch.dtype = torch.float32,
@@ -137,3 +143,68 @@ def test_fp8_gemm_fake_matches_every_gpu_backend(backend: str) -> None:
                 continue
             for _layout, x, y in _layouts(a, b):
                 torch.library.opcheck(torch.ops.loka_tune.fp8_gemm.default, (x, y, backend, choice, role))
+
+
+# ----------------------------------------------------------------- loka_tune::fp8_gemm_static
+# opcheck's schema test compares inputs with arithmetic that FP8 tensors do not support: the
+# static weight is an FP8 input, so these ops are checked by the other three tests
+_FP8_INPUT_TESTS = ("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic")
+
+
+@pytest.fixture
+def cpu_opaque_static() -> Iterator[GPUBackend]:
+    """``torch_scaled_mm`` on the CPU with its static (serving) path routed through the op."""
+    from loka_tune.kernels.backends.scaled_mm import ScaledMMBackend
+
+    @register_backend("cpu_opaque_static")
+    class CPUOpaqueStatic(ScaledMMBackend):
+        devices = frozenset({"cpu"})
+        static_traceable = False
+
+    yield get_backend("cpu_opaque_static")  # type: ignore[misc]
+    unregister_backend("cpu_opaque_static")
+
+
+@pytest.mark.parametrize("choice", ["e4m3.tensor.cpu_opaque_static", "e4m3.row.cpu_opaque_static"])
+def test_fp8_gemm_static_fake_matches_the_op_on_the_cpu(cpu_opaque_static: GPUBackend, choice: str) -> None:
+    c = GemmChoice.parse(choice)
+    a, w = _operands(16, 64, 32, dtype=torch.bfloat16)
+    fn = cpu_opaque_static.static_gemm(c)  # the serving call path: the op (static_traceable off)
+    data, scale = cpu_opaque_static.quantize_weight(w, c)
+    for _layout, x, _ in _layouts(a, w):
+        torch.library.opcheck(torch.ops.loka_tune.fp8_gemm_static.default, (x, data, scale, "cpu_opaque_static", choice),
+                              test_utils=_FP8_INPUT_TESTS)
+        out = fn(x, data, scale)
+        assert out.shape == (16, 32) and out.dtype == torch.bfloat16 and out.is_contiguous()
+        assert torch.equal(out, scaled_mm_gemm(x, w, c))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("choice", ["e4m3.row.fbgemm", "e4m3.tensor.fbgemm", "e4m3.block.fbgemm",
+                                    "e4m3.row.triton", "e4m3.tensor.triton", "e4m3.block.triton"])
+def test_fp8_gemm_static_fake_matches_every_gpu_backend(choice: str) -> None:
+    c = GemmChoice.parse(choice)
+    try:
+        be = get_backend(c.backend)
+    except BackendError as e:
+        pytest.skip(f"{c.backend}: {e}")
+    a, w = _operands(256, 512, 128, device="cuda", dtype=torch.bfloat16)
+    data, scale = be.quantize_weight(w, c)
+    be.static_gemm(c)  # defines the op
+    torch.library.opcheck(torch.ops.loka_tune.fp8_gemm_static.default, (a, data, scale, c.backend, choice),
+                          test_utils=_FP8_INPUT_TESTS)
+
+
+@pytest.mark.gpu
+def test_serve_fused_epilogue_fake_matches_the_op() -> None:
+    pytest.importorskip("triton")
+    from loka_tune.kernels import serving
+
+    be = get_backend("triton")
+    c = GemmChoice.parse("e4m3.row.fa.triton")
+    a, w = _operands(256, 512, 256, device="cuda", dtype=torch.bfloat16)
+    data, scale = be.quantize_weight(w, c)
+    serving._ensure_fused_op()
+    for bias in (None, torch.randn(256, device="cuda")):
+        torch.library.opcheck(torch.ops.loka_tune.serve_fused_epilogue.default,
+                              (a, data, scale, bias, 128, 1e-6, c.short_str()), test_utils=_FP8_INPUT_TESTS)

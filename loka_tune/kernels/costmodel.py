@@ -20,6 +20,10 @@ What a GEMM choice costs (canonical ``A (m, k) @ B (n, k)^T``, see :mod:`loka_tu
 3. **Fixed costs**: one ``launch_s`` per kernel (in back-to-back replay this is the kernel's
    ramp-up and tail, not the CPU launch).
 
+``static_b=True`` prices a GEMM whose B operand is quantized once, ahead of time: the serving
+forward (``apply(..., serving=True)``), whose weight is a static FP8 tensor with its scales, so
+only the activation's quantization (and its transposition, if any) runs per call.
+
 Device data (``DEVICES``) are datasheet numbers (dense tensor-core rates, HBM bandwidth, SM
 count). The achieved fractions and fixed costs are calibration constants fitted to our own
 H200 measurements (``benchmarks/gemm_suite.py``) and shipped as JSON in
@@ -445,25 +449,37 @@ def _norm_args(choice: GemmChoice | str, role: GemmRole | str, m: int, k: int, n
     return choice, role
 
 
+def _without_b_quant(steps: list[Step]) -> list[Step]:
+    """``steps`` less B's quantization and transposition (a static B: quantized ahead of time)."""
+    return [st for st in steps if not (st.name.startswith("quant B ") or st.name == "transpose B")]
+
+
 def gemm_breakdown(choice: GemmChoice | str, m: int, k: int, n: int, role: GemmRole | str,
-                   device: str = "h200") -> list[Step]:
+                   device: str = "h200", *, static_b: bool = False) -> list[Step]:
     """The modeled kernels of one GEMM choice, each with its modeled seconds.
 
     ``emulated`` choices are priced as the fastest real backend implementing the same
-    numerics on ``device``. Raises :class:`UnsupportedChoiceError` when no modeled backend
-    can run the choice there, :class:`ConfigError` for an unknown device.
+    numerics on ``device``. ``static_b``: B (the weight, in fwd) is quantized once ahead of
+    time, so its quantization kernels are left out (the serving forward). Raises
+    :class:`UnsupportedChoiceError` when no modeled backend can run the choice there,
+    :class:`ConfigError` for an unknown device.
     """
     choice, role = _norm_args(choice, role, m, k, n)
     dev = DEVICES[device_key(device)]
     cal = load_calibration()
+
+    def steps_of(c: GemmChoice) -> list[Step]:
+        st = _backend_steps(c, role, m, k, n, dev, cal)
+        return _without_b_quant(st) if static_b else st
+
     if choice.backend == "emulated" or (choice.is_bf16 and choice.backend != "bf16"):
         if choice.is_bf16:
-            return _backend_steps(GemmChoice.bf16(), role, m, k, n, dev, cal)
+            return steps_of(GemmChoice.bf16())
         best: list[Step] | None = None
         reasons = []
         for be in _REAL_FP8_BACKENDS:
             try:
-                steps = _backend_steps(choice.with_backend(be), role, m, k, n, dev, cal)
+                steps = steps_of(choice.with_backend(be))
             except UnsupportedChoiceError as e:
                 reasons.append(str(e))
                 continue
@@ -475,14 +491,15 @@ def gemm_breakdown(choice: GemmChoice | str, m: int, k: int, n: int, role: GemmR
                 + "; ".join(reasons)
             )
         return best
-    return _backend_steps(choice, role, m, k, n, dev, cal)
+    return steps_of(choice)
 
 
 def estimate_gemm_seconds(choice: GemmChoice | str, m: int, k: int, n: int, role: GemmRole | str,
-                          device: str = "h200") -> float:
+                          device: str = "h200", *, static_b: bool = False) -> float:
     """Modeled seconds of ``A (m, k) @ B (n, k)^T`` under ``choice`` in ``role``, quantization
-    of both operands and every launch included. See the module docstring for the model."""
-    return float(sum(s.seconds for s in gemm_breakdown(choice, m, k, n, role, device)))
+    of both operands and every launch included (``static_b=True``: B's quantization left out,
+    as when serving a weight quantized once). See the module docstring for the model."""
+    return float(sum(s.seconds for s in gemm_breakdown(choice, m, k, n, role, device, static_b=static_b)))
 
 
 def estimate_site_seconds(precision: SitePrecision | str, M: int, K: int, N: int,
@@ -530,9 +547,10 @@ def estimate_site_seconds(precision: SitePrecision | str, M: int, K: int, N: int
 
 
 def modeled_speedup(choice: GemmChoice | str, m: int, k: int, n: int, role: GemmRole | str,
-                    device: str = "h200") -> float:
-    """Modeled bf16 time over the choice's time (> 1: faster than bf16)."""
-    t = estimate_gemm_seconds(choice, m, k, n, role, device)
+                    device: str = "h200", *, static_b: bool = False) -> float:
+    """Modeled bf16 time over the choice's time (> 1: faster than bf16); ``static_b``: as
+    :func:`estimate_gemm_seconds`."""
+    t = estimate_gemm_seconds(choice, m, k, n, role, device, static_b=static_b)
     return estimate_gemm_seconds(GemmChoice.bf16(), m, k, n, role, device) / t
 
 

@@ -100,6 +100,10 @@ class Backend(ABC):
     #: :meth:`runtime_reason` names: LokaLinear checks it per call (once per compiled graph)
     #: and runs that GEMM in bf16, recorded in :data:`SHAPE_FALLBACKS`, instead of crashing
     runtime_shape_check: ClassVar[bool] = False
+    #: granularities whose fwd GEMM this backend serves with a weight quantized once, ahead of
+    #: time (:meth:`quantize_weight` + :meth:`static_gemm`: ``apply(..., serving=True)``); empty:
+    #: no static-weight path
+    static_granularities: ClassVar[frozenset[Granularity]] = frozenset()
 
     def supports(
         self,
@@ -165,6 +169,31 @@ class Backend(ABC):
         opaque custom-op call per GEMM; either way no registry look-up per call.
         """
         return None
+
+    # ------------------------------------------------------------------ serving: a static weight
+    def static_reason(self, choice: GemmChoice) -> str | None:
+        """None when this backend serves ``choice``'s fwd GEMM with a static weight (quantized
+        once by :meth:`quantize_weight`, then only the activation per call by
+        :meth:`static_gemm`); otherwise why not. Devices and shapes are :meth:`supports`' job."""
+        if choice.is_bf16:
+            return f"{choice.short_str()!r} is a bf16 choice: there is no weight to quantize"
+        if not self.static_granularities:
+            return f"backend {self.name!r} has no static-weight (serving) path"
+        if choice.granularity not in self.static_granularities:
+            return (f"backend {self.name!r} serves static weights with granularities"
+                    f" {sorted(g.value for g in self.static_granularities)}, not {choice.granularity.value!r}")
+        return None
+
+    def quantize_weight(self, w: torch.Tensor, choice: GemmChoice) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(data, scale)``: the weight ``w`` ``(N, K)`` quantized once for ``choice``'s fwd GEMM,
+        in the layout and scale convention of :meth:`static_gemm` (backend-specific)."""
+        raise UnsupportedChoiceError(f"{choice.short_str()!r}: {self.static_reason(choice)}")
+
+    def static_gemm(self, choice: GemmChoice) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+        """The call path ``f(x, data, scale) -> x @ W^T`` (``x`` ``(M, K)``, output ``(M, N)`` in
+        ``x.dtype``) of a weight quantized by :meth:`quantize_weight`: only ``x`` is quantized
+        per call. Resolved once (a layer's serving form keeps it)."""
+        raise UnsupportedChoiceError(f"{choice.short_str()!r}: {self.static_reason(choice)}")
 
     @abstractmethod
     def gemm(self, a: torch.Tensor, b: torch.Tensor, choice: GemmChoice, role: GemmRole) -> torch.Tensor:

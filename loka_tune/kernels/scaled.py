@@ -30,7 +30,7 @@ import torch
 from loka_tune.config import Format, GemmChoice, Granularity, ScaleRounding
 from loka_tune.kernels.quant import _F32_MAX, FMAX, FP8_DTYPE
 
-__all__ = ["cast_to_fp8", "scaled_mm_gemm", "SCALED_MM_GRANULARITIES", "SharePlan", "share_plan", "mm_quantized",
+__all__ = ["cast_to_fp8", "scaled_mm_gemm", "scaled_mm_static", "SCALED_MM_GRANULARITIES", "SharePlan", "share_plan", "mm_quantized",
            "transposed"]
 
 SCALED_MM_GRANULARITIES = frozenset({Granularity.TENSOR, Granularity.ROW})
@@ -81,9 +81,16 @@ def scaled_mm_gemm(a: torch.Tensor, b: torch.Tensor, choice: GemmChoice) -> torc
     fp32, else bf16 then cast); ``row``: ``(m, 1)`` and ``(1, n)`` factors, bf16 output (torch's
     rowwise kernel) cast to ``a.dtype``. ``fast_accum`` is ``use_fast_accum``.
     """
+    qb, sb = cast_to_fp8(b, choice.b_format, choice.granularity, choice.rounding)  # (n, k), () or (n, 1)
+    return scaled_mm_static(a, qb, sb, choice)
+
+
+def scaled_mm_static(a: torch.Tensor, qb: torch.Tensor, sb: torch.Tensor, choice: GemmChoice) -> torch.Tensor:
+    """:func:`scaled_mm_gemm` with ``b`` already quantized (``cast_to_fp8``: ``qb`` ``(n, k)``
+    K-contiguous, ``sb`` its dequantization factors ``()`` or ``(n, 1)``): only ``a`` is
+    quantized here. The serving forward's GEMM (a static weight)."""
     g, r = choice.granularity, choice.rounding
     qa, sa = cast_to_fp8(a, choice.a_format, g, r)  # (m, k), () or (m, 1)
-    qb, sb = cast_to_fp8(b, choice.b_format, g, r)  # (n, k), () or (n, 1)
     if g == Granularity.TENSOR:
         out_dtype = a.dtype if a.dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.bfloat16
     else:

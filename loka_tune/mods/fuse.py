@@ -10,7 +10,10 @@ containers); :func:`unfuse_epilogues` undoes it. As a Mod (``ModsConfig.fuse_epi
 chain with its own LokaLinear's choices.
 
 The kernel, its autograd function and the fused module live in :mod:`loka_tune.kernels.fused`
-(mods may import kernels, never the reverse).
+(mods may import kernels, never the reverse). :func:`fuse_serving_epilogues` is the same pass
+for a served model (``apply(..., serving=True)``): chains whose linear is a
+:class:`~loka_tune.kernels.serving.ServingLinear` become
+:class:`~loka_tune.kernels.serving.ServingFusedBlock`.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from loka_tune.kernels.fused import (
 from loka_tune.kernels.linear import is_eligible
 from loka_tune.layers import BlockNorm
 
-__all__ = ["FuseReport", "fuse_epilogues", "unfuse_epilogues"]
+__all__ = ["FuseReport", "fuse_epilogues", "unfuse_epilogues", "fuse_serving_epilogues"]
 
 
 @dataclass
@@ -183,3 +186,44 @@ def unfuse_epilogues(model: nn.Module) -> list[str]:
                 parent._modules[seq_keys[2]] = child.act
                 out.append(name)
     return out
+
+
+def fuse_serving_epilogues(model: nn.Module, *, containers: tuple[str, ...] = ("MLPBlock",)) -> FuseReport:
+    """Swap every (ServingLinear, BlockNorm, Hardswish) container chain of a served ``model`` for
+    a :class:`~loka_tune.kernels.serving.ServingFusedBlock` (children kept: the state dict's
+    names do not change); returns a :class:`FuseReport`. Chains whose linear serves bf16, whose
+    choice the fused kernel does not run on its device, or with hooks are skipped and reported;
+    ``nn.Sequential`` runs are left alone (their parameters would move)."""
+    from loka_tune.kernels.serving import ServingFusedBlock, ServingLinear
+
+    report = FuseReport("per site (serving)")
+    named = dict(model.named_modules(remove_duplicate=False))
+    for name, m in list(named.items()):
+        if type(m).__name__ not in containers or name == "":
+            continue
+        kids = dict(m.named_children())
+        lin, norm, act = kids.get("linear"), kids.get("norm"), kids.get("act")
+        if lin is None or not isinstance(norm, BlockNorm) or type(act) is not nn.Hardswish:
+            continue
+        if isinstance(lin, ServingLinear):
+            reason = None
+            if getattr(norm, "weight", None) is not None:
+                reason = "BlockNorm has an affine weight: the fused epilogue is parameter-free"
+            elif _hooked(lin, norm, act, m):
+                reason = "a module of the chain has hooks attached: fuse before attaching hooks"
+            else:
+                reason = epilogue_supports(lin.choice, n=lin.out_features, block=norm.block,
+                                           device=lin.weight_fp8.device)
+        else:
+            reason = "the linear serves bf16 (a plain nn.Linear): nothing to fuse"
+        if reason is not None:
+            report.skipped.append((name, reason))
+            continue
+        assert isinstance(lin, ServingLinear) and isinstance(act, nn.Module)
+        fused = ServingFusedBlock(lin, norm, act)
+        fused.train(m.training)
+        fused.__dict__["_origin"] = m
+        parent_name, _, attr = name.rpartition(".")
+        setattr(named[parent_name], attr, fused)
+        report.fused.append(name)
+    return report

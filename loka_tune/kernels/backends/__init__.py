@@ -17,7 +17,11 @@ touches triton, fbgemm or torchao. This package holds what they share:
   time under compile): an unsupported shape runs in bf16 and is recorded in
   ``registry.SHAPE_FALLBACKS`` instead of crashing the run;
 - :func:`quantize_operand`: our fused Triton quantization (reference semantics, transposed
-  views handled in the same pass), or the reference quantizer when Triton is missing.
+  views handled in the same pass), or the reference quantizer when Triton is missing;
+- the serving path (a static weight: :meth:`~loka_tune.kernels.registry.Backend.quantize_weight`
+  once, then :meth:`GPUBackend.static_gemm` per call, which quantizes only the activation):
+  traceable where ``static_traceable`` (``torch_scaled_mm``, ``torchao``), else one custom op,
+  ``torch.ops.loka_tune.fp8_gemm_static``, around the backend's ``static_gemm_impl``.
 """
 
 from __future__ import annotations
@@ -88,6 +92,30 @@ def _ensure_op() -> None:
     _OP_DEFINED = True
 
 
+_STATIC_OP_DEFINED = False
+
+
+def _ensure_static_op() -> None:
+    """Define ``torch.ops.loka_tune.fp8_gemm_static`` once: ``x @ W^T`` of a weight quantized
+    ahead of time (its FP8 data and scales), a custom op with a shape-only fake."""
+    global _STATIC_OP_DEFINED
+    if _STATIC_OP_DEFINED:
+        return
+
+    @torch.library.custom_op("loka_tune::fp8_gemm_static", mutates_args=())
+    def fp8_gemm_static(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, backend: str,
+                        choice: str) -> torch.Tensor:
+        be = get_backend(backend)
+        assert isinstance(be, GPUBackend), backend
+        return be.static_gemm_impl(a, w, w_scale, parse_choice(choice))
+
+    @fp8_gemm_static.register_fake
+    def _(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, backend: str, choice: str) -> torch.Tensor:
+        return a.new_empty((a.shape[0], w.shape[0]))
+
+    _STATIC_OP_DEFINED = True
+
+
 class GPUBackend(Backend):
     """Base of the CUDA FP8 backends: capability checks + custom-op routing."""
 
@@ -97,6 +125,8 @@ class GPUBackend(Backend):
     #: ``gemm_impl`` is plain torch code (no host syncs, no Python-side kernel launches):
     #: :meth:`direct` then calls it without the custom op, so torch.compile traces it
     traceable: ClassVar[bool] = False
+    #: ``static_gemm_impl`` is plain torch code: :meth:`static_gemm` calls it without a custom op
+    static_traceable: ClassVar[bool] = False
 
     def extra_reason(self, choice: GemmChoice, role: GemmRole, shape: Shape | None) -> str | None:
         """Backend-specific rules beyond the declared capability sets (override)."""
@@ -105,6 +135,26 @@ class GPUBackend(Backend):
     def gemm_impl(self, a: torch.Tensor, b: torch.Tensor, choice: GemmChoice, role: GemmRole) -> torch.Tensor:
         """The backend's own kernels for one canonical GEMM ``A @ B.T`` (every GPU backend implements it)."""
         raise NotImplementedError(f"{type(self).__name__} does not implement gemm_impl")
+
+    def static_gemm_impl(self, a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                         choice: GemmChoice) -> torch.Tensor:
+        """The fwd GEMM ``a @ W^T`` of a weight from :meth:`quantize_weight` (``w``, ``w_scale``):
+        quantizes ``a`` only. Backends with ``static_granularities`` implement it."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement static_gemm_impl")
+
+    def static_gemm(self, choice: GemmChoice) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+        """The serving call path of ``choice``'s fwd GEMM, resolved once (module docstring)."""
+        fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+        if self.static_traceable:
+            def fn(a: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+                return self.static_gemm_impl(a, w, s, choice)
+        else:
+            _ensure_static_op()
+            op, name, cs = torch.ops.loka_tune.fp8_gemm_static, self.name, choice.short_str()
+
+            def fn(a: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+                return op(a, w, s, name, cs)
+        return fn
 
     def supports(self, choice: GemmChoice, role: GemmRole | str, *, device: str | torch.device | None = None,
                  shape: Shape | None = None) -> str | None:

@@ -11,6 +11,10 @@
   (128x128), so it serves fwd and dgrad only; wgrad's 1x128 x 1x128 is the ``triton``
   backend's.
 
+Serving (a static weight): the weight is quantized once by the same quantizers (FBGEMM's for
+row / tensor, ours for block, scales MN-major as the groupwise GEMM takes them), each call
+quantizes only the activation; one custom op per GEMM (``loka_tune::fp8_gemm_static``).
+
 e4m3 only (the kernels are instantiated for e4m3). Exact scales only for tensor/row (the
 quantize ops have no power-of-two rounding); block takes both.
 """
@@ -44,6 +48,7 @@ class FBGEMMBackend(GPUBackend):
     max_capability = (9, 0)  # sm90 CUTLASS kernels
     install_hint = "fbgemm-gpu-genai (`pip install fbgemm-gpu-genai`)"
     runtime_shape_check = True  # a launch limit at large k (below): checked at the real shape
+    static_granularities = frozenset({Granularity.TENSOR, Granularity.ROW, Granularity.BLOCK})
 
     def extra_reason(self, choice: GemmChoice, role: GemmRole, shape: Shape | None) -> str | None:
         g = choice.granularity
@@ -88,4 +93,32 @@ class FBGEMMBackend(GPUBackend):
             out = ops.f8f8bf16(xq, wq, (xs * ws).reshape(1), use_fast_accum=choice.fast_accum)
         else:  # pragma: no cover - supports() rejects it
             raise BackendError(f"fbgemm cannot run {choice.short_str()}")
+        return out if out.dtype == a.dtype else out.to(a.dtype)
+
+    def quantize_weight(self, w: torch.Tensor, choice: GemmChoice) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fwd weight as :meth:`gemm_impl` quantizes it: block ``(data, MN-major scales
+        (K/128, N/128))``, row ``(data, (N,))``, tensor ``(data, ())`` (dequantization factors)."""
+        g = choice.granularity
+        if g == Granularity.BLOCK:
+            qb = quantize_operand(w, choice.b_format, g, choice.rounding, is_weight=True, scale_mn_major=True)
+            return qb.data, qb.inv_scale.t().contiguous()
+        if g == Granularity.ROW:
+            return torch.ops.fbgemm.quantize_fp8_per_row(w.contiguous())
+        return torch.ops.fbgemm.quantize_fp8_per_tensor(w.contiguous())
+
+    def static_gemm_impl(self, a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                         choice: GemmChoice) -> torch.Tensor:
+        g = choice.granularity
+        ops = torch.ops.fbgemm
+        if g == Granularity.BLOCK:
+            qa = quantize_operand(a, choice.a_format, g, choice.rounding, is_weight=False, scale_mn_major=True)
+            out = ops.f8f8bf16_groupwise(qa.data, w, qa.inv_scale.t(), w_scale)
+        elif g == Granularity.ROW:
+            xq, xs = ops.quantize_fp8_per_row(a.contiguous())  # (m, k) fp8, (m,) dequant factors
+            out = ops.f8f8bf16_rowwise(xq, w, xs, w_scale, use_fast_accum=choice.fast_accum)
+        elif g == Granularity.TENSOR:
+            xq, xs = ops.quantize_fp8_per_tensor(a.contiguous())
+            out = ops.f8f8bf16(xq, w, (xs * w_scale).reshape(1), use_fast_accum=choice.fast_accum)
+        else:  # pragma: no cover - static_reason rejects it
+            raise BackendError(f"fbgemm cannot serve {choice.short_str()}")
         return out if out.dtype == a.dtype else out.to(a.dtype)

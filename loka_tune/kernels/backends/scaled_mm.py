@@ -13,6 +13,11 @@ a view).
   other output dtypes are computed in bf16 and cast);
 - ``fast_accum``: ``use_fast_accum``.
 
+Serving (a static weight): the weight is quantized once by :func:`~loka_tune.kernels.scaled.cast_to_fp8`
+(tensor- or rowwise, the reference semantics), and each call quantizes only the activation,
+in traceable torch ops, then ``torch._scaled_mm`` (:func:`~loka_tune.kernels.scaled.scaled_mm_static`),
+compiled or not.
+
 Not here: blockwise 1x128 / 128x128 scaling (use ``fbgemm`` or ``triton``), mxfp8 (Blackwell),
 e5m2 x e5m2 (no such cuBLASLt kernel). k and n must be multiples of 16 (cuBLASLt FP8
 leading-dimension rule).
@@ -27,7 +32,7 @@ import torch
 from loka_tune.config import Format, GemmChoice, GemmRole, Granularity
 from loka_tune.kernels.backends import GPUBackend, quantize_operand
 from loka_tune.kernels.registry import Shape, register_backend
-from loka_tune.kernels.scaled import scaled_mm_gemm
+from loka_tune.kernels.scaled import cast_to_fp8, scaled_mm_gemm, scaled_mm_static
 
 __all__ = ["ScaledMMBackend"]
 
@@ -40,6 +45,8 @@ class ScaledMMBackend(GPUBackend):
     alignment = 16
     min_capability = (8, 9)
     install_hint = "a CUDA build of torch>=2.5 (torch._scaled_mm)"
+    static_granularities = frozenset({Granularity.TENSOR, Granularity.ROW})
+    static_traceable = True  # torch ops + the aten op, eager or compiled
 
     def extra_reason(self, choice: GemmChoice, role: GemmRole, shape: Shape | None) -> str | None:
         if choice.a_format == Format.E5M2 and choice.b_format == Format.E5M2:
@@ -73,3 +80,11 @@ class ScaledMMBackend(GPUBackend):
         out = torch._scaled_mm(qa.data, qb.data.t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype,
                                use_fast_accum=choice.fast_accum)  # (m, n)
         return out if out.dtype == a.dtype else out.to(a.dtype)
+
+    def quantize_weight(self, w: torch.Tensor, choice: GemmChoice) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cast_to_fp8`` of the weight: ``(data (N, K), dequantization factors () or (N, 1))``."""
+        return cast_to_fp8(w, choice.b_format, choice.granularity, choice.rounding)
+
+    def static_gemm_impl(self, a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                         choice: GemmChoice) -> torch.Tensor:
+        return scaled_mm_static(a, w, w_scale, choice)

@@ -15,6 +15,9 @@ torchao's recipes are whole-layer choices; :data:`RECIPES` maps each onto a
   scales dgrad's weight *tensorwise* there (a rowwise A with a tensorwise B), which a single
   granularity per GEMM cannot express: we use rowwise for both operands (at least as
   accurate, same kernel).
+
+Serving (a static weight): the weight is cast once with torchao's functions (its data and
+torchao's scale), each call casts only the activation; traceable, as torchao's casts are.
 """
 
 from __future__ import annotations
@@ -68,6 +71,8 @@ class TorchAOBackend(GPUBackend):
     alignment = 16
     install_hint = "torchao (`pip install torchao`)"
     traceable = True  # torchao's casts are torch ops made for torch.compile
+    static_granularities = frozenset({Granularity.TENSOR, Granularity.ROW})
+    static_traceable = True
 
     def extra_reason(self, choice: GemmChoice, role: GemmRole, shape: Shape | None) -> str | None:
         if choice.a_format == Format.E5M2 and choice.b_format == Format.E5M2:
@@ -83,3 +88,13 @@ class TorchAOBackend(GPUBackend):
         out = addmm_float8_unwrapped(a8, sa, b8.t(), sb.t() if sb.dim() == 2 else sb, output_dtype=a.dtype,
                                      use_fast_accum=choice.fast_accum)
         return out
+
+    def quantize_weight(self, w: torch.Tensor, choice: GemmChoice) -> tuple[torch.Tensor, torch.Tensor]:
+        """torchao's cast of the weight: ``(data (N, K), torchao's scale () or (N, 1))``."""
+        return _cast(w, choice.b_format, choice.granularity, choice.rounding.value == "pow2")
+
+    def static_gemm_impl(self, a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                         choice: GemmChoice) -> torch.Tensor:
+        a8, sa = _cast(a, choice.a_format, choice.granularity, choice.rounding.value == "pow2")  # (m, k)
+        return addmm_float8_unwrapped(a8, sa, w.t(), w_scale.t() if w_scale.dim() == 2 else w_scale,
+                                      output_dtype=a.dtype, use_fast_accum=choice.fast_accum)

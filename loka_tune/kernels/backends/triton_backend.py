@@ -7,6 +7,11 @@ copy), and blockwise (1x128 activations / gradients, 128x128 weights; wgrad 1x12
 operands). e4m3 and e5m2 operands (mixed too), exact or power-of-two scales, fast
 accumulation on or off (off: promotion to fp32 every 128 elements; block always promotes).
 See :mod:`loka_tune.kernels.triton_quant` and :mod:`loka_tune.kernels.triton_gemm`.
+
+Serving (a static weight): the weight is quantized once by the same kernels (128x128 blocks,
+scales MN-major for ``block``), each call quantizes only the activation; one custom op per
+GEMM (``loka_tune::fp8_gemm_static``). A rowwise static weight also feeds the fused
+Linear -> BlockNorm -> Hard Swish epilogue (:mod:`loka_tune.kernels.serving`).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ class TritonBackend(GPUBackend):
     min_capability = (9, 0)  # tuned for Hopper's wgmma; Ada would run but untested
     install_hint = "triton (`pip install triton`)"
     runtime_shape_check = True  # grid limits at very long reductions (below): checked at the real shape
+    static_granularities = frozenset({Granularity.TENSOR, Granularity.ROW, Granularity.BLOCK})
 
     def extra_reason(self, choice: GemmChoice, role: GemmRole, shape: Shape | None) -> str | None:
         if choice.granularity == Granularity.BLOCK and choice.fast_accum:
@@ -55,5 +61,21 @@ class TritonBackend(GPUBackend):
         qa = quantize_operand(a, choice.a_format, g, r, is_weight=False, scale_mn_major=mn)  # (m, k)
         qb = quantize_operand(b, choice.b_format, g, r, is_weight=b_weight, scale_mn_major=mn)  # (n, k)
         out = triton_gemm.fp8_gemm(qa.data, qb.data, qa.inv_scale, qb.inv_scale, g, b_block128=b_weight,
+                                   fast_accum=choice.fast_accum)
+        return out if out.dtype == a.dtype else out.to(a.dtype)
+
+    def quantize_weight(self, w: torch.Tensor, choice: GemmChoice) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fwd weight as :meth:`gemm_impl` quantizes it: ``(data (N, K), dequantization
+        factors)``, 128x128 blocks with MN-major scales for ``block``."""
+        blk = choice.granularity == Granularity.BLOCK
+        q = quantize_operand(w, choice.b_format, choice.granularity, choice.rounding, is_weight=blk, scale_mn_major=blk)
+        return q.data, q.inv_scale
+
+    def static_gemm_impl(self, a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                         choice: GemmChoice) -> torch.Tensor:
+        g, r = choice.granularity, choice.rounding
+        blk = g == Granularity.BLOCK
+        qa = quantize_operand(a, choice.a_format, g, r, is_weight=False, scale_mn_major=blk)  # (m, k)
+        out = triton_gemm.fp8_gemm(qa.data, w, qa.inv_scale, w_scale, g, b_block128=blk,
                                    fast_accum=choice.fast_accum)
         return out if out.dtype == a.dtype else out.to(a.dtype)

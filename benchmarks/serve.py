@@ -1,0 +1,359 @@
+"""Serving benchmark (issue 23): latency and throughput of a model's forward at serving batches,
+bf16 + Mods vs the serving config vs torchao's float8 inference, all under the same CUDA graphs.
+
+For one study's model and data (``--study``, default ``studies/wukong_h200.toml``: large Wukong;
+``--preset`` overrides it), one model is built (seed 0, untrained: the numerics of the served
+forward are what is compared), the config's Mods are applied (``--config``; without one: no
+bias, BlockNorm 256, Hard Swish), and it is cast to bf16 (weights and inputs; no autocast).
+Variants (``--variants``, comma list; each a copy of that model):
+
+- ``bf16_mods``: the model as it is (bf16 + Mods): the reference;
+- ``config``: the config served, ``loka_tune.apply(model, config, serving=True, batch=B)``: static
+  FP8 weights, only the activations quantized per call, each site's fwd choice from the serving
+  plan's bucket for ``B`` (``--plan``: ``modeled`` from the cost model with static weights,
+  ``measured`` from per-site GPU timings under CUDA graphs (``--plan-budget`` seconds, the rest
+  modeled), ``config`` the ``--config`` file's own ``serving`` section, ``none`` every site's own
+  fwd choice at every batch). The priced config is written beside ``--out`` (``*_config.json``);
+- ``config_dynamic``: the config's training form (``apply`` without ``serving``: weights quantized
+  on every call), for comparison;
+- ``torchao_rowwise`` / ``torchao_tensorwise``: torchao's float8 inference,
+  ``torchao.quantization.quantize_(model, Float8DynamicActivationFloat8WeightConfig(granularity=
+  PerRow() | PerTensor()))`` on every ``nn.Linear`` it accepts (in and out features multiples of 16).
+
+Each (variant, batch) row: a fresh copy, ``torch.compile(mode=--compile-mode, dynamic=False)``
+(default ``reduce-overhead``: CUDA graphs, static shapes) under
+:func:`loka_tune.objectives.compiled.strict_compile` (a graph break or an eager fallback fails
+the row), ``--warmup`` calls, then ``--reps`` calls each timed between two CUDA events after a
+sync (``p50_ms``, ``p99_ms``, ``mean_ms``), and ``--reps`` calls back to back between two events
+(``throughput``: rows per second). ``sqnr_db``: the logits' SQNR against ``bf16_mods`` at the same
+batch (:func:`loka_tune.kernels.quant.sqnr_db`; ``null`` for the reference itself), and
+``sqnr_centered_db`` the same with the reference's mean logit taken off both (an untrained model's
+logits sit near ``logit(base rate)``, a constant that would flatter the plain SQNR). A row that
+fails records its error and the run goes on; ``--budget`` seconds of wall time stop starting rows.
+On a CPU (``--device cpu``) nothing is compiled (``--compile-mode none``) and torchao's variants
+are skipped: the smoke mode that ``tests/test_serve_bench.py`` runs with ``--preset tiny``.
+
+Output: ``--out`` JSON with ``meta`` (device, versions, date, argv), ``rows`` of ``{variant, batch,
+p50_ms, p99_ms, mean_ms, throughput, sqnr_db, fp8_sites, ...}``, ``plan`` (the serving plan used)
+and ``summary`` (speed-ups vs ``bf16_mods`` per batch and issue 23's checks). The H200 command:
+
+    python benchmarks/serve.py --config benchmarks/results/wukong_large_modeled_plan.json \\
+        --plan measured --plan-budget 120 --budget 470 --out $OUT/serve_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+import e2e  # noqa: E402  (benchmarks/e2e.py: the variants' preparation, shared)
+
+from loka_tune.applier import apply  # noqa: E402
+from loka_tune.config import ModsConfig, PrecisionConfig  # noqa: E402
+from loka_tune.data.base import model_inputs  # noqa: E402
+from loka_tune.kernels.quant import sqnr_db  # noqa: E402
+
+VARIANTS = ("bf16_mods", "config", "config_dynamic", "torchao_rowwise", "torchao_tensorwise")
+DEFAULT_VARIANTS = ("bf16_mods", "config", "torchao_tensorwise", "torchao_rowwise")
+_GPU_ONLY = {"torchao_rowwise", "torchao_tensorwise"}
+DEFAULT_MODS = ModsConfig(no_bias=True, blocknorm=256, hardswish=True)
+REF = "bf16_mods"
+
+
+def torchao_inference(model: nn.Module, granularity: str) -> dict[str, Any]:
+    """torchao's float8 inference on every ``nn.Linear`` of ``model`` it accepts (in place)."""
+    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, quantize_
+
+    try:
+        from torchao.quantization import PerRow, PerTensor
+    except ImportError:  # older torchao
+        from torchao.quantization.granularity import PerRow, PerTensor
+    seen: list[str] = []
+
+    def accept(mod: nn.Module, fqn: str) -> bool:
+        ok = isinstance(mod, nn.Linear) and mod.in_features % 16 == 0 and mod.out_features % 16 == 0
+        if ok:
+            seen.append(fqn)
+        return ok
+
+    gran = PerRow() if granularity == "rowwise" else PerTensor()
+    quantize_(model, Float8DynamicActivationFloat8WeightConfig(granularity=gran), filter_fn=accept)
+    return {"fp8_sites": len(seen)}
+
+
+def build_variant(name: str, base: nn.Module, served: PrecisionConfig, config: PrecisionConfig, batch: int,
+                  plan: str) -> tuple[nn.Module, dict[str, Any]]:
+    """A copy of ``base`` (bf16 + Mods) turned into variant ``name`` for ``batch`` rows."""
+    from loka_tune.serving import shared_copy
+
+    if name == "bf16_mods":
+        return base, {"fp8_sites": 0}
+    if name == "config":
+        model = shared_copy(base)
+        s = apply(model, served, serving=True, batch=None if plan == "none" else batch, strict=False)
+        return model, {"fp8_sites": len(s.replaced), "bucket": s.bucket, "served": dict(s.replaced),
+                       "fallbacks": {k: v.get("fwd", "") for k, v in s.fallbacks.items()}, "fused": list(s.fused)}
+    if name == "config_dynamic":
+        model = copy.deepcopy(base)
+        info = e2e.prepare("config", model, config)
+        return model, info
+    if name.startswith("torchao_"):
+        model = copy.deepcopy(base)
+        return model, torchao_inference(model, name.split("_", 1)[1])
+    raise SystemExit(f"unknown variant {name!r}; choose from {', '.join(VARIANTS)}")
+
+
+def _to_device_inputs(model: nn.Module, source: Any, batch: int, dev: torch.device, dtype: torch.dtype) -> tuple[Any, ...]:
+    b = next(iter(source.batches("eval", batch, seed=0, device=dev)))
+    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+                 for t in model_inputs(model, b))
+
+
+def time_calls(fn: Callable[[], Any], dev: torch.device, *, warmup: int, reps: int) -> dict[str, float]:
+    """Per-call latencies (synced, CUDA events on a GPU) and back-to-back throughput of ``fn``."""
+    for _ in range(warmup):
+        fn()
+    cuda = dev.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(dev)
+    lat = []
+    for _ in range(reps):
+        if cuda:
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            fn()
+            e1.record()
+            e1.synchronize()
+            lat.append(e0.elapsed_time(e1) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            lat.append(time.perf_counter() - t0)
+    if cuda:
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        for _ in range(reps):
+            fn()
+        e1.record()
+        e1.synchronize()
+        back = e0.elapsed_time(e1) / 1e3 / reps
+    else:
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        back = (time.perf_counter() - t0) / reps
+    lat.sort()
+    p99 = lat[min(len(lat) - 1, max(0, math.ceil(0.99 * len(lat)) - 1))]
+    return {"p50_s": statistics.median(lat), "p99_s": p99, "mean_s": statistics.fmean(lat), "back_to_back_s": back}
+
+
+def summarize(rows: list[dict[str, Any]], batches: list[int]) -> dict[str, Any]:
+    """Speed-ups vs bf16_mods (p50) per batch, and issue 23's checks where the rows exist."""
+    p50 = {(r["variant"], r["batch"]): r["p50_ms"] for r in rows if r.get("p50_ms")}
+    speedup: dict[str, dict[str, float]] = {}
+    for (v, b), t in p50.items():
+        ref = p50.get((REF, b))
+        if ref:
+            speedup.setdefault(v, {})[str(b)] = ref / t
+    checks: dict[str, Any] = {}
+    cfg = speedup.get("config", {})
+    if cfg:
+        big, small = max(batches), [b for b in batches if b != max(batches)]
+        checks[f"config >= 1.20x bf16_mods at {big}"] = cfg.get(str(big), 0.0) >= 1.20 if str(big) in cfg else None
+        for b in small:
+            checks[f"config >= 1.00x bf16_mods at {b}"] = cfg[str(b)] >= 1.0 if str(b) in cfg else None
+        for b in batches:
+            ao = [p50[(v, b)] for v in ("torchao_rowwise", "torchao_tensorwise") if (v, b) in p50]
+            if ("config", b) in p50 and ao:
+                checks[f"config at least as fast as torchao at {b}"] = p50[("config", b)] <= min(ao)
+        for key, what in (("sqnr_db", "config logits SQNR >= 25 dB"),
+                          ("sqnr_centered_db", "config centered logits SQNR >= 25 dB")):
+            sq = [r[key] for r in rows if r["variant"] == "config" and r.get(key) is not None]
+            checks[what] = min(sq) >= 25.0 if sq else None
+    return {"speedup_vs_bf16_mods": speedup, "checks": checks}
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| variant | batch | p50 ms | p99 ms | rows/s | SQNR dB (centered) | FP8 sites | note |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        note = r.get("error") or r.get("skipped") or ""
+        def f(v: Any, fmt: str) -> str:
+            return "-" if v is None else format(v, fmt)
+        lines.append(f"| {r['variant']} | {r['batch']} | {f(r.get('p50_ms'), '.3f')} | {f(r.get('p99_ms'), '.3f')} |"
+                     f" {f(r.get('throughput'), '.3g')} | {f(r.get('sqnr_db'), '.1f')} ({f(r.get('sqnr_centered_db'), '.1f')}) |"
+                     f" {r.get('fp8_sites', '-')} |"
+                     f" {str(note)[:100]} |")
+    return "\n".join(lines)
+
+
+def _versions() -> dict[str, str]:
+    from loka_tune.kernels.timing import environment
+
+    return dict(environment())
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--study", type=Path, default=HERE.parent / "studies" / "wukong_h200.toml",
+                    help="study file: model, preset and data (default: large Wukong)")
+    ap.add_argument("--preset", default=None, help="override the study's model preset (tiny: the CPU smoke)")
+    ap.add_argument("--config", type=Path, default=None, help="the exported loka-tune config (JSON)")
+    ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help=f"comma list of {', '.join(VARIANTS)}")
+    ap.add_argument("--batches", default="512,2048,8192", help="comma list of serving batch sizes")
+    ap.add_argument("--plan", choices=("modeled", "measured", "config", "none"), default=None,
+                    help="the serving plan of the config variant (default: measured on CUDA, modeled elsewhere)")
+    ap.add_argument("--plan-budget", type=float, default=120.0, help="seconds of per-site GPU timing for --plan measured")
+    ap.add_argument("--candidates", default="", help="comma list of extra fwd choices the plan may pick per site")
+    ap.add_argument("--cost-device", default="h200", help="the cost model's device for a modeled plan")
+    ap.add_argument("--compile-mode", default=None,
+                    help="torch.compile mode (default reduce-overhead on CUDA, none on a CPU: eager)")
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=100)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="the served model's dtype")
+    ap.add_argument("--budget", type=float, default=float("inf"), help="seconds: start no new row after this")
+    ap.add_argument("--out", type=Path, required=True, help="output JSON file")
+    args = ap.parse_args(argv)
+
+    from loka_tune.objectives.compiled import strict_compile
+    from loka_tune.serving import plan_serving
+    from loka_tune.tuner.build import make_model, make_source, resolve_device
+    from loka_tune.tuner.study import load_study
+
+    t_start = time.perf_counter()
+    cfg = load_study(args.study)
+    if args.preset:
+        cfg = replace(cfg, model=replace(cfg.model, preset=args.preset))
+    dev = torch.device(resolve_device(args.device))
+    cuda = dev.type == "cuda"
+    mode = args.compile_mode or ("reduce-overhead" if cuda else "none")
+    plan_kind = args.plan or ("measured" if cuda else "modeled")
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    batches = [int(b) for b in args.batches.split(",") if b.strip()]
+    names = [v.strip() for v in args.variants.split(",") if v.strip()]
+    bad = [v for v in names if v not in VARIANTS]
+    if bad:
+        raise SystemExit(f"unknown variant(s) {bad}; choose from {', '.join(VARIANTS)}")
+    if REF in names:
+        names = [REF] + [v for v in names if v != REF]  # the reference first: its logits are every row's SQNR reference
+    if ({"config", "config_dynamic"} & set(names)) and args.config is None:
+        raise SystemExit("the 'config' variants need --config best.json (loka-tune export STUDY --out best.json)")
+    config = PrecisionConfig.load(args.config) if args.config else PrecisionConfig(mods=DEFAULT_MODS)
+    if plan_kind == "config" and config.serving is None:
+        raise SystemExit(f"--plan config: {args.config} has no serving section; use --plan modeled or measured")
+    source = make_source(cfg)
+    base = make_model(cfg, source, seed=0).to(dev)
+    apply(base, PrecisionConfig(mods=config.mods))  # the Mods once: every variant is a copy of this model
+    base = base.to(dtype).eval()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    meta: dict[str, Any] = {
+        "study": str(args.study), "model": cfg.model.name, "preset": cfg.model.preset, "batches": batches,
+        "variants": names, "config": str(args.config) if args.config else None, "mods": config.mods.short_str(),
+        "plan": plan_kind, "compile_mode": mode, "dtype": args.dtype, "warmup": args.warmup, "reps": args.reps,
+        "device": torch.cuda.get_device_name(dev) if cuda else (platform.processor() or "cpu"),
+        "versions": _versions(), "python": platform.python_version(), "date": time.strftime("%Y-%m-%d"),
+        "argv": sys.argv[1:] if argv is None else argv}
+
+    # ---- the serving plan of the config variant
+    served = config
+    plan_s = 0.0
+    if "config" in names and plan_kind in ("modeled", "measured"):
+        t0 = time.perf_counter()
+        probe_inputs = _to_device_inputs(base, source, 8, dev, dtype)
+        cache = None
+        if plan_kind == "measured":
+            from loka_tune.kernels.site_timing import SitePriceCache
+
+            cache = SitePriceCache(args.out.with_name(args.out.stem + "_prices.json"), shipped=())
+        cands = [c.strip() for c in args.candidates.split(",") if c.strip()]
+        served = plan_serving(base, config, probe_inputs, buckets=batches, candidates=cands,
+                              cost_device=args.cost_device, measure=plan_kind == "measured", device=str(dev),
+                              cache=cache, budget_s=args.plan_budget,
+                              progress=lambda msg: print(f"[plan] {msg}", flush=True))
+        plan_s = time.perf_counter() - t0
+        served.save(args.out.with_name(args.out.stem + "_config.json"))
+    meta["plan_s"] = plan_s
+    plan_dict = served.serving.to_dict() if served.serving is not None else None
+
+    rows: list[dict[str, Any]] = []
+    ref_logits: dict[int, torch.Tensor] = {}
+    failed = 0
+
+    def dump() -> None:
+        args.out.write_text(json.dumps({"meta": meta, "rows": rows, "plan": plan_dict,
+                                        "summary": summarize(rows, batches)}, indent=1, default=str))
+
+    for batch in batches:
+        inputs = _to_device_inputs(base, source, batch, dev, dtype)
+        for name in names:
+            row: dict[str, Any] = {"variant": name, "batch": batch}
+            if time.perf_counter() - t_start > args.budget:
+                row["skipped"] = "over the --budget"
+            elif name in _GPU_ONLY and not cuda:
+                row["skipped"] = "needs a CUDA GPU"
+            else:
+                guard = strict_compile() if mode != "none" else contextlib.nullcontext({})
+                try:
+                    t0 = time.perf_counter()
+                    with guard as dynamo:
+                        model, info = build_variant(name, base, served, config, batch, plan_kind)
+                        row.update(info)
+                        fn = model if mode == "none" else torch.compile(model, mode=mode, dynamic=False)
+                        with torch.no_grad():
+                            out = fn(*inputs).float().clone()  # compiles (and records the graph on later calls)
+                            row["compile_s"] = time.perf_counter() - t0
+                            tm = time_calls(lambda: fn(*inputs), dev, warmup=args.warmup, reps=args.reps)
+                    if mode != "none":
+                        row["dynamo"] = dynamo
+                    row.update(p50_ms=tm["p50_s"] * 1e3, p99_ms=tm["p99_s"] * 1e3, mean_ms=tm["mean_s"] * 1e3,
+                               back_to_back_ms=tm["back_to_back_s"] * 1e3, throughput=batch / tm["back_to_back_s"])
+                    if name == REF:
+                        ref_logits[batch] = out
+                        row["sqnr_db"] = row["sqnr_centered_db"] = None
+                    elif batch in ref_logits:
+                        ref = ref_logits[batch]
+                        s, c = sqnr_db(ref, out), sqnr_db(ref - ref.mean(), out - ref.mean())
+                        row["sqnr_db"] = s if math.isfinite(s) else None
+                        row["sqnr_centered_db"] = c if math.isfinite(c) else None
+                        row["identical_to_ref"] = not math.isfinite(s)
+                    del model, fn
+                except Exception as e:  # noqa: BLE001 - record it and go on: one broken row must not hide the rest
+                    row["error"] = f"{type(e).__name__}: {e}"[:400]
+                    failed += 1
+                if cuda:
+                    torch.cuda.empty_cache()
+            rows.append(row)
+            dump()
+            shown = {k: row[k] for k in ("p50_ms", "p99_ms", "sqnr_db", "fp8_sites", "skipped", "error") if k in row}
+            print(f"[serve {time.perf_counter() - t_start:6.0f}s] {name} @ {batch}: {shown}", flush=True)
+    dump()
+    print()
+    print(table(rows))
+    summary = summarize(rows, batches)
+    for what, ok in summary["checks"].items():
+        print(f"check: {what}: {ok}")
+    if failed:
+        print(f"\n{failed} row(s) failed (their rows say why)")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,466 @@
+"""Serving a config: static FP8 weights, a plan per batch bucket, padded static shapes.
+
+The serving form of a config is one call::
+
+    summary = loka_tune.apply(model, "best.json", serving=True, batch=2048)   # in place
+    fast = torch.compile(model, mode="reduce-overhead", dynamic=False)        # CUDA graphs
+    with torch.no_grad():
+        logits = fast(*inputs)                                               # 2048 rows
+
+``apply(..., serving=True)`` (rather than a separate verb: it is the same config, the same Mods,
+the same site resolution and the same all-or-nothing swap, read for another use) puts a
+:class:`~loka_tune.kernels.serving.ServingLinear` in place of every site whose fwd choice is
+FP8: its weight is quantized once (tensor-, row- or blockwise as the choice says, on its
+backend), only the activation is quantized per call, and there is no dgrad / wgrad (a backward
+raises :class:`~loka_tune.errors.ServingError`). Sites whose fwd choice is bf16 stay plain
+``nn.Linear``: a config whose FP8 choices are all in dgrad / wgrad serves in bf16 (its
+summary says so). With ``mods.fuse_epilogue``, each Linear -> BlockNorm -> Hard Swish chain
+whose served choice the fused kernel runs becomes a
+:class:`~loka_tune.kernels.serving.ServingFusedBlock`.
+
+``batch=B`` reads the config's serving plan (:class:`~loka_tune.config.ServingPlan`, the
+``serving`` section): the smallest bucket holding ``B`` rows gives each site's fwd choice
+(``bf16`` where FP8 does not pay at that size). The plan is priced by :func:`plan_serving`:
+per bucket and site, the fwd GEMM with a static weight against bf16, from the cost model on a
+CPU (``estimate_gemm_seconds(..., static_b=True)``, labelled "modeled") or timed on the GPU
+(:func:`loka_tune.kernels.serve_timing.time_serving_site`: compiled with CUDA graphs, GPU
+kernel time from the profiler, "measured"). :func:`serve_buckets` builds one served copy of a
+model per bucket (every tensor but the served weights shared) behind :class:`ServingBuckets`,
+which pads a batch up to its bucket so that shapes stay static for CUDA graphs.
+
+:func:`serving_form` is the serving copy of a model already applied for *training* (its
+LokaLinear sites served with their fwd choices, tensors shared): what the inference objective
+times. ``apply(serving=True)`` itself refuses such a model (and an already served one).
+
+Errors name the bad value and the fix: a fwd choice whose backend has no static-weight path
+or cannot run here -> :class:`UnsupportedChoiceError` (``strict=False``: that site serves in
+bf16, listed in ``summary.fallbacks``); ``batch`` above every bucket -> :class:`ServingError`;
+``batch`` without a plan, or a plan naming no layer of the model -> :class:`ConfigError`.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import math
+import time
+from collections import Counter
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from loka_tune.config import BF16, GemmChoice, GemmRole, PrecisionConfig, ServingPlan
+from loka_tune.errors import BackendError, ConfigError, ServingError, UnsupportedChoiceError
+
+if TYPE_CHECKING:
+    from loka_tune.applier import ApplySummary
+
+__all__ = ["serving_form", "ServingBuckets", "serve_buckets", "plan_serving", "site_rows", "DEFAULT_BUCKETS"]
+
+DEFAULT_BUCKETS = (512, 2048, 8192)  # the serving batch sizes of issue 23 (small, medium, production)
+
+
+# ----------------------------------------------------------------------------- helpers
+def shared_copy(model: nn.Module) -> nn.Module:
+    """A deep copy of ``model``'s module tree that shares every parameter and buffer tensor."""
+    memo: dict[int, Any] = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
+    return copy.deepcopy(model, memo)
+
+
+def _applied_sites(model: nn.Module) -> tuple[list[str], list[str]]:
+    """Names of the modules that a training ``apply`` made (LokaLinear, fused chains) and of the
+    served ones (ServingLinear)."""
+    from loka_tune.kernels.fused import FusedLinearBlockNormHardswish
+    from loka_tune.kernels.linear import LokaLinear
+    from loka_tune.kernels.serving import ServingLinear
+
+    trained = [n for n, m in model.named_modules() if isinstance(m, (LokaLinear, FusedLinearBlockNormHardswish))]
+    served = [n for n, m in model.named_modules() if isinstance(m, ServingLinear)]
+    return trained, served
+
+
+def refuse_served(model: nn.Module, *, serving: bool) -> None:
+    """Raise :class:`ServingError` when ``model`` cannot take an ``apply`` (``serving`` or not)."""
+    trained, served = _applied_sites(model)
+    if served:
+        raise ServingError(
+            f"the model is served already ({len(served)} ServingLinear site(s), e.g. {served[0]!r}): its high-precision"
+            " weights are gone, so it can be neither applied again nor trained. Build the model again, load its"
+            " checkpoint (model.load_state_dict) and apply to that")
+    if serving and trained:
+        raise ServingError(
+            f"the model was applied for training ({len(trained)} LokaLinear / fused site(s), e.g. {trained[0]!r});"
+            " apply(serving=True) takes a model whose linears are still plain nn.Linear. Apply it to a fresh model"
+            " (the same model class, with its checkpoint loaded), or take loka_tune.serving.serving_form(model)"
+            " for a serving copy of this one")
+
+
+def _fwd_reason(site: str, lin: nn.Linear, choice: GemmChoice) -> str | None:
+    """Why ``choice`` cannot serve ``lin``'s fwd GEMM with a static weight here (None: it can).
+    An unknown backend name raises :class:`BackendError` (a typo, not a missing install)."""
+    from loka_tune.kernels.registry import check_supported, get_backend, list_backends
+    from loka_tune.kernels.serving import static_support_reason
+
+    if choice.backend not in list_backends():
+        raise BackendError(f"site {site!r}, fwd GEMM {choice.short_str()!r}: unknown backend {choice.backend!r};"
+                           f" known backends: {', '.join(list_backends())}")
+    try:
+        backend = get_backend(choice.backend)
+    except BackendError as e:
+        return str(e)
+    static = static_support_reason(choice)
+    if static is not None:
+        return static
+    dev = lin.weight.device
+    devices = sorted(backend.devices) if dev.type == "meta" else [dev]
+    last = None
+    for d in devices:
+        try:
+            check_supported(choice, GemmRole.FWD, d, GemmRole.FWD.shape(None, lin.in_features, lin.out_features),
+                            site=site)
+            return None
+        except UnsupportedChoiceError as e:
+            last = str(e)
+    return last
+
+
+def _to_serving(site: str, lin: nn.Linear, choice: GemmChoice) -> nn.Module:
+    """The serving module of one site: ``ServingLinear`` for an FP8 choice, else a plain ``nn.Linear``."""
+    from loka_tune.applier import _to_plain
+    from loka_tune.kernels.linear import LokaLinear
+    from loka_tune.kernels.serving import ServingLinear
+
+    if choice.is_bf16:
+        return _to_plain(lin) if isinstance(lin, LokaLinear) else lin
+    return ServingLinear.from_linear(lin, choice, name=site)
+
+
+def _swap(model: nn.Module, old: nn.Module, new: nn.Module) -> None:
+    from loka_tune.applier import _parents
+
+    if new is old:
+        return
+    for parent, key in _parents(model).get(id(old), []):
+        parent._modules[key] = new
+
+
+# ----------------------------------------------------------------------------- apply(serving=True)
+def apply_serving(model: nn.Module, cfg: PrecisionConfig, *, strict: bool, batch: int | None) -> "ApplySummary":
+    """The body of ``apply(model, cfg, serving=True, batch=...)`` (the caller restores the model
+    on error; see the module docstring)."""
+    from loka_tune.applier import ApplySummary, _run_mods, check_rules
+    from loka_tune.kernels.linear import find_linears
+    from loka_tune.mods.fuse import fuse_serving_epilogues
+
+    refuse_served(model, serving=True)
+    bucket: int | None = None
+    plan: dict[str, GemmChoice] = {}
+    if batch is not None:
+        if cfg.serving is None:
+            raise ConfigError(
+                f"batch={batch!r} picks a bucket of the config's serving plan, but this config has none: price one"
+                " with loka_tune.serving.plan_serving(model, config, inputs) (or benchmarks/serve.py), or apply"
+                " with serving=True and no batch to serve every site's own fwd choice", key="serving")
+        bucket = cfg.serving.bucket_for(batch)
+        plan = cfg.serving.choices(bucket)
+    summary = ApplySummary(config_key=cfg.key(), fuse_epilogue=cfg.mods.fuse_epilogue, serving=True, bucket=bucket)
+    summary.mods, summary.mods_note = _run_mods(model, cfg)
+    linears = find_linears(model)
+    check_rules(cfg, list(linears), strict, summary)
+    missing = [s for s in plan if s not in linears]
+    if missing and strict:
+        raise ConfigError(
+            f"the serving plan's bucket {bucket} names {missing[0]!r}, which is no linear layer of this model"
+            + (f" ({len(missing) - 1} more: {missing[1:4]})" if len(missing) > 1 else "")
+            + f"; the model's sites are e.g. {list(linears)[:4]}. Price the plan for this model"
+            " (loka_tune.serving.plan_serving) or apply with strict=False to skip them",
+            key=f"serving.buckets.{bucket}")
+    summary.unmatched += missing
+    counts: Counter[str] = Counter()
+    for site, lin in linears.items():
+        summary.shapes[site] = (lin.in_features, lin.out_features)
+        choice = plan.get(site, cfg.resolve(site).fwd)
+        if not choice.is_bf16:
+            reason = _fwd_reason(site, lin, choice)
+            if reason is not None:
+                if strict:
+                    raise UnsupportedChoiceError(
+                        f"site {site!r}: the fwd choice {choice.short_str()!r} cannot serve here: {reason}."
+                        " Choose another backend for it, or apply with strict=False to serve this site in bf16")
+                summary.fallbacks[site] = {"fwd": reason}
+                choice = BF16
+        new = _to_serving(site, lin, choice)
+        counts["bf16" if choice.is_bf16 else choice.short_str()] += 1
+        if choice.is_bf16:
+            summary.unchanged.append(site)
+        else:
+            summary.replaced[site] = choice.short_str()
+        _swap(model, lin, new)
+    summary.counts = dict(counts)
+    if cfg.mods.fuse_epilogue:
+        rep = fuse_serving_epilogues(model)
+        summary.fused = list(rep.fused)
+        summary.fuse_skipped = dict(rep.skipped)
+        if not rep.fused and not rep.skipped:
+            summary.fuse_note = ("no Linear -> BlockNorm -> Hard Swish chain in this model: turn on the"
+                                 " blocknorm and hardswish Mods (or build the model with them)")
+    return summary
+
+
+def serving_form(model: nn.Module, *, strict: bool = True) -> nn.Module:
+    """A serving copy of ``model``, a model applied for training: every tensor shared, each
+    LokaLinear site served with its own fwd choice (a static weight; bf16 fwd: a plain
+    ``nn.Linear``), fused epilogues kept where their choice serves fused. ``model`` itself is
+    not changed. ``strict=False`` serves in bf16 the sites whose fwd choice cannot serve here.
+    """
+    from loka_tune.kernels.fused import FusedLinearBlockNormHardswish
+    from loka_tune.kernels.linear import LokaLinear
+    from loka_tune.mods.fuse import fuse_serving_epilogues, unfuse_epilogues
+
+    refuse_served(model, serving=False)
+    out = shared_copy(model)
+    fused = any(isinstance(m, FusedLinearBlockNormHardswish) for m in out.modules())
+    if fused:
+        unfuse_epilogues(out)
+    for site, lin in [(n, m) for n, m in out.named_modules() if isinstance(m, LokaLinear)]:
+        choice = lin.precision.fwd
+        if not choice.is_bf16:
+            reason = _fwd_reason(site, lin, choice)
+            if reason is not None:
+                if strict:
+                    raise UnsupportedChoiceError(f"site {site!r}: the fwd choice {choice.short_str()!r} cannot serve"
+                                                 f" here: {reason}. Pass strict=False to serve it in bf16")
+                choice = BF16
+        _swap(out, lin, _to_serving(site, lin, choice))
+    if fused:
+        fuse_serving_epilogues(out)
+    out.eval()
+    return out
+
+
+# ----------------------------------------------------------------------------- buckets
+def _pad_rows(t: Any, rows: int, batch: int) -> Any:
+    if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != batch or rows == batch:
+        return t
+    return torch.cat([t, t.new_zeros((rows - batch, *t.shape[1:]))])  # zeros: a valid id for embedding inputs
+
+
+def _cut_rows(out: Any, batch: int) -> Any:
+    if isinstance(out, torch.Tensor):
+        return out[:batch]
+    if isinstance(out, (tuple, list)):
+        return type(out)(_cut_rows(o, batch) for o in out)
+    return out
+
+
+class ServingBuckets(nn.Module):
+    """One served model per batch bucket; a call pads its batch up to the smallest bucket that
+    holds it (zero rows), runs that bucket's model and returns the real rows' outputs.
+
+    ``models``: ``{bucket rows: served model}`` (e.g. from :func:`serve_buckets`). Every tensor
+    argument whose first dimension is the batch is padded. A batch above every bucket raises
+    :class:`ServingError`. :meth:`compiled` wraps each bucket's model in ``torch.compile``
+    (CUDA graphs by default): shapes then never change, so each bucket records its graph once.
+    Under CUDA graphs an output is overwritten by the next call of the same bucket: clone what
+    you keep. Rows are independent in eval for row- and blockwise activation scaling (the pad
+    rows change nothing); a tensorwise site's activation scale is the amax of the whole padded
+    batch, so pad rows may move the real rows' rounding slightly.
+    """
+
+    def __init__(self, models: Mapping[int, nn.Module]) -> None:
+        super().__init__()
+        if not models:
+            raise ServingError("ServingBuckets needs at least one bucket: {rows: model}")
+        self.sizes = tuple(sorted(int(b) for b in models))
+        self.models = nn.ModuleDict({str(b): models[b] for b in sorted(models)})
+
+    def bucket_for(self, batch: int) -> int:
+        """The smallest bucket holding ``batch`` rows."""
+        return ServingPlan(buckets=tuple((b, {}) for b in self.sizes)).bucket_for(batch)
+
+    def forward(self, *inputs: Any) -> Any:
+        first = next((t for t in inputs if isinstance(t, torch.Tensor) and t.dim() > 0), None)
+        if first is None:
+            raise ServingError("ServingBuckets takes the model's inputs with the batch as their first dimension")
+        batch = int(first.shape[0])
+        rows = self.bucket_for(batch)
+        padded = [_pad_rows(t, rows, batch) for t in inputs]
+        return _cut_rows(self.models[str(rows)](*padded), batch)
+
+    def compiled(self, **compile_kwargs: Any) -> "ServingBuckets":
+        """These buckets, each model wrapped in ``torch.compile(model, **compile_kwargs)``
+        (default ``mode="reduce-overhead", dynamic=False``: CUDA graphs, static shapes)."""
+        kw = {"mode": "reduce-overhead", "dynamic": False, **compile_kwargs}
+        return ServingBuckets({b: torch.compile(self.models[str(b)], **kw) for b in self.sizes})  # type: ignore[misc]
+
+
+def serve_buckets(model: nn.Module, config: PrecisionConfig | Mapping[str, Any] | str, *,
+                  strict: bool = True) -> ServingBuckets:
+    """A :class:`ServingBuckets` of ``model`` under ``config``'s serving plan: the config's
+    Mods run on ``model`` in place (once), then each bucket gets a copy sharing every tensor,
+    applied with ``serving=True, batch=<bucket>`` (its own static weights)."""
+    from loka_tune.applier import _run_mods, apply, as_config
+
+    cfg = as_config(config)
+    if cfg.serving is None or not cfg.serving.buckets:
+        raise ConfigError("the config has no serving plan with buckets: price one with"
+                          " loka_tune.serving.plan_serving(model, config, inputs)", key="serving")
+    refuse_served(model, serving=True)
+    _run_mods(model, cfg)
+    models: dict[int, nn.Module] = {}
+    for rows in cfg.serving.sizes:
+        served = shared_copy(model)
+        apply(served, cfg, serving=True, batch=rows, strict=strict)
+        models[rows] = served.eval()
+    return ServingBuckets(models)
+
+
+# ----------------------------------------------------------------------------- pricing the plan
+def site_rows(model: nn.Module, inputs: Sequence[Any]) -> dict[str, tuple[float, int, int]]:
+    """``{site: (rows per example, in_features, out_features)}`` of every linear site that one
+    eval forward of ``model(*inputs)`` reaches (3-D inputs count their middle dimensions as
+    rows: Wukong's feature-axis Linears see ``batch x d`` rows)."""
+    from loka_tune.kernels.linear import find_linears
+
+    first = next(t for t in inputs if isinstance(t, torch.Tensor) and t.dim() > 0)
+    batch = int(first.shape[0])
+    rows: dict[str, tuple[float, int, int]] = {}
+    hooks = []
+    for name, lin in find_linears(model).items():
+        def hook(mod: nn.Module, args: tuple[Any, ...], name: str = name, kn: tuple[int, int] = (
+                lin.in_features, lin.out_features)) -> None:
+            x = args[0]
+            rows.setdefault(name, (x.numel() / x.shape[-1] / batch, *kn))
+        hooks.append(lin.register_forward_pre_hook(hook))
+    was = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            model(*inputs)
+    finally:
+        model.train(was)
+        for h in hooks:
+            h.remove()
+    return rows
+
+
+Timer = Callable[..., Mapping[str, Any]]
+
+
+def plan_serving(model: nn.Module, config: PrecisionConfig | Mapping[str, Any] | str, inputs: Sequence[Any], *,
+                 buckets: Iterable[int] = DEFAULT_BUCKETS, candidates: Iterable[GemmChoice | str] = (),
+                 min_speedup: float = 1.0, cost_device: str = "h200", measure: bool = False,
+                 device: str = "cuda", timer: Timer | None = None, cache: Any = None,
+                 budget_s: float | None = None, progress: Callable[[str], None] | None = None) -> PrecisionConfig:
+    """``config`` with a serving plan (:class:`ServingPlan`) priced for ``model``'s sites.
+
+    Each site's shape comes from one eval forward of ``model(*inputs)`` (a copy with the config's
+    Mods; ``model`` is not changed); its rows at a bucket are the bucket's batch x its rows per
+    example. Per bucket and site, the fwd GEMM of the site's own fwd choice (and of each of
+    ``candidates``) with a static weight is priced against bf16 at those rows, and the fastest
+    is kept if it beats bf16 by more than ``min_speedup`` (else ``bf16``). Sites whose every
+    option is bf16 are not priced (they serve bf16).
+
+    Prices: the cost model for ``cost_device`` (``estimate_gemm_seconds(..., static_b=True)``,
+    time source "modeled"), or with ``measure=True`` GPU timings on ``device`` of the compiled,
+    CUDA-graphed fwd (``timer``, default :func:`loka_tune.kernels.serve_timing.time_serving_site`;
+    ``cache``: a :class:`~loka_tune.kernels.site_timing.SitePriceCache`, cells keyed
+    ``serve:<choice>``), "measured". ``budget_s``: after that many seconds of timing the
+    remaining cells are modeled (the plan is then "mixed"; ``prices`` says per cell); buckets are
+    priced from the largest down, so a short budget times the largest batches.
+    A choice the cost model cannot price is kept (recorded as unpriced).
+    """
+    from loka_tune.applier import _run_mods, as_config
+    from loka_tune.kernels.costmodel import estimate_gemm_seconds
+
+    cfg = as_config(config)
+    sizes = sorted({int(b) for b in buckets})
+    if not sizes or sizes[0] <= 0:
+        raise ConfigError(f"got buckets={list(buckets)!r}; give positive batch sizes such as [512, 2048, 8192]",
+                          key="buckets")
+    if not (isinstance(min_speedup, (int, float)) and min_speedup > 0):
+        raise ConfigError(f"got min_speedup={min_speedup!r}; a positive factor (1.0: FP8 must beat bf16)",
+                          key="min_speedup")
+    extra = [GemmChoice.parse(c, key="candidates") for c in candidates]
+    probe = shared_copy(model)
+    _run_mods(probe, cfg)
+    shapes = site_rows(probe, inputs)
+    del probe
+    say = progress or (lambda _msg: None)
+    if measure:
+        from loka_tune.kernels.serve_timing import time_serving_site
+
+        timer = timer or time_serving_site
+    t0 = time.perf_counter()
+    measured: dict[tuple[int, int, int, str], float | None] = {}
+    n_measured = n_modeled = 0
+
+    def price(c: GemmChoice, m: int, k: int, n: int) -> tuple[float | None, str]:
+        nonlocal n_measured, n_modeled
+        cid = c.short_str()
+        if measure and (budget_s is None or time.perf_counter() - t0 < budget_s):
+            key = (m, k, n, cid)
+            if key not in measured:
+                hit = cache.get(m, k, n, "serve:" + cid) if cache is not None else None
+                if hit is None:
+                    try:
+                        assert timer is not None
+                        hit = dict(timer(m, k, n, cid, device=device))
+                    except Exception as e:  # noqa: BLE001 - one bad cell must not stop the plan
+                        say(f"serving price {m}x{k}x{n} {cid}: failed ({type(e).__name__}: {str(e)[:160]})")
+                        hit = None
+                    if hit is not None and cache is not None:
+                        cache.put(m, k, n, "serve:" + cid, hit)
+                    if hit is not None:
+                        say(f"serving price {m}x{k}x{n} {cid}: {hit['gpu_s'] * 1e6:.1f} us")
+                measured[key] = None if hit is None else float(hit["gpu_s"])
+            sec = measured[key]
+            if sec is not None:
+                n_measured += 1
+                return sec, "measured"
+        try:
+            sec = estimate_gemm_seconds(c, m, k, n, "fwd", cost_device, static_b=not c.is_bf16)
+        except UnsupportedChoiceError:
+            return None, "unpriced"
+        n_modeled += 1
+        return sec, "modeled"
+
+    plan: dict[int, dict[str, GemmChoice]] = {}
+    prices: dict[str, dict[str, Any]] = {}
+    for rows in sorted(sizes, reverse=True):  # the largest bucket first: timed first when the budget is short
+        plan[rows], prices[str(rows)] = {}, {}
+        for site, (per_example, k, n) in shapes.items():
+            options = [cfg.resolve(site).fwd, *extra]
+            options = [c for i, c in enumerate(options) if not c.is_bf16 and c not in options[:i]]
+            if not options:
+                continue
+            m = max(1, int(round(rows * per_example)))
+            t_bf16, src = price(BF16, m, k, n)
+            cell: dict[str, Any] = {"m": m, "k": k, "n": n, "bf16_us": None if t_bf16 is None else t_bf16 * 1e6,
+                                    "source": {"bf16": src}}
+            best, best_t = BF16, t_bf16
+            for c in options:
+                t, src = price(c, m, k, n)
+                cell[f"{c.short_str()}_us"] = None if t is None else t * 1e6
+                cell["source"][c.short_str()] = src
+                if t is None or t_bf16 is None:  # unpriced: keep the config's own choice
+                    if best.is_bf16 and c == options[0]:
+                        best, best_t = c, math.inf
+                    continue
+                if t_bf16 / t > min_speedup and (best_t is None or t < best_t):
+                    best, best_t = c, t
+            plan[rows][site] = best
+            cell["choice"] = best.short_str()
+            prices[str(rows)][site] = cell
+    if n_measured and n_modeled:
+        source = "mixed"
+    else:
+        source = "measured" if n_measured else "modeled"
+    dev_name = cost_device  # modeled: the cost model's device; measured: where the cells were timed
+    if n_measured:
+        d = torch.device(device)
+        dev_name = torch.cuda.get_device_name(d) if d.type == "cuda" and torch.cuda.is_available() else d.type
+    cells = {str(b): prices[str(b)] for b in sizes}
+    return cfg.with_serving(ServingPlan(buckets=tuple(plan.items()), time_source=source, device=dev_name,
+                                        prices={"min_speedup": min_speedup, "cells": cells}))

@@ -1,0 +1,95 @@
+"""benchmarks/serve.py on the CPU (its smoke mode): every row runs or says why, the JSON holds what
+the GPU receipt needs, the planned config is written and reusable."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from loka_tune.config import ModsConfig, PrecisionConfig, SitePrecision
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _load():  # type: ignore[no-untyped-def]
+    spec = importlib.util.spec_from_file_location("serve_bench", REPO / "benchmarks" / "serve.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _config(tmp_path: Path) -> Path:
+    cfg = PrecisionConfig(default=SitePrecision.parse("e4m3.row.emulated|bf16|bf16"),
+                          mods=ModsConfig(no_bias=True, blocknorm=8, hardswish=True))
+    return cfg.save(tmp_path / "best.json")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU smoke mode (torchao rows skipped)")
+def test_serve_bench_smoke_on_the_cpu(tmp_path: Path) -> None:
+    serve = _load()
+    out = tmp_path / "serve.json"
+    rc = serve.main(["--preset", "tiny", "--device", "cpu", "--config", str(_config(tmp_path)), "--batches", "8,32",
+                     "--reps", "3", "--warmup", "1", "--plan", "none",
+                     "--variants", "config,bf16_mods,config_dynamic,torchao_rowwise", "--out", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert res["meta"]["device"] and res["meta"]["compile_mode"] == "none" and res["meta"]["argv"][0] == "--preset"
+    rows = {(r["variant"], r["batch"]): r for r in res["rows"]}
+    order = [(r["variant"], r["batch"]) for r in res["rows"]]
+    assert order == [(v, b) for b in (8, 32) for v in ("bf16_mods", "config", "config_dynamic", "torchao_rowwise")]
+    for b in (8, 32):
+        assert rows[("torchao_rowwise", b)]["skipped"] == "needs a CUDA GPU"
+        ref, cfg = rows[("bf16_mods", b)], rows[("config", b)]
+        assert ref["sqnr_db"] is None and ref["fp8_sites"] == 0
+        assert cfg["fp8_sites"] > 0 and cfg["bucket"] is None and not cfg["fallbacks"]
+        assert 20.0 <= cfg["sqnr_db"] < 80.0  # FP8 logits: close to bf16 + Mods, not identical
+        assert cfg["sqnr_centered_db"] < cfg["sqnr_db"]  # the constant part of the logits taken off
+        for r in (ref, cfg, rows[("config_dynamic", b)]):
+            assert 0 < r["p50_ms"] <= r["p99_ms"] and r["throughput"] > 0
+    sp = res["summary"]["speedup_vs_bf16_mods"]
+    assert set(sp["config"]) == {"8", "32"} and sp["bf16_mods"] == {"8": 1.0, "32": 1.0}
+    assert "config logits SQNR >= 25 dB" in res["summary"]["checks"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's modeled plan")
+def test_serve_bench_prices_a_plan_and_writes_the_served_config(tmp_path: Path) -> None:
+    serve = _load()
+    out = tmp_path / "serve.json"
+    rc = serve.main(["--preset", "tiny", "--device", "cpu", "--config", str(_config(tmp_path)), "--batches", "16",
+                     "--reps", "2", "--warmup", "0", "--variants", "bf16_mods,config", "--budget", "1e9",
+                     "--out", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert res["meta"]["plan"] == "modeled" and res["plan"]["time_source"] == "modeled"
+    written = PrecisionConfig.load(tmp_path / "serve_config.json")
+    assert written.serving is not None and written.serving.sizes == (16,)
+    assert res["plan"] == written.serving.to_dict()
+    cfg_row = next(r for r in res["rows"] if r["variant"] == "config")
+    assert cfg_row["bucket"] == 16
+    # tiny widths at 16 rows: FP8 never pays on an H200, so the plan serves every site in bf16
+    assert cfg_row["fp8_sites"] == 0 and all(c == "bf16" for c in res["plan"]["buckets"]["16"].values())
+
+
+def test_serve_bench_rejects_bad_arguments(tmp_path: Path) -> None:
+    serve = _load()
+    base = ["--preset", "tiny", "--device", "cpu", "--out", str(tmp_path / "x.json")]
+    with pytest.raises(SystemExit, match="unknown variant"):
+        serve.main(base + ["--variants", "bf16_mods,fp4"])
+    with pytest.raises(SystemExit, match="need --config"):
+        serve.main(base + ["--variants", "config"])
+    with pytest.raises(SystemExit, match="has no serving section"):
+        serve.main(base + ["--variants", "config", "--config", str(_config(tmp_path)), "--plan", "config"])
+
+
+def test_serve_bench_over_the_budget_records_skipped_rows(tmp_path: Path) -> None:
+    serve = _load()
+    out = tmp_path / "serve.json"
+    rc = serve.main(["--preset", "tiny", "--device", "cpu", "--batches", "8", "--reps", "1", "--warmup", "0",
+                     "--variants", "bf16_mods", "--budget", "0", "--out", str(out)])
+    assert rc == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert rows == [{"variant": "bf16_mods", "batch": 8, "skipped": "over the --budget"}]

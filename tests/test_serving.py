@@ -1,0 +1,599 @@
+"""Serving (issue 23): static FP8 weights (``apply(..., serving=True)``), the serving plan per batch
+bucket, padded buckets, the serving copy of a trained model, and their errors. CPU: the emulated
+backend, and ``torch._scaled_mm`` (which runs on the CPU) through a CPU twin of ``torch_scaled_mm``.
+The GPU backends get the same checks on the device (``test_gpu_serving_*``, marked ``gpu``)."""
+
+from __future__ import annotations
+
+import copy
+import io
+import math
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+import torch
+from torch import nn
+
+from loka_tune import apply
+from loka_tune.config import (
+    GemmChoice,
+    GemmRole,
+    Granularity,
+    ModsConfig,
+    PrecisionConfig,
+    ServingPlan,
+    SitePrecision,
+)
+from loka_tune.errors import ConfigError, ServingError, UnsupportedChoiceError
+from loka_tune.kernels import costmodel
+from loka_tune.kernels.emulated import EmulatedBackend, emulated_gemm
+from loka_tune.kernels.linear import LokaLinear
+from loka_tune.kernels.quant import quantize, sqnr_db
+from loka_tune.kernels.registry import Backend, get_backend, register_backend, unregister_backend
+from loka_tune.kernels.scaled import cast_to_fp8, scaled_mm_gemm, scaled_mm_static
+from loka_tune.kernels.serving import ServingFusedBlock, ServingLinear
+from loka_tune.models import build_model
+from loka_tune.serving import ServingBuckets, plan_serving, serve_buckets, serving_form, site_rows
+
+GPU = pytest.mark.gpu
+ROWS = "e4m3.row.emulated|e5m2+e4m3.row.emulated|e4m3.row.emulated"
+MODS = ModsConfig(no_bias=True, blocknorm=8, hardswish=True, fuse_epilogue=True)
+CARDS = [50] * 8
+
+
+def _u8(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+def _wukong(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)  # silu: the hardswish Mod turns it into nn.Hardswish, so chains fuse
+    return build_model("wukong", "tiny", num_dense=13, cardinalities=CARDS, activation="silu").eval()
+
+
+def _batch(b: int = 64, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(b, 13, generator=g), torch.randint(0, 50, (b, 8), generator=g)
+
+
+def _cfg(**sites: str) -> PrecisionConfig:
+    return PrecisionConfig.from_sites({"head": "bf16", **sites}, default=ROWS, mods=MODS)
+
+
+def _weights(kind: str, n: int, k: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(n * 1000 + k)
+    if kind == "normal":
+        return torch.randn(n, k, generator=g) / k**0.5
+    if kind == "constant":
+        return torch.full((n, k), -0.3125)
+    if kind == "huge_range":  # rows from 1e-30 to 1e30, and one outlier per row
+        w = torch.randn(n, k, generator=g) * 10.0 ** torch.linspace(-30, 30, n).unsqueeze(1)
+        w[:, 0] *= 1e4
+        return w.clamp(-3e38, 3e38)
+    if kind == "zeros_and_tiny":
+        w = torch.zeros(n, k)
+        w[::2] = 1e-40  # subnormal float32 values
+        return w
+    raise AssertionError(kind)
+
+
+# ------------------------------------------------------------------ static = per call, bit for bit
+@pytest.mark.parametrize("gran", ["tensor", "row", "block", "mx"])
+@pytest.mark.parametrize("rounding", ["exact", "pow2"])
+@pytest.mark.parametrize("shape", [(32, 64), (130, 300), (1, 7), (256, 128)])
+@pytest.mark.parametrize("kind", ["normal", "constant", "huge_range", "zeros_and_tiny"])
+def test_static_weight_equals_per_call_quantization_bit_for_bit(gran: str, rounding: str, shape: tuple[int, int],
+                                                                kind: str) -> None:
+    n, k = shape
+    fmt = "mxfp8" if gran == "mx" else "e4m3"
+    choice = GemmChoice.parse(f"{fmt}.{gran}{'.pow2' if rounding == 'pow2' and gran != 'mx' else ''}.emulated")
+    w = _weights(kind, n, k)
+    be = EmulatedBackend()
+    data, scale = be.quantize_weight(w, choice)
+    ref = quantize(w, choice.b_format, choice.granularity, choice.rounding, is_weight=True)  # what a call does
+    assert torch.equal(_u8(data), _u8(ref.data)) and torch.equal(scale, ref.scale)
+    x = torch.randn(9, k, generator=torch.Generator().manual_seed(7)) * 3
+    got = be.static_gemm(choice)(x, data, scale)
+    want = emulated_gemm(x, w, choice, GemmRole.FWD)  # the per-call GEMM quantizes w again
+    assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("choice", ["e4m3.row.emulated", "e4m3.tensor.pow2.emulated", "e4m3.block.emulated"])
+def test_serving_linear_equals_the_training_forward(dtype: torch.dtype, choice: str) -> None:
+    torch.manual_seed(0)
+    lin = nn.Linear(200, 72).to(dtype)
+    served = ServingLinear.from_linear(lin, choice, name="site")
+    trained = LokaLinear.from_linear(lin, f"{choice}|bf16|bf16")
+    x = torch.randn(3, 5, 200, dtype=dtype)  # a 3-D input: rows = 15
+    with torch.no_grad():
+        assert torch.equal(served(x), trained(x))
+    assert served.bias is not None and served.bias.data_ptr() == lin.bias.data_ptr()  # shared, not copied
+    assert set(served.state_dict()) == {"weight_fp8", "weight_scale", "bias"}
+    assert served.weight_fp8.dtype == torch.float8_e4m3fn and served.weight_fp8.shape == (72, 200)
+
+
+# ------------------------------------------------------------------ torch._scaled_mm's static path (CPU)
+@pytest.fixture
+def cpu_scaled_mm() -> Iterator[str]:
+    """``torch_scaled_mm`` with the CPU allowed (``torch._scaled_mm`` runs on the CPU)."""
+    from loka_tune.kernels.backends.scaled_mm import ScaledMMBackend
+
+    @register_backend("cpu_scaled_mm")
+    class CPUScaledMM(ScaledMMBackend):
+        devices = frozenset({"cpu"})
+
+    yield "cpu_scaled_mm"
+    unregister_backend("cpu_scaled_mm")
+
+
+@pytest.mark.parametrize("choice", ["e4m3.row", "e4m3.tensor", "e4m3.row.pow2.fa", "e5m2.tensor"])
+@pytest.mark.parametrize("kind", ["normal", "huge_range"])
+def test_scaled_mm_static_weight_equals_per_call(choice: str, kind: str) -> None:
+    c = GemmChoice.parse(f"{choice}.torch_scaled_mm")
+    w = _weights(kind, 48, 96).to(torch.bfloat16)
+    be = get_backend("torch_scaled_mm")
+    data, inv = be.quantize_weight(w, c)
+    ref = quantize(w, c.b_format, c.granularity, c.rounding, is_weight=True)
+    assert torch.equal(_u8(data), _u8(ref.data)) and torch.equal(inv.reshape(-1), ref.inv_scale().reshape(-1))
+    x = torch.randn(70, 96, dtype=torch.bfloat16)
+    assert torch.equal(scaled_mm_static(x, *cast_to_fp8(w, c.b_format, c.granularity, c.rounding), c),
+                       scaled_mm_gemm(x, w, c))
+    assert torch.equal(be.static_gemm_impl(x, data, inv, c), scaled_mm_gemm(x, w, c))
+
+
+def test_scaled_mm_serving_model_equals_its_training_form_and_compiles(cpu_scaled_mm: str) -> None:
+    m = _wukong()
+    cfg = PrecisionConfig.from_sites({"head": "bf16"}, default=f"e4m3.row.{cpu_scaled_mm}|bf16|bf16",
+                                     mods=ModsConfig(blocknorm=8, hardswish=True))
+    trained, served = copy.deepcopy(m), copy.deepcopy(m)
+    t = apply(trained, cfg, strict=False)  # dims not multiples of 16 stay bf16 there, as in serving below
+    s = apply(served, cfg, serving=True, strict=False)
+    assert s.replaced and set(s.fallbacks) == {site for site, fb in t.fallbacks.items() if "fwd" in fb}
+    assert set(s.replaced) == {n for n, mod in trained.named_modules()
+                               if isinstance(mod, LokaLinear) and not mod.precision.fwd.is_bf16}
+    x = _batch()
+    with torch.no_grad():
+        want = trained(*x)
+        got = served(*x)
+        compiled = torch.compile(served, fullgraph=True, dynamic=False)(*x)
+    assert torch.equal(got, want)
+    assert sqnr_db(got, compiled) >= 60.0  # inductor's fusions reorder float ops, nothing else
+
+
+# ------------------------------------------------------------------ apply(serving=True) on a model
+def test_serving_config_round_trips_through_export_and_apply(tmp_path: Path) -> None:
+    m = _wukong()
+    cfg = _cfg(**{"layers.0.fmb.out": "e4m3.block.emulated|bf16|bf16", "dense_proj": "bf16|e4m3.row.emulated|bf16"})
+    path = tmp_path / "best.json"
+    loka_cfg = PrecisionConfig.load(cfg.save(path))  # the export a study writes, read back
+    trained, served = copy.deepcopy(m), copy.deepcopy(m)
+    apply(trained, loka_cfg)
+    summary = apply(served, path, serving=True)
+    assert summary.serving and summary.bucket is None
+    assert summary.fused == ["dense_mlp.0", "layers.0.fmb.mlp.0", "layers.1.fmb.mlp.0", "head_mlp.0"]
+    assert "dense_proj" in summary.unchanged and "head" in summary.unchanged  # bf16 fwd: plain nn.Linear
+    assert summary.replaced["layers.0.fmb.out"] == "e4m3.block.emulated"
+    assert isinstance(served.dense_mlp[0], ServingFusedBlock) and type(served.dense_proj) is nn.Linear
+    assert "inference only" in str(summary) and "static FP8 weight" in str(summary)
+    x = _batch()
+    with torch.no_grad():
+        assert torch.equal(served(*x), trained(*x))  # the emulated math is the same, so bit for bit
+        compiled = torch.compile(served, fullgraph=True, dynamic=False)(*x)
+    assert sqnr_db(trained(*x).detach(), compiled) >= 60.0
+
+
+def test_a_config_without_fp8_forwards_serves_bf16_and_says_so() -> None:
+    m = _wukong()
+    s = apply(m, PrecisionConfig(default=SitePrecision.parse("bf16|e4m3.row.emulated|e4m3.row.emulated")), serving=True)
+    assert not s.replaced and len(s.unchanged) == s.n_sites
+    assert "serves in bf16" in str(s) and "dgrad / wgrad" in str(s)
+    assert all(type(mod) is nn.Linear for n, mod in m.named_modules() if n in s.unchanged)
+
+
+def test_state_dict_round_trips_and_a_bf16_checkpoint_requantizes() -> None:
+    m1, m2 = _wukong(0), _wukong(1)  # two different checkpoints of one architecture
+    cfg = _cfg()
+    a = copy.deepcopy(m1)
+    apply(a, cfg, serving=True)
+    sd = a.state_dict()
+    assert "layers.0.fmb.out.weight_fp8" in sd and "layers.0.fmb.out.weight_scale" in sd
+    assert "layers.0.fmb.out.weight" not in sd and "head.weight" in sd  # the bf16 head keeps nn.Linear's key
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    b = copy.deepcopy(m2)
+    apply(b, cfg, serving=True)
+    b.load_state_dict(torch.load(buf))  # the served tensors, as they are
+    x = _batch()
+    with torch.no_grad():
+        assert torch.equal(b(*x), a(*x))
+    # the training checkpoint of m2 (nn.Linear's 'weight' keys) re-quantizes into a's layers
+    apply(m2, PrecisionConfig(mods=cfg.mods))
+    a.load_state_dict(m2.state_dict())
+    ref = copy.deepcopy(_wukong(1))
+    apply(ref, cfg, serving=True)
+    with torch.no_grad():
+        assert torch.equal(a(*x), ref(*x))
+
+
+def test_state_dict_errors_name_the_fix() -> None:
+    a = _wukong()
+    apply(a, _cfg(), serving=True)
+    sd = a.state_dict()
+    sd["layers.0.fmb.out.weight"] = torch.randn(32, 32)  # both keys for one site
+    with pytest.raises(RuntimeError, match="both 'weight' and 'weight_fp8'; keep one"):
+        a.load_state_dict(sd)
+    sd = {k: v for k, v in a.state_dict().items() if not k.startswith("layers.0.fmb.out.weight_")}
+    sd["layers.0.fmb.out.weight"] = torch.randn(16, 32)
+    with pytest.raises(RuntimeError, match=r"shape \(16, 32\); this layer serves \(32, 32\): a state dict of another"):
+        a.load_state_dict(sd)
+    sd["layers.0.fmb.out.weight"] = torch.full((32, 32), float("nan"))
+    with pytest.raises(RuntimeError, match="non-finite values"):
+        a.load_state_dict(sd)
+
+
+# ------------------------------------------------------------------ serving plans and buckets
+class _Wide(nn.Module):
+    """Two wide linears (FP8 pays on an H200 at large batches, not at small ones) and a narrow one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.up = nn.Linear(1024, 4096, bias=False)
+        self.act = nn.Hardswish()
+        self.down = nn.Linear(4096, 1024, bias=False)
+        self.head = nn.Linear(1024, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.down(self.act(self.up(x))))
+
+
+def test_plan_serving_prices_each_bucket_from_the_cost_model_with_static_weights() -> None:
+    model = _Wide()
+    cfg = PrecisionConfig(default=SitePrecision.parse("e4m3.row.emulated|bf16|bf16"))
+    planned = plan_serving(model, cfg, (torch.randn(4, 1024),), buckets=(16, 8192))
+    plan = planned.serving
+    assert plan is not None and plan.sizes == (16, 8192) and plan.time_source == "modeled" and plan.device == "h200"
+    for rows in plan.sizes:
+        for site, (k, n) in {"up": (1024, 4096), "down": (4096, 1024), "head": (1024, 16)}.items():
+            fp8 = costmodel.estimate_gemm_seconds("e4m3.row.emulated", rows, k, n, "fwd", static_b=True)
+            bf16 = costmodel.estimate_gemm_seconds("bf16", rows, k, n, "fwd")
+            want = "e4m3.row.emulated" if bf16 / fp8 > 1.0 else "bf16"
+            assert plan.choices(rows)[site].short_str() == want, (rows, site)
+            cell = plan.prices["cells"][str(rows)][site]
+            assert cell["m"] == rows and math.isclose(cell["bf16_us"], bf16 * 1e6)
+    assert plan.choices(16)["up"].is_bf16 and not plan.choices(8192)["up"].is_bf16  # the decision the buckets exist for
+    assert planned.key() == cfg.key()  # the plan does not change training
+
+
+def test_a_planned_config_serves_each_bucket_with_its_choices(tmp_path: Path) -> None:
+    model = _Wide()
+    cfg = PrecisionConfig(default=SitePrecision.parse("e4m3.row.emulated|bf16|bf16"))
+    planned = plan_serving(model, cfg, (torch.randn(4, 1024),), buckets=(16, 8192))
+    back = PrecisionConfig.load(planned.save(tmp_path / "served.json"))
+    assert back == planned and back.serving == planned.serving
+    for batch, bucket in ((3, 16), (16, 16), (17, 8192), (8192, 8192)):
+        served = copy.deepcopy(model)
+        s = apply(served, back, serving=True, batch=batch)
+        assert s.bucket == bucket
+        want = {site: c.short_str() for site, c in back.serving.choices(bucket).items() if not c.is_bf16}
+        assert s.replaced == want
+        trained = copy.deepcopy(model)
+        apply(trained, PrecisionConfig.from_sites({site: f"{c}|bf16|bf16" for site, c in want.items()}))
+        x = torch.randn(5, 1024)
+        with torch.no_grad():
+            assert torch.equal(served(x), trained(x))
+
+
+def test_serve_buckets_pad_to_the_bucket_and_share_every_other_tensor() -> None:
+    m = _wukong()
+    plan = ServingPlan(buckets=((16, {"head_mlp.0.linear": "bf16"}), (64, {})))
+    cfg = _cfg().with_serving(plan)
+    server = serve_buckets(m, cfg)
+    assert isinstance(server, ServingBuckets) and server.sizes == (16, 64)
+    small, big = server.models["16"], server.models["64"]
+    assert type(small.head_mlp[0].linear) is nn.Linear and isinstance(big.head_mlp[0], ServingFusedBlock)
+    emb = m.embeddings.table.weight
+    assert small.embeddings.table.weight is emb and big.embeddings.table.weight is emb  # shared, not copied
+    assert isinstance(m.dense_mlp[0].linear, nn.Linear) and type(m.dense_mlp[0].linear) is nn.Linear  # m stays bf16
+    dense, sparse = _batch(40)
+    with torch.no_grad():
+        out = server(dense, sparse)
+        pad = torch.cat([dense, dense.new_zeros(24, 13)]), torch.cat([sparse, sparse.new_zeros(24, 8)])
+        assert out.shape == (40,) and torch.equal(out, big(*pad)[:40])  # padded to 64, cut back to 40
+        assert torch.allclose(out, big(dense, sparse), rtol=0, atol=1e-5)  # rowwise: pad rows change nothing
+        assert server(*_batch(10)).shape == (10,)
+    with pytest.raises(ServingError, match=r"batch 65 is above every bucket of the serving plan \(16, 64\)"):
+        server(*_batch(65))
+
+
+def test_serving_form_serves_a_trained_model_without_changing_it() -> None:
+    m = _wukong()
+    apply(m, _cfg(**{"layers.1.fmb.out": "bf16|e4m3.row.emulated|bf16"}))
+    served = serving_form(m)
+    assert any(isinstance(mod, LokaLinear) for mod in m.modules())  # m itself is unchanged
+    assert type(served.layers[1].fmb.out) is nn.Linear  # a bf16 fwd serves as nn.Linear
+    assert isinstance(served.layers[0].fmb.out, ServingLinear) and isinstance(served.dense_mlp[0], ServingFusedBlock)
+    assert served.head.weight is m.head.weight
+    x = _batch()
+    with torch.no_grad():
+        assert torch.equal(served(*x), m(*x))
+
+
+def test_the_inference_objective_prices_static_weights() -> None:
+    from loka_tune.data.base import Batch
+    from loka_tune.objectives.speed import measure_forward_seconds, modeled_gemm_seconds
+
+    m = _Wide()
+    apply(m, PrecisionConfig(default=SitePrecision.parse("e4m3.row.emulated|e4m3.row.emulated|bf16")))
+    x = torch.randn(4, 1024)
+    rows = site_rows(m, (x,))
+    assert rows == {"up": (1.0, 1024, 4096), "down": (1.0, 4096, 1024), "head": (1.0, 1024, 16)}
+    batch = Batch(dense=x, sparse=torch.zeros(4, 0, dtype=torch.long), labels=torch.zeros(4))
+    kw: dict[str, Any] = dict(batch_size=4, cost_batch_size=8192, device="h200")
+    inf = modeled_gemm_seconds(_Model(m), batch, kind="inference", **kw)
+    want = sum(costmodel.estimate_gemm_seconds("e4m3.row.emulated", 8192, k, n, "fwd", static_b=True)
+               for _, k, n in rows.values())
+    assert math.isclose(inf, want, rel_tol=1e-12)
+    assert inf < sum(costmodel.estimate_gemm_seconds("e4m3.row.emulated", 8192, k, n, "fwd") for _, k, n in rows.values())
+    assert measure_forward_seconds(_Model(m), batch, reps=2, warmup=0) > 0
+    assert isinstance(m.up, LokaLinear)  # timed on a serving copy; the trial's model is unchanged
+
+
+class _Model(nn.Module):
+    """``model_inputs``' (dense, sparse) calling convention around a dense-only module."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
+        return self.inner(dense)
+
+
+def test_a_measured_plan_uses_the_timer_and_its_cache(tmp_path: Path) -> None:
+    from loka_tune.kernels.site_timing import SitePriceCache
+
+    calls: list[tuple[int, int, int, str]] = []
+
+    def fake(m: int, k: int, n: int, choice: str, *, device: str) -> dict[str, float]:
+        calls.append((m, k, n, choice))  # FP8 pays above 1000 rows, by construction of this fake
+        fp8 = choice != "bf16"
+        return {"gpu_s": (m * k * n) * (0.5 if fp8 else 1.0) * 1e-15 + (2e-5 if fp8 else 1e-5), "host_s": 0.0}
+
+    model, inputs = _Wide(), (torch.randn(4, 1024),)
+    cfg = PrecisionConfig(default=SitePrecision.parse("e4m3.row.emulated|bf16|bf16"))
+    cache = SitePriceCache(tmp_path / "prices.json", shipped=(), device="fake", versions="v")
+    plan = plan_serving(model, cfg, inputs, buckets=(16, 8192), measure=True, timer=fake, cache=cache).serving
+    assert plan is not None and plan.time_source == "measured"
+    assert plan.choices(16)["up"].is_bf16 and plan.choices(8192)["up"].short_str() == "e4m3.row.emulated"
+    n_cells = len(calls)
+    assert n_cells == 2 * 3 * 2 and len(cache) == n_cells  # buckets x sites x (bf16, fp8)
+    again = plan_serving(model, cfg, inputs, buckets=(16, 8192), measure=True, timer=fake, cache=cache).serving
+    assert len(calls) == n_cells and again == plan  # every cell from the cache
+    modeled = plan_serving(model, cfg, inputs, buckets=(16,), measure=True, timer=fake, budget_s=0.0).serving
+    assert modeled is not None and modeled.time_source == "modeled"  # no time left: the cost model
+
+
+def test_the_serving_timer_runs_and_a_plan_follows_its_prices() -> None:
+    """time_serving_site's code on the CPU (wall time, no CUDA graphs): a price is a GPU's, so the
+    test checks the plan's decisions against the recorded cells, not against any speed."""
+    from loka_tune.kernels.serve_timing import time_serving_site
+
+    cell = time_serving_site(32, 64, 48, "e4m3.row.emulated", device="cpu", iters=2, reps=2, warmup=1)
+    assert cell["gpu_s"] > 0 and cell["timing"] == "wall" and cell["iters"] == 4
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 48), nn.Hardswish(), nn.Linear(48, 16))
+    cfg = PrecisionConfig(default=SitePrecision.parse("e4m3.row.emulated|bf16|bf16"))
+    plan = plan_serving(model, cfg, (torch.randn(4, 64),), buckets=(32,), measure=True, device="cpu").serving
+    assert plan is not None and plan.time_source == "measured" and plan.device == "cpu"  # where it was timed
+    for site in ("0", "2"):
+        c = plan.prices["cells"]["32"][site]
+        assert c["source"] == {"bf16": "measured", "e4m3.row.emulated": "measured"}
+        fp8_wins = c["bf16_us"] / c["e4m3.row.emulated_us"] > 1.0
+        assert plan.choices(32)[site].short_str() == ("e4m3.row.emulated" if fp8_wins else "bf16")
+
+
+def test_static_b_drops_only_the_weights_quantization() -> None:
+    for choice, role in (("e4m3.row.torch_scaled_mm", "fwd"), ("e4m3.tensor.fa.torch_scaled_mm", "fwd"),
+                         ("e4m3.row.fbgemm", "dgrad"), ("e4m3.block.fbgemm", "fwd"), ("e4m3.row.fa.triton", "fwd"),
+                         ("e4m3.row.torchao", "fwd")):
+        full = costmodel.gemm_breakdown(choice, 2048, 2048, 4096, role)
+        static = costmodel.gemm_breakdown(choice, 2048, 2048, 4096, role, static_b=True)
+        dropped = [s for s in full if s not in static]
+        assert dropped and all(s.name.startswith("quant B") or s.name == "transpose B" for s in dropped), choice
+        assert [s.name for s in static] == [s.name for s in full if s not in dropped]
+        assert math.isclose(costmodel.estimate_gemm_seconds(choice, 2048, 2048, 4096, role, static_b=True),
+                            sum(s.seconds for s in static))
+    assert costmodel.estimate_gemm_seconds("bf16", 512, 1024, 1024, "fwd", static_b=True) == \
+        costmodel.estimate_gemm_seconds("bf16", 512, 1024, 1024, "fwd")
+    # emulated: the fastest real backend *with* a static weight
+    em = costmodel.estimate_gemm_seconds("e4m3.row.emulated", 512, 2048, 2048, "fwd", static_b=True)
+    real = [costmodel.estimate_gemm_seconds(f"e4m3.row.{b}", 512, 2048, 2048, "fwd", static_b=True)
+            for b in ("torch_scaled_mm", "fbgemm", "triton", "torchao")]
+    assert em == min(real)
+    assert costmodel.modeled_speedup("e4m3.row.torch_scaled_mm", 8192, 2048, 2048, "fwd", static_b=True) > \
+        costmodel.modeled_speedup("e4m3.row.torch_scaled_mm", 8192, 2048, 2048, "fwd")
+
+
+# ------------------------------------------------------------------ bad inputs: one clear line each
+@pytest.fixture
+def no_static() -> Iterator[str]:
+    """A backend with a GEMM but no static-weight path, and one that serves rowwise only."""
+
+    @register_backend("cpu_nostatic")
+    class NoStatic(Backend):
+        def gemm(self, a: torch.Tensor, b: torch.Tensor, choice: GemmChoice, role: GemmRole) -> torch.Tensor:
+            return emulated_gemm(a, b, choice.with_backend("emulated"), role)
+
+    @register_backend("cpu_rowonly")
+    class RowOnly(EmulatedBackend):
+        static_granularities = frozenset({Granularity.ROW})
+
+    yield "cpu_nostatic"
+    unregister_backend("cpu_nostatic")
+    unregister_backend("cpu_rowonly")
+
+
+def _one_line(e: pytest.ExceptionInfo[BaseException]) -> str:
+    msg = str(e.value)
+    assert "\n" not in msg, msg
+    return msg
+
+
+def test_a_backend_without_a_static_path_is_named(no_static: str) -> None:
+    m = _wukong()
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    cfg = _cfg(**{"layers.0.fmb.out": "e4m3.row.cpu_nostatic"})
+    with pytest.raises(UnsupportedChoiceError) as e:
+        apply(m, cfg, serving=True)
+    msg = _one_line(e)
+    assert "'layers.0.fmb.out'" in msg and "'e4m3.row.cpu_nostatic'" in msg
+    assert "backend 'cpu_nostatic' has no static-weight (serving) path" in msg and "strict=False" in msg
+    assert all(type(mod) is not ServingLinear for mod in m.modules())  # all or nothing: m as it was
+    assert all(torch.equal(before[k], v) for k, v in m.state_dict().items()) and set(before) == set(m.state_dict())
+    s = apply(m, cfg, serving=True, strict=False)
+    assert "layers.0.fmb.out" in s.unchanged and "no static-weight" in s.fallbacks["layers.0.fmb.out"]["fwd"]
+    with pytest.raises(UnsupportedChoiceError, match=r"serves static weights with granularities \['row'\], not 'tensor'"):
+        apply(_wukong(), _cfg(**{"head_mlp.0.linear": "e4m3.tensor.cpu_rowonly"}), serving=True)
+
+
+def test_a_choice_this_device_cannot_run_is_named() -> None:
+    with pytest.raises(UnsupportedChoiceError) as e:
+        apply(_wukong(), _cfg(**{"layers.0.fmb.out": "e4m3.row.torch_scaled_mm"}), serving=True)
+    msg = _one_line(e)
+    assert "device 'cpu' not supported" in msg and "'layers.0.fmb.out'" in msg
+
+
+@pytest.mark.parametrize("batch", [9000, 0, -3])
+def test_a_batch_outside_every_bucket_is_one_line(batch: int) -> None:
+    cfg = _cfg().with_serving(ServingPlan(buckets=((512, {}), (2048, {}), (8192, {}))))
+    m = _wukong()
+    with pytest.raises(ServingError) as e:
+        apply(m, cfg, serving=True, batch=batch)
+    msg = _one_line(e)
+    if batch > 0:
+        assert "batch 9000 is above every bucket of the serving plan (512, 2048, 8192)" in msg
+        assert "chunks of at most 8192 rows" in msg and "buckets=[..., 9000]" in msg
+    else:
+        assert f"got batch={batch}; a batch size is a positive integer" in msg
+    assert all(type(mod) is not ServingLinear for mod in m.modules())
+
+
+def test_bad_serving_calls_name_the_fix() -> None:
+    with pytest.raises(ConfigError, match="batch=512 without serving=True"):
+        apply(_wukong(), _cfg(), batch=512)
+    with pytest.raises(ConfigError, match="this config has none: price one with loka_tune.serving.plan_serving"):
+        apply(_wukong(), _cfg(), serving=True, batch=512)
+    trained = _wukong()
+    apply(trained, _cfg())
+    with pytest.raises(ServingError, match=r"applied for training \(.*serving_form\(model\)") as e:
+        apply(trained, _cfg(), serving=True)
+    _one_line(e)
+    served = _wukong()
+    apply(served, _cfg(), serving=True)
+    for serving in (True, False):
+        with pytest.raises(ServingError, match="served already .* load its checkpoint"):
+            apply(served, _cfg(), serving=serving)
+    with pytest.raises(ServingError, match="served already"):
+        serving_form(served)
+    missing = _cfg().with_serving(ServingPlan(buckets=((64, {"layers.9.out": "bf16"}),)))
+    with pytest.raises(ConfigError, match=r"bucket 64 names 'layers.9.out', which is no linear layer") as e:
+        apply(_wukong(), missing, serving=True, batch=64)
+    _one_line(e)
+    assert apply(_wukong(), missing, serving=True, batch=64, strict=False).unmatched == ["layers.9.out"]
+
+
+def test_training_a_served_model_is_one_line_naming_the_fix() -> None:
+    m = _wukong()
+    apply(m, _cfg(), serving=True)
+    m.train()
+    assert not [p for n, p in m.named_parameters() if "fmb.out" in n]  # a served site has no parameters
+    y = m(*_batch())  # grad mode on, the embeddings require grad
+    with pytest.raises(ServingError) as e:
+        y.sum().backward()
+    msg = _one_line(e)
+    assert "inference only" in msg and "without serving=True" in msg
+    with pytest.raises(ServingError, match="non-finite values"):
+        ServingLinear(torch.tensor([[1.0, float("inf")]]), None, "e4m3.row.emulated", name="x")
+    with pytest.raises(UnsupportedChoiceError, match="a bf16 choice; a bf16 site serves as a plain nn.Linear"):
+        ServingLinear(torch.randn(4, 4), None, "bf16")
+
+
+@pytest.mark.parametrize("section, match", [
+    ({"buckets": {"abc": {}}}, "serving.buckets: got bucket 'abc'; a bucket is a positive batch size"),
+    ({"buckets": {"0": {}}}, "got bucket 0"),
+    ({"buckets": {"512": {"re:.*": "bf16"}}}, "names sites exactly"),
+    ({"buckets": {"512": {"a": "e4m3.row"}}}, r"serving.buckets.512.a: got 'e4m3.row'"),
+    ({"buckets": {"512": ["a"]}}, "a bucket maps site names to fwd choices"),
+    ({"buckets": {}, "when": 1}, r"unknown key\(s\) \['when'\]"),
+    ({"buckets": {}, "time_source": "guessed"}, "expected one of modeled, measured, mixed, given"),
+    ([1, 2], "the serving section is an object"),
+])
+def test_a_malformed_serving_section_names_the_key(section: Any, match: str) -> None:
+    d = _cfg().to_dict()
+    d["serving"] = section
+    with pytest.raises(ConfigError, match=match):
+        PrecisionConfig.from_dict(d)
+
+
+def test_configs_without_a_plan_keep_their_json() -> None:
+    cfg = _cfg()
+    assert "serving" not in cfg.to_dict()
+    planned = cfg.with_serving({"buckets": {"512": {"head": "bf16"}}, "time_source": "given"})
+    assert PrecisionConfig.from_json(planned.to_json()) == planned
+    assert planned.to_dict()["serving"]["buckets"] == {"512": {"head": "bf16"}}
+    assert planned.with_serving(None) == cfg
+
+
+# ------------------------------------------------------------------ GPU: the real backends
+def _gpu_choices() -> list[str]:
+    return ["e4m3.row.torch_scaled_mm", "e4m3.tensor.fa.torch_scaled_mm", "e4m3.row.fa.fbgemm", "e4m3.tensor.fbgemm",
+            "e4m3.block.fbgemm", "e4m3.row.fa.triton", "e4m3.tensor.triton", "e4m3.block.triton", "e4m3.row.torchao",
+            "e4m3.tensor.torchao"]
+
+
+@GPU
+@pytest.mark.parametrize("choice", _gpu_choices())
+def test_gpu_serving_linear_matches_its_training_forward(choice: str) -> None:
+    try:
+        get_backend(GemmChoice.parse(choice).backend)
+    except Exception as e:  # noqa: BLE001 - a backend not installed on this GPU machine
+        pytest.skip(str(e))
+    torch.manual_seed(0)
+    lin = nn.Linear(1024, 2048, bias=True, device="cuda", dtype=torch.bfloat16)
+    served = ServingLinear.from_linear(lin, choice)
+    trained = LokaLinear.from_linear(lin, f"{choice}|bf16|bf16")
+    x = torch.randn(512, 1024, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        ref = x.double() @ lin.weight.double().t() + lin.bias.double()
+        got, want = served(x), trained(x)
+        compiled = torch.compile(served, mode="reduce-overhead", fullgraph=True, dynamic=False)
+        for _ in range(3):
+            out = compiled(x).clone()
+    assert sqnr_db(want, got) >= 40.0, f"{sqnr_db(want, got):.1f} dB vs the per-call path"
+    assert sqnr_db(ref, got) >= 20.0 and sqnr_db(got, out) >= 40.0  # an FP8 linear's output vs float64
+
+
+@GPU
+def test_gpu_serving_prices_and_the_fused_triton_epilogue() -> None:
+    pytest.importorskip("triton")
+    from loka_tune.kernels.serve_timing import time_serving_site
+
+    for choice in ("bf16", "e4m3.row.torch_scaled_mm"):
+        cell = time_serving_site(2048, 2048, 2048, choice, iters=5, reps=2)
+        assert cell["gpu_s"] > 0 and cell["timing"] in ("profiler", "events") and cell["iters"] == 10
+    m = build_model("wukong", "tiny", num_dense=13, cardinalities=CARDS, activation="silu",
+                    fmb_mlp=(64,), dense_mlp=(64,), head_mlp=(64,)).cuda().to(torch.bfloat16).eval()
+    cfg = PrecisionConfig.from_sites({"head": "bf16"}, default="e4m3.row.fa.triton|bf16|bf16",
+                                     mods=ModsConfig(blocknorm=32, hardswish=True, fuse_epilogue=True))
+    trained, served = copy.deepcopy(m), copy.deepcopy(m)
+    apply(trained, cfg, strict=False)
+    s = apply(served, cfg, serving=True, strict=False)
+    assert s.fused
+    x = tuple(t.cuda() for t in _batch(256))
+    x = (x[0].to(torch.bfloat16), x[1])
+    with torch.no_grad():
+        want, got = trained(*x), served(*x)
+    assert sqnr_db(want, got) >= 30.0
