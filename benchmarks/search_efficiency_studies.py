@@ -1,15 +1,21 @@
-"""Search efficiency (issue #8, point 3): short runs to the best feasible config, probe-pruned vs plain TPE.
+"""Search efficiency with real studies (issue #8, point 3): short runs to the best feasible config,
+probe-pruned vs plain TPE. (Issue 21's comparison on a binding space, with modeled composition,
+is ``benchmarks/search_efficiency.py``; this script was that file's name until then.)
 
 For one fixed trial budget, each *arm* is a real ``loka_tune.tuner.run_study`` on a variant of one
 base study, repeated for several sampler seeds (``[study] seed``):
 
-* ``loka``: what ``loka-tune tune`` does today: probe pruning (``[probe] enabled = true``) and the
+* ``loka``: what ``loka-tune tune`` does today: probe pruning (``[probe] enabled = true``), the
+  base study's space (the recipe space unless it sets ``[space] per_gemm = true``) and the
   enqueued first trials (:mod:`loka_tune.tuner.starts`: bf16 under each Mods set, then the named
-  recipes; the results recorded in ``benchmarks/results/search_efficiency.md`` predate them:
+  recipes, then the model's proposals; the results recorded in
+  ``benchmarks/results/search_efficiency_studies.md`` predate all of these: per-GEMM space,
   all-bf16, the Dispatch plan, all-FP8 at the fastest safe choices).
-* ``tpe``: plain Optuna TPE over the unpruned space (``[probe] enabled = false``: no probe, no
-  pruning, no Dispatch plan) with no enqueued trials (``[trials] enqueue_starts = false``).
-* ``pruned_tpe`` (optional ablation, ``--arms loka,tpe,pruned_tpe``): probe pruning, no enqueued trials.
+* ``tpe``: plain Optuna TPE over the unpruned per-GEMM space (``[space] per_gemm = true``,
+  ``[probe] enabled = false``: no probe, no pruning, no Dispatch plan) with no enqueued trials
+  (``[trials] enqueue_starts = false``).
+* ``pruned_tpe`` (optional ablation, ``--arms loka,tpe,pruned_tpe``): probe pruning, per-GEMM
+  space, no enqueued trials.
 
 Everything else is the same in every arm: the model, data, loss budget, the TPE sampler with the
 loss constraint (``n_startup_trials`` random trials first), the hopeless pruner, the structural
@@ -24,8 +30,8 @@ best feasible step time was first reached, that best (and its speed-up over bf16
 equals the best over all runs (within ``--tol``, default 0.5%), and the short runs until that
 overall best was first reached (censored at the run's total short runs when never reached).
 
-    python benchmarks/search_efficiency.py --n-trials 36 --seeds 0,1,2 --arms loka,tpe,pruned_tpe \\
-        --out benchmarks/results            # writes search_efficiency.json and .md there (~25 min, 2 cores)
+    python benchmarks/search_efficiency_studies.py --n-trials 36 --seeds 0,1,2 --arms loka,tpe,pruned_tpe \\
+        --out benchmarks/results   # writes search_efficiency_studies.json and .md there (~25 min, 2 cores)
 
 The default base study is ``BASE_STUDY`` below: studies/quickstart.toml with a deeper DLRM (1024x2048
 and 2048x1024 top GEMMs, where FP8 pays off on an H200 for some roles and granularities, and a
@@ -54,7 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 __all__ = ["BASE_STUDY", "ARMS", "arm_config", "run_arm", "run_benchmark", "summarize", "to_markdown", "main"]
 
 BASE_STUDY = """\
-# quickstart.toml with a deeper DLRM and a richer space (see benchmarks/search_efficiency.py)
+# quickstart.toml with a deeper DLRM and a richer space (see benchmarks/search_efficiency_studies.py)
 [study]
 name = "search_efficiency"
 seed = 0
@@ -116,30 +122,33 @@ n_startup_trials = 6
 enabled = false
 """
 
-# arm -> ([probe] enabled, [trials] enqueue_starts)
-ARMS: dict[str, tuple[bool, bool]] = {
-    "loka": (True, True),
-    "tpe": (False, False),
-    "pruned_tpe": (True, False),
+# arm -> ([probe] enabled, [trials] enqueue_starts, [space] per_gemm: None = the base study's)
+ARMS: dict[str, tuple[bool, bool, bool | None]] = {
+    "loka": (True, True, None),
+    "tpe": (False, False, True),
+    "pruned_tpe": (True, False, True),
 }
 ARM_LABELS = {
     "loka": "loka-tune (probe pruning + enqueued starts)",
-    "tpe": "plain TPE (unpruned space, no enqueued trials)",
-    "pruned_tpe": "TPE on the probe-pruned space, no enqueued trials",
+    "tpe": "plain TPE (unpruned per-GEMM space, no enqueued trials)",
+    "pruned_tpe": "TPE on the probe-pruned per-GEMM space, no enqueued trials",
 }
 
 
 def arm_config(base: Mapping[str, Any], arm: str, seed: int, n_trials: int, workdir: Path) -> Any:
     """The validated StudyConfig of ``arm`` for sampler ``seed``: the base study document with only
-    ``[study]`` name/output_dir/seed, ``[probe] enabled``, ``[trials]`` n_trials/enqueue_starts and
-    ``[tracking] enabled = false`` (and a storage in ``workdir``) changed."""
+    ``[study]`` name/output_dir/seed, ``[probe] enabled``, ``[trials]`` n_trials/enqueue_starts,
+    ``[space] per_gemm`` for the TPE arms and ``[tracking] enabled = false`` (and a storage in
+    ``workdir``) changed."""
     from loka_tune.tuner.study import parse_study
 
-    probe_on, enqueue = ARMS[arm]
+    probe_on, enqueue, per_gemm = ARMS[arm]
     doc = copy.deepcopy(dict(base))
     name = f"{arm}-seed{seed}"
     doc["study"] = {**doc.get("study", {}), "name": name, "output_dir": str(workdir / name), "seed": seed}
     doc["probe"] = {**doc.get("probe", {}), "enabled": probe_on}
+    if per_gemm is not None:
+        doc["space"] = {**doc.get("space", {}), "per_gemm": per_gemm}
     trials = {k: v for k, v in doc.get("trials", {}).items() if k != "timeout_s"}
     doc["trials"] = {**trials, "n_trials": n_trials, "enqueue_starts": enqueue}
     doc["storage"] = {**doc.get("storage", {}), "url": f"sqlite:///{workdir / name / 'optuna.db'}"}
@@ -432,7 +441,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--arms", default="loka,tpe", help=f"comma-separated, from {', '.join(ARMS)}")
     ap.add_argument("--tol", type=float, default=0.005, help="relative tolerance of 'reached the overall best'")
     ap.add_argument("--out", type=Path, required=True, help="folder for NAME.json and NAME.md")
-    ap.add_argument("--name", default="search_efficiency", help="file name stem of the results")
+    ap.add_argument("--name", default="search_efficiency_studies", help="file name stem of the results")
     ap.add_argument("--workdir", type=Path, default=None, help="keep the Optuna storages here (default: temp)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch CPU threads (default 1: two-thread GEMMs on a shared 2-core box stall each other)")
@@ -444,7 +453,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     result = run_benchmark(base, n_trials=args.n_trials, seeds=seeds, arms=arms, tol=args.tol, workdir=args.workdir)
-    command = "python benchmarks/search_efficiency.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "python benchmarks/search_efficiency_studies.py " + " ".join(sys.argv[1:] if argv is None else argv)
     result["meta"]["command"] = command
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=1, default=str) + "\n")

@@ -1,7 +1,8 @@
-"""benchmarks/search_efficiency.py: the arms are real studies, and "short runs to the best" follow the trial records."""
+"""benchmarks/search_efficiency_studies.py: the arms are real studies, and "short runs to the best" follow the trial records."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import itertools
 import sys
@@ -23,7 +24,7 @@ TINY = _tune_tests.TINY.format(name="se", out="unused", model=_tune_tests.DLRM, 
 def se():  # noqa: ANN201
     sys.path.insert(0, str(REPO / "benchmarks"))
     try:
-        yield importlib.import_module("search_efficiency")
+        yield importlib.import_module("search_efficiency_studies")
     finally:
         sys.path.remove(str(REPO / "benchmarks"))
 
@@ -106,7 +107,9 @@ def test_arm_config_changes_only_the_arm_keys(se, tmp_path: Path) -> None:  # no
     assert (a.probe.enabled, a.trials.enqueue_starts, a.study.seed) == (False, False, 2)
     assert (b.probe.enabled, b.trials.enqueue_starts, b.study.seed) == (True, True, 1)
     assert a.trials.n_trials == b.trials.n_trials == 30 and a.tracking.enabled is False
-    assert a.space == b.space and a.training == b.training and a.objective == b.objective and a.model == b.model
+    assert a.space.per_gemm and not b.space.per_gemm  # plain TPE searches the per-GEMM space, loka the recipes
+    assert dataclasses.replace(a.space, per_gemm=False) == b.space
+    assert a.training == b.training and a.objective == b.objective and a.model == b.model
     assert a.storage.url != b.storage.url and str(tmp_path) in a.storage.url
     with pytest.raises(ValueError, match="unknown arm"):
         se.run_benchmark(se.BASE_STUDY, n_trials=1, seeds=[0], arms=("random",), workdir=tmp_path)
