@@ -35,7 +35,7 @@ from loka_tune.tuner.build import _log
 from loka_tune.tuner.results import TrialRecord
 from loka_tune.tuner.starts import ATTR_STARTS
 
-__all__ = ["ATTR_MODEL", "MARGINS", "capacities", "observations", "enqueue_proposals"]
+__all__ = ["ATTR_MODEL", "MARGINS", "capacities", "observations", "enqueue_proposals", "model_line"]
 
 ATTR_MODEL = "loka.model"  # study user attr: the model's last fit and how many points it proposed
 #: the conservative frontier points' fractions of the loss budget (besides the budget less the floor)
@@ -142,3 +142,13 @@ def enqueue_proposals(study: Any, space: SearchSpace, *, budget_pct: float, base
              f" ({model.n_beta} trials); " + ("queued " + ", ".join(queued) if queued
                                               else "no untried point predicted faster than the best trial"))
     return False
+
+
+def model_line(study_attrs: Mapping[str, Any]) -> str | None:
+    """The model's last fit as one line (for ``loka-tune report``); None if it never ran."""
+    m = study_attrs.get(ATTR_MODEL)
+    if not m:
+        return None
+    return (f"model: {m.get('proposed', 0)} proposal(s) ('model:<k>') under Mods {m.get('under')!r}; last fit (of"
+            f" {m.get('fits', 0)}): alpha {float(m['alpha']):.3g}% relLL per unit MERE ({m.get('n_alpha', 0)} trials),"
+            f" beta {float(m['beta']):.3g} x the priced savings ({m.get('n_beta', 0)} trials)")
