@@ -113,3 +113,23 @@ def test_frontier_without_a_loss_cost_takes_every_saving_and_never_a_slow_value(
     assert AdditiveModel(_space([_site("a", {R: -1e-3}, {})]), alpha=0.0).frontier(0.5) == {"a": BF16_ID}
     assert model.frontier(-0.1) == {"a": BF16_ID, "b": BF16_ID}  # nothing fits a negative capacity
     assert math.isfinite(AdditiveModel(model.space).predict_rel({"a": T}))
+
+
+def test_the_alpha_prior_is_at_least_every_ratio_of_the_probe_vs_loss_receipt() -> None:
+    """ALPHA_PRIOR >= relLL% / (GEMMs x geometric-mean MERE) of every config in the receipt (the
+    GEMM count: every Linear of the tiny model but its head, three GEMMs each)."""
+    import json
+    from pathlib import Path
+
+    from loka_tune.kernels.linear import find_linears
+    from loka_tune.models import build_model
+
+    d = json.loads((Path(__file__).resolve().parents[1] / "benchmarks/results/probe_vs_loss_harsh.json").read_text())
+    ratios = []
+    for m in d["models"]:
+        model = build_model(m["model"], d["setup"]["preset"], num_dense=13, cardinalities=[1000] * 8)
+        head = getattr(model, "prediction_head", "head")
+        n = 3 * len([s for s in find_linears(model) if s != head])
+        ratios += [100 * r["rel_logloss"] / (n * r["pred_learned"]) for r in m["rows"]]
+    assert len(ratios) == 20 and max(ratios) == pytest.approx(0.397, abs=5e-4)
+    assert ALPHA_PRIOR >= max(ratios)

@@ -31,8 +31,10 @@ fitted to the finished trials ``i`` by least squares through the origin, clipped
 
 :data:`ALPHA_PRIOR` is conservative: the largest relLL% per unit of summed MERE among the configs
 of ``benchmarks/results/probe_vs_loss_harsh.json`` (400-step paired runs of tiny Wukong and DLRM,
-e4m3 / e5m2 everywhere: at most 0.37%, DLRM with e5m2 pow2 scales, 9 GEMMs of MERE 0.137),
-rounded up.
+one choice on every GEMM but the head's; its geometric-mean MERE times the GEMM count stands in
+for the sum, which it never exceeds, so each ratio is an upper bound): 0.397, DLRM "mixed" (9
+GEMMs, geometric mean 0.074, relLL +0.266%), rounded up to 0.4. (A least-squares fit over all 20
+configs gives 0.055.)
 
 The frontier (:meth:`AdditiveModel.frontier`): the config of largest predicted saving whose
 predicted relLL% is within ``margin`` x the budget: a multiple-choice knapsack (one value per
