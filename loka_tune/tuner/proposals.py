@@ -17,7 +17,9 @@ enqueue_starts`` on, the loop calls :func:`enqueue_proposals` before each ask, a
 A point is queued only when its config was never tried (by any trial, in any state) and its
 predicted step time beats the best feasible trial so far: when the model has nothing better to
 offer, the sampler (TPE over the recipe space) asks, around the frontier the trials so far have
-mapped. Labels: ``seeded`` = ``"model:<k>"`` (k = 1, 2, ...), shown by the leaderboard and
+mapped. TPE rather than Optuna's GPSampler: on the binding space of
+``benchmarks/search_efficiency.py`` both reached the same best after the proposals in every
+seed, GPSampler at ~100x the sampler time (``benchmarks/results/search_efficiency.md``). Labels: ``seeded`` = ``"model:<k>"`` (k = 1, 2, ...), shown by the leaderboard and
 MLflow like the starts'; the trial also carries the prediction (``model_step_s``,
 ``model_rel_pct``). The last fit (alpha, beta, how many trials each rests on, the proposals so
 far) is the study's user attribute :data:`ATTR_MODEL`.
