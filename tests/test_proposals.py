@@ -182,3 +182,18 @@ def test_a_proposal_decodes_to_the_sites_precisions() -> None:
     cfg = config_from_params(SPACE, t.system_attrs["fixed_params"])
     for sc in SPACE.sites:
         assert cfg.resolve(sc.name) == SitePrecision.parse(t.system_attrs["fixed_params"][f"{sc.name}@site"])
+
+
+def test_the_report_line_of_the_model() -> None:
+    from loka_tune.tuner.proposals import model_line
+
+    assert model_line({}) is None  # never ran (a per-GEMM space, or no starts)
+    study = optuna.create_study()
+    _run_starts(study)
+    dists = distributions(SPACE)
+    for _ in range(3):
+        _finish(study, study.ask(fixed_distributions=dists))
+    _propose(study)
+    line = model_line(study.user_attrs)
+    assert line is not None and line.startswith("model: 1 proposal(s)") and "under Mods 'nobias'" in line
+    assert f"alpha {ALPHA_TRUE:.3g}%" in line and "(3 trials)" in line
