@@ -197,3 +197,16 @@ def test_the_report_line_of_the_model() -> None:
     line = model_line(study.user_attrs)
     assert line is not None and line.startswith("model: 1 proposal(s)") and "under Mods 'nobias'" in line
     assert f"alpha {ALPHA_TRUE:.3g}%" in line and "(3 trials)" in line
+
+
+def test_a_proposal_fixes_every_mods_dimension_even_without_a_feasible_mods_start() -> None:
+    """No bf16 + Mods start feasible (the recipe starts ran with every Mod off): the proposals
+    still fix each Mods parameter (off), so the sampler draws none of an enqueued trial."""
+    from loka_tune.tuner.starts import ATTR_STARTS
+
+    study = optuna.create_study()
+    study.set_user_attr(ATTR_STARTS, {"state": "done", "mods": {}, "under": "none", "under_trial": None})
+    _propose(study)
+    (t,) = study.get_trials(states=(optuna.trial.TrialState.WAITING,))[:1]
+    assert set(t.system_attrs["fixed_params"]) == set(distributions(SPACE))
+    assert t.system_attrs["fixed_params"]["mods.no_bias"] is False

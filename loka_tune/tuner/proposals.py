@@ -83,15 +83,18 @@ def _tried(space: SearchSpace, trials: Sequence[Any]) -> set[str]:
     return keys
 
 
-def _under(starts: Mapping[str, Any], trials: Sequence[Any], base_s: float) -> tuple[dict[str, Any], float]:
-    """The Mods parameters the recipe starts ran under, and bf16's step time with them."""
+def _under(space: SearchSpace, starts: Mapping[str, Any], trials: Sequence[Any],
+           base_s: float) -> tuple[dict[str, Any], float]:
+    """The Mods parameters the recipe starts ran under (every Mods dimension: off where no bf16 +
+    Mods start was feasible), and bf16's step time with them."""
     n = starts.get("under_trial")
     best = next((t for t in trials if n is not None and t.number == n), None)
     mods = starts.get("mods")
     if mods is None:  # stored before the key: the best bf16 + Mods start's
         mods = {k: v for k, v in best.params.items() if k.startswith("mods.")} if best is not None else {}
+    off = {k: v[0] for k, v in space.mods.items() if len(v) > 1}
     ref = float(best.value) if best is not None and best.value is not None else base_s
-    return dict(mods), ref
+    return {**off, **mods}, ref
 
 
 def enqueue_proposals(study: Any, space: SearchSpace, *, budget_pct: float, base_s: float,
@@ -113,7 +116,7 @@ def enqueue_proposals(study: Any, space: SearchSpace, *, budget_pct: float, base
     state = dict(study.user_attrs.get(ATTR_MODEL) or {})
     if not state and any(t.state == TrialState.RUNNING and t.user_attrs.get("seeded") for t in trials):
         return True
-    mods, ref = _under(starts, trials, base_s)
+    mods, ref = _under(space, starts, trials, base_s)
     under = mods_from_params(mods).short_str()
     model = AdditiveModel(space, unmeasured_error=unmeasured_error).fit(
         observations(space, trials), budget_pct=budget_pct, noise_pct=noise_pct)
