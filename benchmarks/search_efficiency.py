@@ -1,455 +1,560 @@
-"""Search efficiency (issue #8, point 3): short runs to the best feasible config, probe-pruned vs plain TPE.
+"""Search efficiency where the loss budget binds (issue 21, point 5): the model-based search in the
+recipe space vs plain TPE over the per-GEMM space vs random search, with the same trial count.
 
-For one fixed trial budget, each *arm* is a real ``loka_tune.tuner.run_study`` on a variant of one
-base study, repeated for several sampler seeds (``[study] seed``):
+Measure: the trials (distinct configurations evaluated; a configuration asked again is a cache
+copy and does not count, as in ``loka-tune tune``) until a feasible one reaches 99% of the best
+speed-up any run found; a run that never gets there enters at its trial count (censored, and
+marked so). ``trials_ratio`` = the model arm's mean over seeds / plain TPE's (with TPE censored it
+is an upper bound of the true ratio).
 
-* ``loka``: what ``loka-tune tune`` does today: probe pruning (``[probe] enabled = true``) and the
-  enqueued first trials (:mod:`loka_tune.tuner.starts`: bf16 under each Mods set, then the named
-  recipes; the results recorded in ``benchmarks/results/search_efficiency.md`` predate them:
-  all-bf16, the Dispatch plan, all-FP8 at the fastest safe choices).
-* ``tpe``: plain Optuna TPE over the unpruned space (``[probe] enabled = false``: no probe, no
-  pruning, no Dispatch plan) with no enqueued trials (``[trials] enqueue_starts = false``).
-* ``pruned_tpe`` (optional ablation, ``--arms loka,tpe,pruned_tpe``): probe pruning, no enqueued trials.
+Composition is *modeled* (:class:`World`): a configuration's step time and loss are sums over its
+sites, so thousands of trials cost seconds, and every arm sees the same numbers:
 
-Everything else is the same in every arm: the model, data, loss budget, the TPE sampler with the
-loss constraint (``n_startup_trials`` random trials first), the hopeless pruner, the structural
-eligibility of candidates (``align``/``min_dim``: a GEMM that no FP8 kernel can run is never a
-candidate), and the trial budget ``n_trials`` (cache hits, i.e. a configuration asked again, count
-toward it but are not short runs). Speed is *modeled* (the calibrated H200 cost model), so a
-configuration's step time is a deterministic function of the configuration, and its feasibility
-(relative log loss of its paired CPU short run <= the budget) is deterministic too (fixed seeds).
+- sites and per-GEMM probe errors (MERE) come from a real probe report (default
+  ``benchmarks/results/study_prepare_h200.json``: the H200 preparation of
+  ``studies/wukong_h200.toml``, Wukong large at B = 8192, 27 sites); the per-GEMM space is the
+  report's candidates pruned as a study prunes them (alignment; the report's "unsupported"
+  skips; unsafe: MERE > its max_error; slow: the cost model's speed-up at B < ``--min-speedup``,
+  default 1.0 as ``[probe] min_speedup``; the report's own 1.05 would drop the feature-axis sites);
+- speed, "modeled": the step time is ``base_s - sum of the sites' savings``, a site's saving the sum
+  of its GEMMs' cost-model savings (H200, ``t_bf16 - t_choice`` at B), ``base_s`` the bf16 GEMMs
+  over (1 - NON_GEMM_FRACTION). With ``--prices FILE`` ("measured per-site prices, modeled
+  composition"): ``{"site_prices": {site: {recipe value: saved seconds}}, "base_s": s, ...}``
+  (``loka_tune.kernels.site_timing.price_sites``' answer on a GPU; ``--write-precs`` writes the
+  shapes and values to price): a site precision that is a priced value saves its price; any other
+  its GEMMs' modeled savings times the site's measured / modeled ratio (mean over its priced values);
+- loss: ``relLL% = kappa * sum over FP8 GEMMs g of w_s * e_g + noise``. ``e_g`` is the probe's MERE
+  where the report measured it, else the median MERE of that role; except on the feature-axis
+  Linears (``rows_per_example > 1``: ``layers.*.fmb.proj`` / ``lcb.proj``, (B x 256) x 64 -> 32),
+  whose FP8 wgrad reduces over B x 256 rows: ``e_g = --feature-axis-error`` (default 1.0, 8x a
+  typical MERE; the probe did not measure them, so the model starts them at ``[probe]
+  max_error``). That is the binding part: on those sites FP8 saves little and costs much.
+  ``w_s`` ~ lognormal(0, 0.25) per site (the probe ranks sites right on average, not each one);
+  noise ~ N(0, ``--noise-pct``) per configuration (seeded by its key: a configuration has one loss
+  in every arm, as paired short runs do); ``kappa`` makes the configuration of every GEMM's largest
+  saving cost ``--overshoot`` x the budget.
 
-Per run it reports the short runs (trials actually evaluated, not cache hits) until the run's own
-best feasible step time was first reached, that best (and its speed-up over bf16), whether it
-equals the best over all runs (within ``--tol``, default 0.5%), and the short runs until that
-overall best was first reached (censored at the run's total short runs when never reached).
+Arms (each an in-memory Optuna study with ``loka-tune tune``'s sampler, the constrained TPE of
+``tuner.optuna_setup.make_sampler`` with ``n_startup_trials`` 8, unless said otherwise):
 
-    python benchmarks/search_efficiency.py --n-trials 36 --seeds 0,1,2 --arms loka,tpe,pruned_tpe \\
-        --out benchmarks/results            # writes search_efficiency.json and .md there (~25 min, 2 cores)
+- ``model``: the recipe space (:mod:`loka_tune.space.recipe_space`, priced by the world), the
+  enqueued starts (all-bf16, tensorwise@filter, rowwise@filter, dispatch), the model's proposals
+  (:mod:`loka_tune.tuner.proposals`), then TPE;
+- ``tpe``: plain TPE over the pruned per-GEMM space (``[space] per_gemm = true``, no starts);
+- ``random``: Optuna's RandomSampler over the pruned per-GEMM space;
+- ablations: ``recipe_tpe`` (recipe space + starts, no proposals), ``model_gp`` (the model arm with
+  Optuna's GPSampler instead of TPE after the proposals), ``recipe_random``.
 
-The default base study is ``BASE_STUDY`` below: studies/quickstart.toml with a deeper DLRM (1024x2048
-and 2048x1024 top GEMMs, where FP8 pays off on an H200 for some roles and granularities, and a
-256-64-16 bottom MLP, where it does not) and a richer space (e4m3/e5m2, tensor/row/block, exact/pow2 scales, all four Mods),
-with the quickstart's training settings of the day it was run (30 steps x 64; the quickstart
-now trains 40 x 128); ``--study FILE`` uses another study file instead.
+    python benchmarks/search_efficiency.py --n-trials 30 --seeds 0,1,2,3,4 --out benchmarks/results
+    python benchmarks/search_efficiency.py --prices loka_tune/kernels/data/site_prices_h200.json \\
+        --name search_efficiency_h200 --out benchmarks/results      # measured per-site prices
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
+import hashlib
 import json
-import os
+import math
 import platform
 import statistics
 import sys
-import tempfile
 import time
-import tomllib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-__all__ = ["BASE_STUDY", "ARMS", "arm_config", "run_arm", "run_benchmark", "summarize", "to_markdown", "main"]
+__all__ = ["ARMS", "World", "build_world", "run_arm", "summarize", "run_benchmark", "to_markdown", "main"]
 
-BASE_STUDY = """\
-# quickstart.toml with a deeper DLRM and a richer space (see benchmarks/search_efficiency.py)
-[study]
-name = "search_efficiency"
-seed = 0
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_REPORT = REPO / "benchmarks" / "results" / "study_prepare_h200.json"
+BACKENDS = ("torch_scaled_mm", "fbgemm", "triton")  # studies/wukong_h200.toml's [space] backends
+NON_GEMM_FRACTION = 0.3  # share of the bf16 step that is not GEMMs (the studies' objective.non_gemm_fraction)
+N_STARTUP = 8  # TPE's random trials first (studies/wukong_h200.toml's [trials] n_startup_trials)
+TARGET = 0.99  # "reached": a feasible speed-up of at least this fraction of the best found
+MAX_COPIES = 20  # as tuner.loop.MAX_COPIES_IN_A_ROW: a sampler proposing only evaluated configs stops
 
-[model]
-name = "dlrm"
-preset = "tiny"
-[model.overrides]
-embedding_dim = 16
-bottom_mlp = [256, 64]         # 256x64 and 64x16 GEMMs: FP8 loses on an H200 (the probe drops them)
-top_mlp = [1024, 2048, 1024]   # 1024x2048 and 2048x1024 GEMMs: where FP8 pays off (some roles, some
-                               # granularities; 52x1024 and the 1024x1 head are not FP8-eligible)
-
-[data]
-source = "synthetic"
-[data.params]
-num_dense = 13
-cardinalities = [1000, 1000, 500, 500, 200, 200, 100, 100]
-eval_examples = 4096
-
-[training]
-steps = 30
-batch_size = 64
-lr_dense = 3e-3
-lr_sparse = 3e-2
-seeds = [0, 1]
-eval_batches = 4
-window = 10
-warmup_steps = 3
-device = "cpu"
-
-[objective]
-kind = "train_step"
-budget_pct = 3.0               # as quickstart: above the ~2% noise floor of such short runs
-speed = "modeled"
-cost_device = "h200"
-cost_batch_size = 65536
-non_gemm_fraction = 0.3
-
-[space]
-formats = ["e4m3", "e5m2"]
-granularities = ["tensor", "row", "block"]
-backends = ["emulated"]
-roundings = ["exact", "pow2"]
-mods = ["no_bias", "blocknorm", "hardswish", "pad"]
-
-[probe]
-max_error = 0.2
-min_speedup = 1.0
-samples = 4
-every = 10
-
-[trials]
-n_trials = 36
-pruner = "hopeless"
-n_startup_trials = 6
-
-[tracking]
-enabled = false
-"""
-
-# arm -> ([probe] enabled, [trials] enqueue_starts)
-ARMS: dict[str, tuple[bool, bool]] = {
-    "loka": (True, True),
-    "tpe": (False, False),
-    "pruned_tpe": (True, False),
+#: arm -> (space, starts, proposals, sampler)
+ARMS: dict[str, tuple[str, bool, bool, str]] = {
+    "model": ("recipe", True, True, "tpe"),
+    "tpe": ("per_gemm", False, False, "tpe"),
+    "random": ("per_gemm", False, False, "random"),
+    "recipe_tpe": ("recipe", True, False, "tpe"),
+    "model_gp": ("recipe", True, True, "gp"),
+    "recipe_random": ("recipe", False, False, "random"),
 }
 ARM_LABELS = {
-    "loka": "loka-tune (probe pruning + enqueued starts)",
-    "tpe": "plain TPE (unpruned space, no enqueued trials)",
-    "pruned_tpe": "TPE on the probe-pruned space, no enqueued trials",
+    "model": "model-based: recipe space + starts + model proposals + TPE",
+    "tpe": "plain TPE over the per-GEMM space",
+    "random": "random search over the per-GEMM space",
+    "recipe_tpe": "recipe space + starts + TPE (no model)",
+    "model_gp": "recipe space + starts + model proposals + GPSampler",
+    "recipe_random": "random search over the recipe space",
 }
 
 
-def arm_config(base: Mapping[str, Any], arm: str, seed: int, n_trials: int, workdir: Path) -> Any:
-    """The validated StudyConfig of ``arm`` for sampler ``seed``: the base study document with only
-    ``[study]`` name/output_dir/seed, ``[probe] enabled``, ``[trials]`` n_trials/enqueue_starts and
-    ``[tracking] enabled = false`` (and a storage in ``workdir``) changed."""
-    from loka_tune.tuner.study import parse_study
+@dataclass
+class World:
+    """The modeled composition (see the module): spaces, per-GEMM savings and errors, loss scale."""
 
-    probe_on, enqueue = ARMS[arm]
-    doc = copy.deepcopy(dict(base))
-    name = f"{arm}-seed{seed}"
-    doc["study"] = {**doc.get("study", {}), "name": name, "output_dir": str(workdir / name), "seed": seed}
-    doc["probe"] = {**doc.get("probe", {}), "enabled": probe_on}
-    trials = {k: v for k, v in doc.get("trials", {}).items() if k != "timeout_s"}
-    doc["trials"] = {**trials, "n_trials": n_trials, "enqueue_starts": enqueue}
-    doc["storage"] = {**doc.get("storage", {}), "url": f"sqlite:///{workdir / name / 'optuna.db'}"}
-    doc["tracking"] = {"enabled": False}
-    return parse_study(doc, cwd=workdir)
+    per_gemm: Any  # SearchSpace, pruned per GEMM
+    recipe: Any  # SearchSpace, recipe values priced
+    report: Any  # the probe report's dict (its records: the Dispatch start)
+    base_s: float
+    budget_pct: float
+    noise_pct: float
+    kappa: float
+    gemm_saving: dict[tuple[str, str, str], float]  # (site, role, choice) -> seconds saved (cost model)
+    true_error: dict[tuple[str, str, str], float]  # (site, role, choice) -> e_g
+    weight: dict[str, float]  # w_s
+    site_prices: dict[str, dict[str, float]] | None  # measured, per site value
+    ratio: dict[str, float]  # measured / modeled per site (1 when modeled)
+    label: str
+    max_error: float
+    seed: int
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def site_saving(self, site: str, prec: Any) -> float:
+        v = prec.short_str()
+        if v == "bf16":
+            return 0.0
+        if self.site_prices is not None and v in self.site_prices.get(site, {}):
+            return float(self.site_prices[site][v])
+        modeled = sum(self.gemm_saving.get((site, r, prec[r].short_str()), 0.0) for r in ("fwd", "dgrad", "wgrad")
+                      if not prec[r].is_bf16)
+        return modeled * self.ratio.get(site, 1.0)
+
+    def true_loss(self, config: Any) -> float:
+        """relLL% without the noise."""
+        total = 0.0
+        for sc in self.per_gemm.sites:
+            prec = config.resolve(sc.name)
+            for r in ("fwd", "dgrad", "wgrad"):
+                c = prec[r].short_str()
+                if c != "bf16":
+                    total += self.weight[sc.name] * self.true_error[(sc.name, r, c)]
+        return self.kappa * total
+
+    def evaluate(self, config: Any) -> tuple[float, float]:
+        """(step seconds, measured relLL%) of a PrecisionConfig."""
+        import numpy as np
+
+        step = self.base_s - sum(self.site_saving(sc.name, config.resolve(sc.name)) for sc in self.per_gemm.sites)
+        h = int.from_bytes(hashlib.sha256(f"{self.seed}:{config.key()}".encode()).digest()[:8], "little")
+        noise = float(np.random.default_rng(h).normal(0.0, self.noise_pct))
+        return step, self.true_loss(config) + noise
 
 
-def _space_facts(space: Any) -> dict[str, Any]:
-    from loka_tune.space.encode import distributions
+def _load_report(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text())
 
-    reasons: dict[str, int] = {}
+
+def _candidates(report: Mapping[str, Any]) -> dict[str, list[Any]]:
+    from loka_tune.config import ROLES, Format, GemmChoice
+
+    cands = [GemmChoice.parse(c) for c in report["meta"]["candidates"] if c != "bf16"]
+    return {r.value: [c for c in cands if r.value != "fwd" or c.a_format != Format.E5M2] for r in ROLES}
+
+
+def _per_gemm_space(report: Mapping[str, Any], batch: int, min_speedup: float) -> Any:
+    """The report's candidates pruned as a study prunes them (see the module)."""
+    from loka_tune.config import GemmRole
+    from loka_tune.errors import UnsupportedChoiceError
+    from loka_tune.kernels.costmodel import modeled_speedup
+    from loka_tune.space.candidates import build_space, prune_by_probe
+    from loka_tune.space.sites import Site
+
+    sites = [Site(n, int(d["K"]), int(d["N"]), float(d["M"]) / batch) for n, d in report["meta"]["sites"].items()]
+    unsupported = {(s["site"], s["role"], s["choice"]): s["reason"] for s in report.get("skipped", ())
+                   if not str(s["reason"]).startswith("slow:")}
+
+    def supports(choice: Any, role: GemmRole, device: str, shape: Any) -> str | None:
+        return None  # alignment is build_space's; the backends' own limits are the report's (below)
+
+    space = build_space(sites, _candidates(report), batch_size=batch, supports=supports)
+    space = replace(space, sites=tuple(replace(sc, choices={r: tuple(c for c in ch if (sc.name, r, c) not in unsupported)
+                                                            for r, ch in sc.choices.items()}) for sc in space.sites))
+    dev = report["meta"].get("cost_device", "h200")
+
+    def speedup(site: Any, role: str, cid: str) -> float:
+        m, k, n = site.shape(role, batch)
+        try:
+            return modeled_speedup(cid, m, k, n, role, dev)
+        except UnsupportedChoiceError:
+            return 0.0
+
+    return prune_by_probe(space, report["results"], max_error=float(report["max_error"]),
+                          min_speedup=min_speedup, speedup=speedup)
+
+
+def _gemm_savings(space: Any, batch: int, device: str) -> dict[tuple[str, str, str], float]:
+    from loka_tune.errors import UnsupportedChoiceError
+    from loka_tune.kernels.costmodel import estimate_gemm_seconds
+
+    out = {}
     for sc in space.sites:
-        for d in sc.dropped.values():
-            for why in d.values():
-                k = why.split(":", 1)[0]
-                reasons[k] = reasons.get(k, 0) + 1
-    return {"sites": len(space.sites), "fp8_candidates": space.n_fp8_candidates(),
-            "parameters": len(distributions(space)), "configs": space.size(), "dropped": reasons}
-
-
-def run_arm(base: Mapping[str, Any], arm: str, seed: int, n_trials: int, workdir: Path) -> dict[str, Any]:
-    """One real study of ``arm`` (``loka_tune.tuner.run_study``, no tracking); its trial records."""
-    from loka_tune.space.candidates import SearchSpace
-    from loka_tune.tuner import results
-    from loka_tune.tuner.loop import run_study
-
-    cfg = arm_config(base, arm, seed, n_trials, workdir)
-    t0 = time.perf_counter()
-    study = run_study(cfg, tracking=False, progress=False)
-    wall = time.perf_counter() - t0
-    records = []
-    n_eval = 0
-    for t in sorted(study.trials, key=lambda t: t.number):
-        if t.state.name not in results.STATES_DONE:
-            continue
-        a = t.user_attrs
-        evaluated = not a.get("cache_hit", False)
-        n_eval += int(evaluated)
-        records.append({
-            "trial": t.number, "state": t.state.name, "evaluated": evaluated, "n_evaluated": n_eval,
-            "cached_from": a.get("cached_from"), "seeded": a.get("seeded"),
-            "feasible": bool(a.get("feasible")) and t.state.name == "COMPLETE",
-            "step_time_s": t.value, "speedup": a.get("speedup"), "rel_logloss_pct": a.get("rel_logloss_pct"),
-            "config_key": a.get("config_key"), "wall_s": a.get("wall_s"),
-        })
-    bl = study.user_attrs[results.ATTR_BASELINE]
-    space = SearchSpace.from_dict(study.user_attrs[results.ATTR_SPACE])
-    return {"arm": arm, "seed": seed, "n_trials": n_trials, "wall_s": wall, "records": records,
-            "space": _space_facts(space), "baseline": {"eval_logloss": bl["eval_logloss"],
-                                                       "noise_floor_pct": bl["noise_floor_pct"],
-                                                       "step_time_s": bl["step_time_s"]}}
-
-
-def _first_reaching(records: Sequence[Mapping[str, Any]], target: float, tol: float) -> Mapping[str, Any] | None:
-    """The first feasible record with step time <= target * (1 + tol)."""
-    for r in records:
-        if r["feasible"] and r["step_time_s"] is not None and r["step_time_s"] <= target * (1.0 + tol):
-            return r
-    return None
-
-
-def _stats(xs: Sequence[float]) -> dict[str, Any]:
-    if not xs:
-        return {"n": 0, "mean": None, "min": None, "max": None, "std": None}
-    return {"n": len(xs), "mean": statistics.fmean(xs), "min": min(xs), "max": max(xs),
-            "std": statistics.stdev(xs) if len(xs) > 1 else 0.0}
-
-
-def summarize(runs: Sequence[dict[str, Any]], *, tol: float = 0.005) -> dict[str, Any]:
-    """Per run: short runs to its own best and to the overall best; per arm: mean and spread.
-
-    ``evals_to_run_best``: short runs (evaluated trials, cache hits excluded) up to and including
-    the first trial whose feasible step time equals the run's best (relative 1e-9).
-    ``evals_to_overall_best``: the same for the best over all runs within ``tol``; None when the
-    run never got there (then ``censored_at`` is its total number of short runs).
-    """
-    bests = [min((r["step_time_s"] for r in run["records"] if r["feasible"]), default=None) for run in runs]
-    overall = min((b for b in bests if b is not None), default=None)
-    per_run = []
-    for run, best in zip(runs, bests):
-        recs = run["records"]
-        n_eval = sum(1 for r in recs if r["evaluated"])
-        row: dict[str, Any] = {"arm": run["arm"], "seed": run["seed"], "n_trials": len(recs),
-                               "n_evaluated": n_eval, "n_cache_hits": len(recs) - n_eval,
-                               "n_feasible": sum(1 for r in recs if r["feasible"] and r["evaluated"]),
-                               "wall_s": run["wall_s"], "best_step_time_s": best, "best_speedup": None,
-                               "best_trial": None, "best_seeded": None, "evals_to_run_best": None,
-                               "reaches_overall_best": False, "evals_to_overall_best": None,
-                               "censored_at": None, "evals_to_overall_best_exact": None}
-        if best is not None:
-            first = _first_reaching(recs, best, 1e-9)
-            assert first is not None and first["evaluated"]  # a cache hit copies an earlier evaluated trial
-            row.update(best_speedup=first["speedup"], best_trial=first["trial"], best_seeded=first["seeded"],
-                       evals_to_run_best=first["n_evaluated"])
-        hit = _first_reaching(recs, overall, tol) if overall is not None else None
-        if hit is not None:
-            row.update(reaches_overall_best=True, evals_to_overall_best=hit["n_evaluated"])
-        else:
-            row["censored_at"] = n_eval
-        exact = _first_reaching(recs, overall, 1e-9) if overall is not None else None
-        row["evals_to_overall_best_exact"] = None if exact is None else exact["n_evaluated"]
-        per_run.append(row)
-    arms: dict[str, Any] = {}
-    for arm in dict.fromkeys(r["arm"] for r in per_run):
-        rows = [r for r in per_run if r["arm"] == arm]
-        reached = [r["evals_to_overall_best"] for r in rows if r["reaches_overall_best"]]
-        censored = [r["censored_at"] for r in rows if not r["reaches_overall_best"]]
-        exact = [r["evals_to_overall_best_exact"] for r in rows]
-        arms[arm] = {
-            "runs": len(rows),
-            "reached_overall_best": len(reached),
-            "evals_to_run_best": _stats([r["evals_to_run_best"] for r in rows if r["evals_to_run_best"] is not None]),
-            # censored runs enter at their total short runs: with any censored run this mean is a lower bound
-            "evals_to_overall_best": _stats(reached + censored),
-            "evals_to_overall_best_is_lower_bound": bool(censored),
-            "reached_overall_best_exact": sum(1 for x in exact if x is not None),
-            # never reached exactly: counted at the run's total short runs (a lower bound again)
-            "evals_to_overall_best_exact": _stats([x if x is not None else r["n_evaluated"]
-                                                   for x, r in zip(exact, rows)]),
-            "best_speedup": _stats([r["best_speedup"] for r in rows if r["best_speedup"] is not None]),
-            "n_evaluated": _stats([r["n_evaluated"] for r in rows]),
-            "wall_s": _stats([r["wall_s"] for r in rows]),
-        }
-    # determinism check: a configuration evaluated in several runs must give the same numbers
-    seen: dict[str, tuple[float | None, float | None]] = {}
-    max_dt = max_drel = 0.0
-    repeated = 0
-    for run in runs:
-        for r in run["records"]:
-            if not r["evaluated"] or r["state"] != "COMPLETE":
-                continue
-            v = (r["step_time_s"], r["rel_logloss_pct"])
-            if r["config_key"] in seen:
-                repeated += 1
-                o = seen[r["config_key"]]
-                max_dt = max(max_dt, abs(v[0] - o[0]) / o[0])
-                max_drel = max(max_drel, abs(v[1] - o[1]))
-            else:
-                seen[r["config_key"]] = v
-    out: dict[str, Any] = {"tol": tol, "overall_best_step_time_s": overall, "per_run": per_run, "arms": arms,
-                           "determinism": {"configs_evaluated_in_several_runs": repeated,
-                                           "max_rel_diff_step_time": max_dt,
-                                           "max_abs_diff_rel_logloss_pct": max_drel}}
-    if "loka" in arms and "tpe" in arms:
-        lk, tp = arms["loka"], arms["tpe"]
-        ok = None
-        if lk["reached_overall_best"] == lk["runs"] and tp["evals_to_overall_best"]["mean"]:
-            # with censored tpe runs its mean is a lower bound, so meeting the target against it is conclusive
-            ok = lk["evals_to_overall_best"]["mean"] <= tp["evals_to_overall_best"]["mean"] / 3.0
-        elif lk["reached_overall_best"] < lk["runs"]:
-            ok = False
-        out["acceptance"] = {"target": "loka reaches the overall best in <= 1/3 of the short runs plain TPE needs",
-                             "loka_mean": lk["evals_to_overall_best"]["mean"],
-                             "tpe_mean": tp["evals_to_overall_best"]["mean"],
-                             "tpe_mean_is_lower_bound": tp["evals_to_overall_best_is_lower_bound"],
-                             "met": ok}
+        for r, ch in sc.choices.items():
+            m, k, n = sc.site.shape(r, batch)
+            t0 = estimate_gemm_seconds("bf16", m, k, n, r, device)
+            for c in ch[1:]:
+                try:
+                    out[(sc.name, r, c)] = t0 - estimate_gemm_seconds(c, m, k, n, r, device)
+                except UnsupportedChoiceError:
+                    out[(sc.name, r, c)] = -math.inf
     return out
 
 
-def run_benchmark(base: Mapping[str, Any] | str, *, n_trials: int, seeds: Sequence[int],
-                  arms: Sequence[str] = ("loka", "tpe"), tol: float = 0.005, workdir: Path | None = None,
-                  log: bool = True) -> dict[str, Any]:
-    """Run every arm for every sampler seed with the same trial budget; the raw runs and the summary.
+def shapes_and_precs(world: World, batch: int) -> dict[str, Any]:
+    """What ``price_sites`` must time for ``--prices``: per site its (M, K, N) and candidate values."""
+    from loka_tune.space.recipe_space import recipe_candidates
 
-    ``base``: a study TOML text or a parsed document. Optuna storages live in ``workdir``
-    (default: a temporary folder, removed afterwards).
-    """
+    cands = recipe_candidates(world.per_gemm, BACKENDS, _plan(world.report))
+    return {"batch_size": batch,
+            "shapes": {sc.name: [sc.site.rows(batch), sc.site.in_features, sc.site.out_features]
+                       for sc in cands.sites if len(sc.values) > 1},
+            "precs": {sc.name: list(sc.values[1:]) for sc in cands.sites if len(sc.values) > 1}}
+
+
+def _plan(report: Mapping[str, Any]) -> Any:
+    from loka_tune.dispatch import build_plan
+
+    return build_plan(dict(report), max_error=float(report["max_error"]),
+                      min_speedup=max(float(report["min_speedup"]), 1.0), resolve_emulated=False)
+
+
+def build_world(*, report_path: Path = DEFAULT_REPORT, prices_path: Path | None = None, batch: int = 8192,
+                budget_pct: float = 0.5, overshoot: float = 3.0, noise_pct: float = 0.015,
+                feature_axis_error: float = 1.0, min_speedup: float = 1.0, seed: int = 0) -> World:
+    """The modeled world of the module docstring."""
+    import numpy as np
+
+    from loka_tune.config import ROLES
+    from loka_tune.space.recipe_space import recipe_candidates, select_recipes
+
+    report = _load_report(report_path)
+    device = report["meta"].get("cost_device", "h200")
+    space = _per_gemm_space(report, batch, min_speedup)
+    gemm = _gemm_savings(space, batch, device)
+    measured = {(r["site"], r["role"], r["choice"]): float(r["mere"]) for r in report["results"]
+                if r.get("dist", "learned") == report["meta"]["dists"][0] and math.isfinite(float(r["mere"]))}
+    median = {r.value: statistics.median(v for (_, role, _), v in measured.items() if role == r.value) for r in ROLES}
+    true_error = {}
+    for sc in space.sites:
+        for r, ch in sc.choices.items():
+            for c in ch[1:]:
+                if sc.site.rows_per_example > 1:
+                    true_error[(sc.name, r, c)] = feature_axis_error
+                else:
+                    true_error[(sc.name, r, c)] = measured.get((sc.name, r, c), median[r])
+    rng = np.random.default_rng(seed)
+    weight = {sc.name: float(rng.lognormal(0.0, 0.25)) for sc in space.sites}
+    bf16_total = 0.0
+    from loka_tune.kernels.costmodel import estimate_gemm_seconds
+
+    for sc in space.sites:
+        for r in ROLES:
+            m, k, n = sc.site.shape(r, batch)
+            bf16_total += estimate_gemm_seconds("bf16", m, k, n, r, device)
+    base_s = bf16_total / (1.0 - NON_GEMM_FRACTION)
+    site_prices = ratio = None
+    label = "modeled"
+    if prices_path is not None:
+        data = json.loads(Path(prices_path).read_text())
+        site_prices = {s: {v: float(x) for v, x in d.items()} for s, d in data["site_prices"].items()}
+        base_s = float(data.get("base_s", base_s))
+        label = "measured per-site prices, modeled composition"
+    cands = recipe_candidates(space, BACKENDS, _plan(report))
+    modeled_prices: dict[str, dict[str, float]] = {}
+    from loka_tune.config import SitePrecision
+
+    for sc in cands.sites:
+        for v in sc.values[1:]:
+            p = SitePrecision.parse(v)
+            modeled_prices.setdefault(sc.name, {})[v] = sum(gemm.get((sc.name, r.value, p[r].short_str()), 0.0)
+                                                            for r in ROLES if not p[r].is_bf16)
+    ratio = {}
+    if site_prices is not None:
+        for s, d in site_prices.items():
+            pairs = [(x, modeled_prices.get(s, {}).get(v)) for v, x in d.items()]
+            rs = [x / m for x, m in pairs if m is not None and m > 0 and math.isfinite(m)]
+            ratio[s] = statistics.fmean(rs) if rs else 1.0
+    prices = site_prices if site_prices is not None else modeled_prices
+    recipe = select_recipes(cands, prices, source="measured" if site_prices is not None else "modeled")
+    world = World(space, recipe, report, base_s, budget_pct, noise_pct, 1.0, gemm, true_error, weight, site_prices,
+                  ratio, label, float(report["max_error"]), seed)
+    # kappa: the configuration of every GEMM's largest saving costs `overshoot` x the budget
+    from loka_tune.config import PrecisionConfig
+
+    greedy = {}
+    for sc in space.sites:
+        ids = []
+        for r in ROLES:
+            ch = [c for c in sc.choices[r.value][1:] if gemm.get((sc.name, r.value, c), -1.0) > 0]
+            ids.append(max(ch, key=lambda c: gemm[(sc.name, r.value, c)]) if ch else "bf16")
+        if any(i != "bf16" for i in ids):
+            greedy[sc.name] = "|".join(ids)
+    unit = world.true_loss(PrecisionConfig.from_sites(greedy))
+    world.kappa = overshoot * budget_pct / unit
+    world.meta = {"report": str(report_path), "batch_size": batch, "cost_device": device, "overshoot": overshoot,
+                  "min_speedup": min_speedup,
+                  "feature_axis_error": feature_axis_error, "world_seed": seed,
+                  "prices": None if prices_path is None else str(prices_path),
+                  "greedy_speedup": base_s / (base_s - sum(world.site_saving(s, SitePrecision.parse(v))
+                                                           for s, v in greedy.items()))}
+    return world
+
+
+def _sampler(kind: str, seed: int) -> Any:
     import optuna
-    import torch
 
-    doc = tomllib.loads(base) if isinstance(base, str) else dict(base)
+    if kind == "random":
+        return optuna.samplers.RandomSampler(seed=seed)
+    if kind == "gp":
+        from loka_tune.tuner._sampler import TrialSeededSampler
+
+        return TrialSeededSampler(seed, lambda s: optuna.samplers.GPSampler(seed=s, n_startup_trials=N_STARTUP))
+    from loka_tune.tuner.optuna_setup import make_sampler
+    from loka_tune.tuner.study import parse_study
+
+    cfg = parse_study({"study": {"name": "search-efficiency", "seed": seed}, "model": {"name": "dlrm"},
+                       "data": {"source": "synthetic"}, "trials": {"n_startup_trials": N_STARTUP}})
+    return make_sampler(cfg)  # loka-tune tune's: constrained TPE, seeded per trial position
+
+
+def run_arm(world: World, arm: str, seed: int, n_trials: int) -> dict[str, Any]:
+    """One in-memory study of ``arm`` (sampler ``seed``) until ``n_trials`` distinct configs."""
+    import optuna
+
+    from loka_tune.space.encode import config_from_params, distributions
+    from loka_tune.tuner.optuna_setup import set_constraint
+    from loka_tune.tuner.proposals import enqueue_proposals
+    from loka_tune.tuner.results import constraint
+    from loka_tune.tuner.starts import enqueue_mods_starts, enqueue_recipe_starts, recipe_starts
+
+    space_kind, starts, proposals, sampler = ARMS[arm]
+    space = world.recipe if space_kind == "recipe" else world.per_gemm
+    dists = distributions(space)
+    n_configs = math.prod(len(d.choices) for d in dists.values())
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    study = optuna.create_study(sampler=_sampler(sampler, seed))
+    if starts:
+        enqueue_mods_starts(study, space, recipe_starts(space, BACKENDS, world.report))
+    seen: dict[str, tuple[float, float]] = {}
+    records = []
+    n_eval = copies = 0
+    t0 = time.perf_counter()
+    while n_eval < min(n_trials, n_configs) and copies < MAX_COPIES:
+        if starts:
+            enqueue_recipe_starts(study)
+        if proposals:
+            enqueue_proposals(study, space, budget_pct=world.budget_pct, base_s=world.base_s,
+                              unmeasured_error=world.max_error, noise_pct=2 * world.noise_pct)
+        trial = study.ask(fixed_distributions=dists)
+        config = config_from_params(space, trial.params)
+        key = config.key()
+        cached = key in seen
+        step, rel = seen[key] if cached else world.evaluate(config)
+        seen[key] = (step, rel)
+        n_eval += int(not cached)
+        copies = copies + 1 if cached else 0
+        feasible = constraint(rel, world.budget_pct) <= 0
+        for k, v in {"config_key": key, "rel_logloss_pct": rel, "budget_pct": world.budget_pct, "step_time_s": step,
+                     "mods_step_time_s": world.base_s, "feasible": feasible, "cache_hit": cached}.items():
+            trial.set_user_attr(k, v)
+        set_constraint(trial, rel, world.budget_pct)
+        study.tell(trial, step)
+        records.append({"trial": trial.number, "evaluated": not cached, "n_evaluated": n_eval,
+                        "seeded": trial.user_attrs.get("seeded"), "feasible": feasible,
+                        "speedup": world.base_s / step, "rel_logloss_pct": rel,
+                        "true_rel_logloss_pct": world.true_loss(config)})
+    return {"arm": arm, "seed": seed, "n_trials": n_trials, "wall_s": time.perf_counter() - t0, "records": records,
+            "parameters": len(dists), "configs": float(n_configs)}
+
+
+def _mean(xs: Sequence[float | None]) -> float | None:
+    """The mean of the runs that found one (None: none did)."""
+    got = [x for x in xs if x is not None]
+    return statistics.fmean(got) if got else None
+
+
+def _x(v: float | None) -> str:
+    return "none" if v is None else f"{v:.4f}x"
+
+
+def _first(records: Sequence[Mapping[str, Any]], target: float) -> Mapping[str, Any] | None:
+    return next((r for r in records if r["feasible"] and r["speedup"] >= target), None)
+
+
+def summarize(runs: Sequence[Mapping[str, Any]], *, target: float = TARGET,
+              budget_pct: float | None = None) -> dict[str, Any]:
+    """Per run the trials to ``target`` x the best feasible speed-up of all runs; per arm the mean.
+    ``budget_pct``: also each run's best speed-up whose noise-free loss is within it (a measured
+    loss can pass the budget by noise alone)."""
+    best = max((r["speedup"] for run in runs for r in run["records"] if r["feasible"]), default=None)
+    per_run = []
+    for run in runs:
+        recs = run["records"]
+        n = max((r["n_evaluated"] for r in recs), default=0)
+        feas = [r for r in recs if r["feasible"]]
+        own = max(feas, key=lambda r: r["speedup"], default=None)
+        hit = _first(recs, target * best) if best is not None else None
+        truly = [r for r in recs if r["true_rel_logloss_pct"] <= budget_pct] if budget_pct is not None else []
+        per_run.append({"arm": run["arm"], "seed": run["seed"], "n_evaluated": n,
+                        "best_speedup": None if own is None else own["speedup"],
+                        "best_truly_feasible_speedup": max((r["speedup"] for r in truly), default=None),
+                        "best_true_rel_logloss_pct": None if own is None else own["true_rel_logloss_pct"],
+                        "best_seeded": None if own is None else own["seeded"],
+                        "reached": hit is not None, "trials_to_target": hit["n_evaluated"] if hit else n,
+                        "reached_by": None if hit is None else hit["seeded"], "wall_s": run["wall_s"]})
+    arms: dict[str, Any] = {}
+    for arm in dict.fromkeys(r["arm"] for r in per_run):
+        rows = [r for r in per_run if r["arm"] == arm]
+        ts = [r["trials_to_target"] for r in rows]
+        arms[arm] = {"runs": len(rows), "reached": sum(r["reached"] for r in rows),
+                     "trials_to_target_mean": statistics.fmean(ts), "trials_to_target": ts,
+                     "censored": any(not r["reached"] for r in rows),
+                     "best_speedup_mean": _mean([r["best_speedup"] for r in rows]),
+                     "best_truly_feasible_speedup_mean": _mean([r["best_truly_feasible_speedup"] for r in rows]),
+                     "wall_s_mean": statistics.fmean(r["wall_s"] for r in rows)}
+    out: dict[str, Any] = {"target": target, "best_speedup": best, "per_run": per_run, "arms": arms}
+    if "model" in arms and "tpe" in arms:
+        m, t = arms["model"], arms["tpe"]
+        out["trials_ratio"] = m["trials_to_target_mean"] / t["trials_to_target_mean"]
+        out["trials_ratio_is_upper_bound"] = t["censored"] and not m["censored"]
+        out["trials_ratio_note"] = ("tpe censored: its mean is a lower bound, so the ratio an upper bound"
+                                    if t["censored"] else "")
+    return out
+
+
+def run_benchmark(world: World, *, n_trials: int, seeds: Sequence[int], arms: Sequence[str],
+                  log: bool = True) -> dict[str, Any]:
+    import optuna
+
     for a in arms:
         if a not in ARMS:
             raise ValueError(f"unknown arm {a!r}; choose from {', '.join(ARMS)}")
-    tmp = None
-    if workdir is None:
-        tmp = tempfile.TemporaryDirectory(prefix="loka-search-eff-")
-        workdir = Path(tmp.name)
-    runs = []
     t0 = time.perf_counter()
-    try:
-        for seed in seeds:
-            for arm in arms:
-                if log:
-                    print(f"[search-efficiency] {arm} seed {seed} ({n_trials} trials) ...", file=sys.stderr, flush=True)
-                run = run_arm(doc, arm, seed, n_trials, Path(workdir))
-                if log:
-                    s = summarize([run], tol=tol)["per_run"][0]
-                    print(f"[search-efficiency] {arm} seed {seed}: best speed-up {s['best_speedup']}, "
-                          f"{s['n_evaluated']} short runs, best at short run {s['evals_to_run_best']}"
-                          f" ({run['wall_s']:.0f}s)", file=sys.stderr, flush=True)
-                runs.append(run)
-    finally:
-        if tmp is not None:
-            tmp.cleanup()
-    summary = summarize(runs, tol=tol)
-    meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "machine": platform.node(),
-            "cpu_count": os.cpu_count(), "platform": platform.platform(),
-            "python": platform.python_version(), "torch": torch.__version__, "optuna": optuna.__version__,
-            "torch_threads": torch.get_num_threads(),
-            "n_trials": n_trials, "seeds": list(seeds), "arms": list(arms), "tol": tol,
-            "total_wall_s": time.perf_counter() - t0}
-    return {"meta": meta, "base_study": doc, "runs": runs, "summary": summary}
+    runs = []
+    for seed in seeds:
+        for arm in arms:
+            run = run_arm(world, arm, seed, n_trials)
+            if log:
+                s = summarize([run])["per_run"][0]
+                best = "none feasible" if s["best_speedup"] is None else f"{s['best_speedup']:.4f}x ({s['best_seeded']})"
+                print(f"[search-efficiency] {arm} seed {seed}: best {best}, {s['n_evaluated']} trials,"
+                      f" {run['wall_s']:.1f}s", file=sys.stderr, flush=True)
+            runs.append(run)
+    summary = summarize(runs, budget_pct=world.budget_pct)
+
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "machine": platform.node(), "python": platform.python_version(),
+            "optuna": optuna.__version__, "n_trials": n_trials, "seeds": list(seeds), "arms": list(arms),
+            "composition": world.label, "base_s": world.base_s, "budget_pct": world.budget_pct,
+            "noise_pct": world.noise_pct, "kappa": world.kappa, "total_wall_s": time.perf_counter() - t0,
+            "per_gemm_parameters": len(_dists(world.per_gemm)), "per_gemm_configs": world.per_gemm.size(),
+            "recipe_parameters": len(_dists(world.recipe)), "recipe_configs": world.recipe.size(),
+            "recipe_optimum_speedup": recipe_optimum(world), **world.meta}
+    return {"meta": meta, "runs": runs, "summary": summary, "trials_ratio": summary.get("trials_ratio")}
 
 
-def _fmt(x: Any, nd: int = 1) -> str:
-    if x is None:
-        return "-"
-    if isinstance(x, float):
-        return f"{x:.{nd}f}"
-    return str(x)
+def _dists(space: Any) -> dict[str, Any]:
+    from loka_tune.space.encode import distributions
+
+    return distributions(space)
 
 
-def _stat_str(s: Mapping[str, Any], nd: int = 1) -> str:
-    if not s["n"]:
-        return "-"
-    return f"{s['mean']:.{nd}f} ({_fmt(s['min'], nd)}-{_fmt(s['max'], nd)}, sd {s['std']:.{nd}f})"
+def recipe_optimum(world: World) -> float:
+    """The recipe space's best speed-up within the budget by the noise-free truth (a knapsack over
+    its values with the true costs: :meth:`AdditiveModel.frontier` on the world's numbers)."""
+    from loka_tune.config import SitePrecision
+    from loka_tune.space.model import AdditiveModel
+
+    sites = []
+    for sc in world.recipe.sites:
+        err = {r: {c: world.weight[sc.name] * e for (s, rr, c), e in world.true_error.items() if s == sc.name and rr == r}
+               for r in ("fwd", "dgrad", "wgrad")}
+        prices = {v: world.site_saving(sc.name, SitePrecision.parse(v)) for v in sc.values}
+        sites.append(replace(sc, error=err, prices=prices))
+    truth = AdditiveModel(replace(world.recipe, sites=tuple(sites)), alpha=world.kappa, unmeasured_error=0.0)
+    point = truth.frontier(world.budget_pct)
+    return world.base_s / (world.base_s - truth.saving(point))
 
 
 def to_markdown(result: Mapping[str, Any], command: str | None = None) -> str:
-    """The per-run and per-arm tables (markdown)."""
     m, s = result["meta"], result["summary"]
-    ov = s["overall_best_step_time_s"]
-    bl = result["runs"][0]["baseline"]["step_time_s"] if result["runs"] else None
-    lines = ["## Search efficiency: probe pruning + enqueued starts vs plain TPE (issue #8, point 3)", ""]
+    lines = [f"## Search efficiency where the budget binds (issue 21, point 5): {m['composition']}", ""]
     if command:
         lines += [f"Command: `{command}`", ""]
-    lines += [f"Date {m['date']}; machine {m['machine']} ({m['cpu_count']}-core CPU, no GPU), {m['platform']};"
-              f" Python {m['python']}, torch {m['torch']} ({m.get('torch_threads', '?')} thread), optuna {m['optuna']}. Total wall time"
-              f" {m['total_wall_s'] / 60:.1f} min.", "",
-              f"Budget: {m['n_trials']} trials per run (cache hits count toward it, but are not short runs),"
-              f" sampler seeds {m['seeds']}. Speed modeled (H200 cost model), so the optimum of a space is"
-              f" deterministic. \"Short runs\" = trials actually trained (not cache hits). Overall best ="
-              f" fastest feasible step time over all runs: {_fmt(ov and ov * 1e3, 4)} ms"
-              + (f" (speed-up {bl / ov:.3f}x over bf16)" if ov and bl else "") +
-              f"; a run reaches it when within {m['tol'] * 100:.1f}%.", ""]
-    spaces = {}
-    for run in result["runs"]:
-        spaces.setdefault(run["arm"], run["space"])
-    lines += ["| arm | sites | parameters | FP8 candidates | configurations | dropped (why: count) |",
-              "|---|---|---|---|---|---|"]
-    for arm, sp in spaces.items():
-        dropped = ", ".join(f"{k}: {v}" for k, v in sorted(sp["dropped"].items())) or "-"
-        lines.append(f"| {arm} | {sp['sites']} | {sp['parameters']} | {sp['fp8_candidates']} |"
-                     f" {sp['configs']:.3g} | {dropped} |")
-    lines += ["", "Per run:", "",
-              "| arm | seed | short runs (cache hits) | feasible | best speed-up | best found at short run"
-              f" (trial, seeded) | = overall best | short runs to overall best (within {m['tol'] * 100:.1f}%)"
-              " | ... exactly | wall s |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in s["per_run"]:
-        where = (f"{r['evals_to_run_best']} (#{r['best_trial']}{', ' + r['best_seeded'] if r['best_seeded'] else ''})"
-                 if r["evals_to_run_best"] is not None else "-")
-        to_ov = (str(r["evals_to_overall_best"]) if r["reaches_overall_best"]
-                 else f"not reached (> {r['censored_at']}, censored)")
-        lines.append(f"| {r['arm']} | {r['seed']} | {r['n_evaluated']} ({r['n_cache_hits']}) | {r['n_feasible']} |"
-                     f" {_fmt(r['best_speedup'], 4)}x | {where} | {'yes' if r['reaches_overall_best'] else 'no'} |"
-                     f" {to_ov} | {_fmt(r['evals_to_overall_best_exact']) if r['evals_to_overall_best_exact'] else 'no'} |"
-                     f" {r['wall_s']:.0f} |")
-    lines += ["", "Per arm (mean (min-max, sd) over seeds; a run that never reached the overall best enters at"
-              " its total short runs, which makes that mean a lower bound, marked >=):", "",
-              f"| arm | reached overall best (within {m['tol'] * 100:.1f}%) | short runs to overall best |"
-              " reached exactly | short runs to overall best, exactly | short runs to own best |"
-              " best speed-up | short runs in budget |", "|---|---|---|---|---|---|---|---|"]
+    lines += [f"Date {m['date']}; {m['machine']}; Python {m['python']}, optuna {m['optuna']}; {m['total_wall_s']:.0f} s.",
+              "",
+              f"World: {m['report']} (B = {m['batch_size']}, cost model {m['cost_device']}); budget {m['budget_pct']}%,"
+              f" noise sd {m['noise_pct']}% per config, kappa {m['kappa']:.4g}%/MERE (every GEMM's largest saving costs"
+              f" {m['overshoot']} x the budget, speed-up {m['greedy_speedup']:.4f}x); feature-axis FP8 error"
+              f" {m['feature_axis_error']}; base step {m['base_s'] * 1e3:.4g} ms. Per-GEMM space: {m['per_gemm_parameters']}"
+              f" parameters, {m['per_gemm_configs']:.3g} configs; recipe space: {m['recipe_parameters']} parameters,"
+              f" {m['recipe_configs']:.3g} configs, its optimum within the budget (noise-free)"
+              f" {m['recipe_optimum_speedup']:.4f}x.", "",
+              f"{m['n_trials']} trials per run (distinct configs), sampler seeds {m['seeds']}. Best feasible speed-up of"
+              f" any run: **{s['best_speedup']:.4f}x**; target {s['target']:.0%} of it.", "",
+              "| arm | reached target | trials to target (mean; per seed) | mean best speed-up (feasible as"
+              " measured; runs that found one) | ... within the budget by the noise-free loss |", "|---|---|---|---|---|"]
     for arm, a in s["arms"].items():
-        lb = ">= " if a["evals_to_overall_best_is_lower_bound"] else ""
-        lbx = ">= " if a["reached_overall_best_exact"] < a["runs"] else ""
-        lines.append(f"| {ARM_LABELS.get(arm, arm)} | {a['reached_overall_best']}/{a['runs']} |"
-                     f" {lb}{_stat_str(a['evals_to_overall_best'])} | {a['reached_overall_best_exact']}/{a['runs']} |"
-                     f" {lbx}{_stat_str(a['evals_to_overall_best_exact'])} | {_stat_str(a['evals_to_run_best'])} |"
-                     f" {_stat_str(a['best_speedup'], 4)} | {_stat_str(a['n_evaluated'])} |")
-    d = s["determinism"]
-    lines += ["", f"Determinism check: {d['configs_evaluated_in_several_runs']} evaluations repeated a configuration"
-              f" of another run; largest differences: step time {d['max_rel_diff_step_time']:.2g} (relative),"
-              f" relative log loss {d['max_abs_diff_rel_logloss_pct']:.2g} percentage points."]
-    acc = s.get("acceptance")
-    if acc:
-        verdict = {True: "MET", False: "NOT MET", None: "undecided"}[acc["met"]]
-        lines += ["", f"Acceptance target ({acc['target']}): **{verdict}**: loka {_fmt(acc['loka_mean'])} vs plain"
-                  f" TPE {_fmt(acc['tpe_mean'])}{' (a lower bound)' if acc['tpe_mean_is_lower_bound'] else ''}"
-                  " short runs on average."]
+        lb = ">= " if a["censored"] else ""
+        lines.append(f"| {ARM_LABELS.get(arm, arm)} | {a['reached']}/{a['runs']} | {lb}{a['trials_to_target_mean']:.1f};"
+                     f" {a['trials_to_target']} | {_x(a['best_speedup_mean'])} | {_x(a['best_truly_feasible_speedup_mean'])} |")
+    if s.get("trials_ratio") is not None:
+        lines += ["", f"**trials_ratio** (model / plain TPE) = {s['trials_ratio']:.3f}"
+                  + (f" ({s['trials_ratio_note']})" if s.get("trials_ratio_note") else "")
+                  + f"; target <= 1/3: {'MET' if s['trials_ratio'] <= 1 / 3 else 'NOT MET'}."]
+    lines += ["", "Per run:", "", "| arm | seed | trials | best speed-up (its true relLL%) | found by | trials to target |"
+              " reached by |", "|---|---|---|---|---|---|---|"]
+    for r in s["per_run"]:
+        tt = r["trials_to_target"] if r["reached"] else f"> {r['trials_to_target']} (censored)"
+        best = "-" if r["best_speedup"] is None else f"{r['best_speedup']:.4f}x ({r['best_true_rel_logloss_pct']:+.3f})"
+        lines.append(f"| {r['arm']} | {r['seed']} | {r['n_evaluated']} | {best} | {r['best_seeded'] or 'sampler'} | {tt} |"
+                     f" {r['reached_by'] or ('sampler' if r['reached'] else '-')} |")
     return "\n".join(lines) + "\n"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--study", type=Path, default=None, help="base study file (default: BASE_STUDY above)")
-    ap.add_argument("--n-trials", type=int, default=36)
-    ap.add_argument("--seeds", default="0,1,2", help="sampler seeds, comma-separated")
-    ap.add_argument("--arms", default="loka,tpe", help=f"comma-separated, from {', '.join(ARMS)}")
-    ap.add_argument("--tol", type=float, default=0.005, help="relative tolerance of 'reached the overall best'")
-    ap.add_argument("--out", type=Path, required=True, help="folder for NAME.json and NAME.md")
-    ap.add_argument("--name", default="search_efficiency", help="file name stem of the results")
-    ap.add_argument("--workdir", type=Path, default=None, help="keep the Optuna storages here (default: temp)")
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch CPU threads (default 1: two-thread GEMMs on a shared 2-core box stall each other)")
+    ap.add_argument("--report", type=Path, default=DEFAULT_REPORT, help="the probe report (sites, errors)")
+    ap.add_argument("--prices", type=Path, default=None, help="measured per-site prices (JSON, see above)")
+    ap.add_argument("--write-precs", type=Path, default=None,
+                    help="write the shapes and values --prices must price (for price_sites on a GPU) and exit")
+    ap.add_argument("--batch", type=int, default=8192)
+    ap.add_argument("--n-trials", type=int, default=30)
+    ap.add_argument("--seeds", default="0,1,2,3,4")
+    ap.add_argument("--arms", default="model,tpe,random", help=f"comma-separated, from {', '.join(ARMS)}")
+    ap.add_argument("--budget-pct", type=float, default=0.5)
+    ap.add_argument("--overshoot", type=float, default=3.0)
+    ap.add_argument("--noise-pct", type=float, default=0.015)
+    ap.add_argument("--feature-axis-error", type=float, default=1.0)
+    ap.add_argument("--min-speedup", type=float, default=1.0,
+                    help="the pruning's [probe] min_speedup (default 1.0, the study default; the report used 1.05)")
+    ap.add_argument("--world-seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=None, help="folder for NAME.json and NAME.md")
+    ap.add_argument("--name", default="search_efficiency")
     args = ap.parse_args(argv)
-    import torch
-
-    torch.set_num_threads(args.threads)
-    base = args.study.read_text() if args.study else BASE_STUDY
+    world = build_world(report_path=args.report, prices_path=args.prices, batch=args.batch, budget_pct=args.budget_pct,
+                        overshoot=args.overshoot, noise_pct=args.noise_pct, feature_axis_error=args.feature_axis_error,
+                        min_speedup=args.min_speedup, seed=args.world_seed)
+    if args.write_precs is not None:
+        args.write_precs.write_text(json.dumps(shapes_and_precs(world, args.batch), indent=1) + "\n")
+        print(f"wrote {args.write_precs}")
+        return 0
     seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
-    result = run_benchmark(base, n_trials=args.n_trials, seeds=seeds, arms=arms, tol=args.tol, workdir=args.workdir)
+    result = run_benchmark(world, n_trials=args.n_trials, seeds=seeds, arms=arms)
     command = "python benchmarks/search_efficiency.py " + " ".join(sys.argv[1:] if argv is None else argv)
     result["meta"]["command"] = command
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
     md = to_markdown(result, command)
-    (args.out / f"{args.name}.md").write_text(md)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+        (args.out / f"{args.name}.md").write_text(md)
     print(md)
     return 0
 

@@ -3,12 +3,13 @@ split into ``loka_tune/tuner/`` (issue 12), compared on every run.
 
 The study is ``studies/quickstart.toml`` with 4 trials instead of 12 and 2 probe samples
 instead of 4 (CI time: about a minute on 2 idle cores), run through the CLI (``loka-tune
-tune`` without tracking, then ``loka-tune export``). The first three trials are the enqueued
-starts (``all-bf16``, ``bf16+mods:nobias``, then ``tensorwise@filter`` under the faster of those
-two: their modeled step times tie, so the earlier, no Mods; ``rowwise@filter`` and ``dispatch``
-repeat all-bf16's parameters and are not queued) and the fourth is TPE's first startup draw
-(random under the study's seed), so the configs evaluated depend on the measured numbers only
-through that modeled (deterministic) tie. What is compared: the exported
+tune`` without tracking, then ``loka-tune export``). The space is the recipe space (issue 21:
+one parameter, the 2048x2048 layer's recipe, and the No Bias Mod) and the four trials are the
+enqueued starts: ``all-bf16``, ``bf16+mods:nobias``, then under the faster of those two (their
+modeled step times tie, so the earlier, no Mods) ``tensorwise@filter`` and ``dispatch``
+(``rowwise@filter`` repeats all-bf16's parameters: the layer is too narrow for torchao's
+rowwise filter); the model's proposals would come next. So the configs evaluated depend on the
+measured numbers only through that modeled (deterministic) tie. What is compared: the exported
 config (mods, default, per-site choices) and its provenance, every trial's record (state,
 value, parameters, user attributes), the stored baseline and the probe-pruned search space,
 minus what is not deterministic (timestamps, wall-clock times, worker names, paths, library

@@ -1,22 +1,17 @@
-"""benchmarks/search_efficiency.py: the arms are real studies, and "short runs to the best" follow the trial records."""
+"""benchmarks/search_efficiency.py (issue 21, point 5): the modeled world is consistent with the
+recipe space it prices, the arms run loka-tune's own starts / proposals / sampler, and "trials to
+99% of the best" and trials_ratio follow the records."""
 
 from __future__ import annotations
 
 import importlib
-import itertools
+import json
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
 
-from tests import test_tune as _tune_tests
-
 REPO = Path(__file__).resolve().parents[1]
-
-# test_tune's tiny DLRM study; arm_config sets the name, output dir, trial count and tracking
-TINY = _tune_tests.TINY.format(name="se", out="unused", model=_tune_tests.DLRM, budget=50.0, space_extra="",
-                               n_trials=99, tracking="false").replace("min_speedup = 0.0", "min_speedup = 1.0")
 
 
 @pytest.fixture(scope="module")
@@ -28,85 +23,96 @@ def se():  # noqa: ANN201
         sys.path.remove(str(REPO / "benchmarks"))
 
 
-def _rec(trial: int, value: float | None, *, feasible: bool = True, cache: bool = False, n_eval: int,
-         key: str = "k", rel: float = 0.0) -> dict:
-    return {"trial": trial, "state": "COMPLETE" if value is not None else "PRUNED", "evaluated": not cache,
-            "n_evaluated": n_eval, "cached_from": None, "seeded": None, "feasible": feasible and value is not None,
-            "step_time_s": value, "speedup": None if value is None else 1.0 / value, "rel_logloss_pct": rel,
-            "config_key": key, "wall_s": 0.1}
+@pytest.fixture(scope="module")
+def world(se):  # noqa: ANN001, ANN201
+    return se.build_world(budget_pct=0.5, overshoot=3.0, noise_pct=0.015, seed=0)
 
 
-def test_summarize_counts_short_runs_not_cache_hits_and_censors(se) -> None:  # noqa: ANN001
-    a = [_rec(0, 1.0, n_eval=1, key="a"), _rec(1, 0.9, cache=True, n_eval=1, key="a"),
-         _rec(2, 0.8, feasible=False, n_eval=2, key="b"), _rec(3, None, n_eval=3, key="c"),
-         _rec(4, 0.701, n_eval=4, key="d"), _rec(5, 0.701, cache=True, n_eval=4, key="d")]
-    b = [_rec(0, 0.9, n_eval=1, key="e"), _rec(1, 0.7, n_eval=2, key="f"), _rec(2, 0.6, feasible=False, n_eval=3)]
-    c = [_rec(0, 0.95, n_eval=1, key="g"), _rec(1, 0.95, cache=True, n_eval=1, key="g")]
-    runs = [{"arm": "loka", "seed": 0, "wall_s": 1.0, "records": a},
-            {"arm": "tpe", "seed": 0, "wall_s": 1.0, "records": b},
-            {"arm": "tpe", "seed": 1, "wall_s": 1.0, "records": c}]
-    s = se.summarize(runs, tol=0.005)
-    assert s["overall_best_step_time_s"] == 0.7  # infeasible 0.6 and 0.8 do not count
-    ra, rb, rc = s["per_run"]
-    assert (ra["n_evaluated"], ra["n_cache_hits"], ra["evals_to_run_best"], ra["best_trial"]) == (4, 2, 4, 4)
-    assert ra["reaches_overall_best"] and ra["evals_to_overall_best"] == 4  # 0.701 is within 0.5% of 0.7
-    assert ra["evals_to_overall_best_exact"] is None  # ... but not exactly
-    assert rb["evals_to_run_best"] == 2 and rb["evals_to_overall_best_exact"] == 2
-    assert not rc["reaches_overall_best"] and rc["censored_at"] == 1 and rc["evals_to_overall_best"] is None
-    tpe = s["arms"]["tpe"]
-    assert tpe["reached_overall_best"] == 1 and tpe["evals_to_overall_best_is_lower_bound"]
-    assert tpe["evals_to_overall_best"]["mean"] == 1.5  # (2 + censored 1) / 2
-    assert s["acceptance"]["met"] is False  # loka needs 4 > 1.5 / 3
-    strict = se.summarize(runs, tol=0.0)
-    assert not strict["per_run"][0]["reaches_overall_best"]
-    # the same configuration evaluated in two runs with different results shows up in the determinism check
-    runs[2]["records"][0]["config_key"] = "a"
-    assert se.summarize(runs)["determinism"]["max_rel_diff_step_time"] == pytest.approx(0.05)
+def _rec(n: int, speedup: float, feasible: bool = True, evaluated: bool = True, seeded: str | None = None) -> dict:
+    return {"trial": n, "evaluated": evaluated, "n_evaluated": n, "seeded": seeded, "feasible": feasible,
+            "speedup": speedup, "rel_logloss_pct": 0.1, "true_rel_logloss_pct": 0.1}
 
 
-def test_run_benchmark_real_studies_tiny_budget(se, tmp_path: Path) -> None:  # noqa: ANN001
-    res = se.run_benchmark(TINY, n_trials=2, seeds=[0], arms=("loka", "tpe"), workdir=tmp_path, log=False)
-    assert {"meta", "base_study", "runs", "summary"} <= set(res)
-    assert res["meta"]["n_trials"] == 2 and res["meta"]["torch"]
-    loka, tpe = res["runs"]
-    assert (loka["arm"], tpe["arm"]) == ("loka", "tpe")
-    for run in res["runs"]:
+def test_summarize_counts_trials_to_99_percent_of_the_best_and_censors(se) -> None:  # noqa: ANN001
+    runs = [{"arm": "model", "seed": 0, "wall_s": 1.0, "records": [_rec(1, 1.0), _rec(2, 1.095, seeded="model:1")]},
+            {"arm": "model", "seed": 1, "wall_s": 1.0, "records": [_rec(1, 1.0), _rec(2, 1.05), _rec(3, 1.1)]},
+            {"arm": "tpe", "seed": 0, "wall_s": 1.0, "records": [_rec(1, 1.2, feasible=False), _rec(2, 1.02),
+                                                                _rec(3, 1.09), _rec(4, 1.09)]},
+            {"arm": "tpe", "seed": 1, "wall_s": 1.0, "records": [_rec(1, 0.9), _rec(2, 0.95)]}]
+    s = se.summarize(runs, budget_pct=0.5)
+    assert s["best_speedup"] == 1.1  # the infeasible 1.2 does not count
+    m, t = s["arms"]["model"], s["arms"]["tpe"]
+    assert m["trials_to_target"] == [2, 3] and not m["censored"]  # 1.095 >= 0.99 x 1.1
+    assert t["trials_to_target"] == [3, 2] and t["censored"] and t["reached"] == 1  # seed 1 never: its 2 trials
+    assert s["trials_ratio"] == pytest.approx(2.5 / 2.5) and s["trials_ratio_is_upper_bound"]
+    assert s["per_run"][0]["reached_by"] == "model:1"
+
+
+def test_the_world_prices_the_recipe_space_as_it_composes_configs(se, world) -> None:  # noqa: ANN001
+    from loka_tune.config import PrecisionConfig, SitePrecision
+    from loka_tune.space.encode import config_from_params, params_picking
+
+    assert world.label == "modeled" and not world.recipe.per_gemm and world.per_gemm.per_gemm
+    priced = 0
+    for sc in world.recipe.sites:
+        for v in sc.values[1:]:
+            assert sc.prices[v] == pytest.approx(world.site_saving(sc.name, SitePrecision.parse(v)), rel=1e-12)
+            priced += 1
+    assert priced >= 10
+    # the feature-axis Linears (rows per example > 1) are in the space, and their FP8 is expensive in loss
+    fa = [sc for sc in world.recipe.sites if sc.site.rows_per_example > 1 and len(sc.values) > 1]
+    assert fa and all(world.true_error[(sc.name, "wgrad", c)] == 1.0 for sc in fa for c in sc.choices["wgrad"][1:])
+    # a config's step time is base - the sum of its sites' savings; its loss is the same on every call
+    params = params_picking(world.recipe, lambda sc, role, ch: ch[-1])
+    cfg = config_from_params(world.recipe, params)
+    step, rel = world.evaluate(cfg)
+    assert step == pytest.approx(world.base_s - sum(world.recipe.site(s.split("@")[0]).prices[v]
+                                                    for s, v in params.items()), rel=1e-12)
+    assert world.evaluate(cfg) == (step, rel) and rel != world.true_loss(cfg)  # noise, fixed per config
+    assert world.evaluate(PrecisionConfig())[0] == world.base_s
+    # the budget binds: the config of every GEMM's largest saving costs 3x it
+    assert world.kappa > 0 and world.meta["greedy_speedup"] > 1.05
+    assert 1.0 < se.recipe_optimum(world) < world.meta["greedy_speedup"]
+
+
+def test_measured_prices_replace_the_priced_values_and_scale_the_rest(se, world, tmp_path: Path) -> None:  # noqa: ANN001
+    from loka_tune.config import SitePrecision
+
+    sc = next(s for s in world.recipe.sites if len(s.values) > 2)
+    v1, v2 = sc.values[1], sc.values[2]
+    prices = tmp_path / "prices.json"
+    prices.write_text(json.dumps({"site_prices": {sc.name: {v1: 2 * sc.prices[v1]}}, "base_s": 0.03}))
+    m = se.build_world(prices_path=prices, seed=0)
+    assert m.label == "measured per-site prices, modeled composition" and m.base_s == 0.03
+    assert m.site_saving(sc.name, SitePrecision.parse(v1)) == pytest.approx(2 * sc.prices[v1])
+    # an unpriced precision of that site: its modeled GEMM savings x the site's measured/modeled ratio (2)
+    assert m.site_saving(sc.name, SitePrecision.parse(v2)) == pytest.approx(2 * world.site_saving(sc.name,
+                                                                                             SitePrecision.parse(v2)))
+    assert m.recipe.site(sc.name).values == ("bf16", v1)  # only priced values are choices
+    assert m.recipe.price_source == "measured"
+
+
+def test_arms_run_loka_tunes_starts_proposals_and_sampler(se, world) -> None:  # noqa: ANN001
+    res = se.run_benchmark(world, n_trials=7, seeds=[0], arms=["model", "tpe", "random"], log=False)
+    runs = {r["arm"]: r for r in res["runs"]}
+    for run in runs.values():
         recs = run["records"]
-        # 2 short runs; a cache copy (a configuration drawn again) is recorded beside them, not counted
-        assert sum(r["evaluated"] for r in recs) == 2 and [r["trial"] for r in recs] == list(range(len(recs)))
-        assert [r["n_evaluated"] for r in recs] == list(itertools.accumulate(int(r["evaluated"]) for r in recs))
-    # loka starts with its enqueued trials; plain TPE gets none, and its space was not probe-pruned
-    assert loka["records"][0]["seeded"] == "all-bf16" and loka["records"][0]["speedup"] == pytest.approx(1.0)
-    assert not any(r["seeded"] for r in tpe["records"])
-    assert "slow" in loka["space"]["dropped"] and set(tpe["space"]["dropped"]) <= {"ineligible"}
-    assert tpe["space"]["configs"] > loka["space"]["configs"]
-    assert (tmp_path / "tpe-seed0" / "optuna.db").is_file() and not (tmp_path / "tpe-seed0" / "probe_report.json").exists()
-    # the same baseline in both arms (deterministic short runs)
-    assert loka["baseline"]["eval_logloss"] == tpe["baseline"]["eval_logloss"]
-    # "short runs to best" agree with the records
-    s = res["summary"]
-    best = s["overall_best_step_time_s"]
-    assert best == min(r["step_time_s"] for run in res["runs"] for r in run["records"] if r["feasible"])
-    for row, run in zip(s["per_run"], res["runs"]):
-        feas = [r for r in run["records"] if r["feasible"]]
-        own = min(r["step_time_s"] for r in feas)
-        first = next(r for r in feas if r["step_time_s"] == own)
-        assert row["best_step_time_s"] == own and row["evals_to_run_best"] == first["n_evaluated"]
-        hit = next((r for r in feas if r["step_time_s"] <= best * 1.005), None)
-        assert row["evals_to_overall_best"] == (hit and hit["n_evaluated"])
-        assert row["reaches_overall_best"] == (hit is not None)
+        assert max(r["n_evaluated"] for r in recs) == 7
+        assert [r["n_evaluated"] for r in recs] == sorted(r["n_evaluated"] for r in recs)
+    seeded = [r["seeded"] for r in runs["model"]["records"]]
+    assert seeded[:4] == ["all-bf16", "tensorwise@filter", "rowwise@filter", "dispatch"]
+    assert any(str(s).startswith("model:") for s in seeded[4:])  # the model's proposals follow the starts
+    assert not any(r["seeded"] for arm in ("tpe", "random") for r in runs[arm]["records"])
+    assert runs["tpe"]["parameters"] > runs["model"]["parameters"]  # per GEMM vs per site
+    assert res["trials_ratio"] == res["summary"]["trials_ratio"]
     md = se.to_markdown(res, "cmd")
-    assert "| loka | 0 |" in md and "| tpe | 0 |" in md and "Acceptance target" in md
+    assert "trials_ratio" in md and "| model | 0 |" in md and "modeled" in md
 
 
-def test_arm_config_changes_only_the_arm_keys(se, tmp_path: Path) -> None:  # noqa: ANN001
-    base = tomllib.loads(se.BASE_STUDY)
-    a = se.arm_config(base, "tpe", 2, 30, tmp_path)
-    b = se.arm_config(base, "loka", 1, 30, tmp_path)
-    assert (a.probe.enabled, a.trials.enqueue_starts, a.study.seed) == (False, False, 2)
-    assert (b.probe.enabled, b.trials.enqueue_starts, b.study.seed) == (True, True, 1)
-    assert a.trials.n_trials == b.trials.n_trials == 30 and a.tracking.enabled is False
-    assert a.space == b.space and a.training == b.training and a.objective == b.objective and a.model == b.model
-    assert a.storage.url != b.storage.url and str(tmp_path) in a.storage.url
-    with pytest.raises(ValueError, match="unknown arm"):
-        se.run_benchmark(se.BASE_STUDY, n_trials=1, seeds=[0], arms=("random",), workdir=tmp_path)
+def test_write_precs_lists_what_price_sites_must_time(se, tmp_path: Path) -> None:  # noqa: ANN001
+    out = tmp_path / "precs.json"
+    assert se.main(["--write-precs", str(out)]) == 0
+    d = json.loads(out.read_text())
+    assert d["batch_size"] == 8192 and set(d["shapes"]) == set(d["precs"])
+    assert d["shapes"]["head_mlp.0.linear"] == [8192, 16384, 4096]
+    assert all(v and "bf16" not in v for v in d["precs"].values())

@@ -17,7 +17,8 @@ relative log loss mean and sd over its seeds), inductor's cache hits over the co
 runs (when the trials were compiled: hits / misses of its FX graph cache; a hit is a graph an
 earlier run compiled, loaded instead of compiled again), the probe's sites (from the study's
 probe_report.json: per site its status, probed / fallback / unprobed, and each statistic that
-fell back, with why), a legend of its terms (NE, AUC, relative log loss, noise floor, budget),
+fell back, with why), the space (per site its recipe values and the seconds each saves per
+step, and the model's last fit), a legend of its terms (NE, AUC, relative log loss, noise floor, budget),
 and writes speed_vs_loss.png (trial labels, noise-floor band, Pareto front, exported trial)
 and best_choice_map.png into --out-dir (default: the study's output dir). A relative log loss
 within the noise floor is labelled "within noise": it cannot be told from bf16's own, neither
@@ -191,6 +192,12 @@ def run(args: argparse.Namespace) -> int:
     if cache_line:
         print(cache_line)
     print(format_probe_sites(_probe_report_path(cfg, st)))
+    if ATTR_SPACE in study.user_attrs:  # the recipe values and their prices; the model's last fit
+        from loka_tune.space.recipe_space import space_table
+        from loka_tune.tuner.proposals import model_line
+
+        print("\n".join(x for x in (space_table(SearchSpace.from_dict(study.user_attrs[ATTR_SPACE])),
+                                     model_line(study.user_attrs)) if x))
     print(legend(budget, floor))
     if not args.no_plots and ATTR_SPACE in study.user_attrs:
         from loka_tune.tuner.tracking import write_plots

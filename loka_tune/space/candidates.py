@@ -12,7 +12,9 @@ Stages (one function each, like a sharding planner's enumerate / filter / rate):
 
 A :class:`SearchSpace` is plain JSON-able data: the first worker of a study computes it and
 stores it in the study, every other worker (and every resume) decodes trials with that same
-space.
+space. By default a study searches the *recipe space* built on top of these per-GEMM choices
+(:mod:`loka_tune.space.recipe_space`: per site a few whole-site recipes, priced); ``[space]
+per_gemm = true`` searches the per-GEMM choices themselves.
 """
 
 from __future__ import annotations
@@ -43,6 +45,11 @@ class SiteChoices:
 
     ``dropped[role][choice]`` says why a candidate left; ``error[role][choice]`` and
     ``speedup[role][choice]`` keep the probe's numbers where it measured them.
+
+    In a recipe space (:mod:`loka_tune.space.recipe_space`) also: ``recipes``, recipe name ->
+    the site's value (a :meth:`SitePrecision.short_str`, ``"bf16"`` first: the values of the
+    site's parameter), ``prices``, value -> seconds per training step it saves against the site
+    in bf16 (positive: faster), and ``recipe_dropped``, recipe name -> why it is not a value.
     """
 
     site: Site
@@ -50,32 +57,56 @@ class SiteChoices:
     dropped: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
     error: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
     speedup: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
+    recipes: Mapping[str, str] = field(default_factory=dict)
+    prices: Mapping[str, float] = field(default_factory=dict)
+    recipe_dropped: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
         return self.site.name
 
     def to_dict(self) -> dict[str, Any]:
-        return {"site": self.site.to_dict(), "choices": {r: list(c) for r, c in self.choices.items()},
-                "dropped": {r: dict(d) for r, d in self.dropped.items()},
-                "error": {r: dict(d) for r, d in self.error.items()},
-                "speedup": {r: dict(d) for r, d in self.speedup.items()}}
+        d = {"site": self.site.to_dict(), "choices": {r: list(c) for r, c in self.choices.items()},
+             "dropped": {r: dict(d) for r, d in self.dropped.items()},
+             "error": {r: dict(d) for r, d in self.error.items()},
+             "speedup": {r: dict(d) for r, d in self.speedup.items()}}
+        for k in ("recipes", "prices", "recipe_dropped"):  # a recipe space's only: a per-GEMM one reads as before
+            if getattr(self, k):
+                d[k] = dict(getattr(self, k))
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "SiteChoices":
         return cls(Site.from_dict(d["site"]), {r: tuple(c) for r, c in d["choices"].items()},
                    {r: dict(x) for r, x in d.get("dropped", {}).items()},
                    {r: dict(x) for r, x in d.get("error", {}).items()},
-                   {r: dict(x) for r, x in d.get("speedup", {}).items()})
+                   {r: dict(x) for r, x in d.get("speedup", {}).items()},
+                   {str(k): str(v) for k, v in d.get("recipes", {}).items()},
+                   {str(k): float(v) for k, v in d.get("prices", {}).items()},
+                   {str(k): str(v) for k, v in d.get("recipe_dropped", {}).items()})
+
+    @property
+    def values(self) -> tuple[str, ...]:
+        """A recipe space's values of this site (``"bf16"`` first; empty in a per-GEMM space)."""
+        return tuple(dict.fromkeys(self.recipes.values()))
 
 
 @dataclass(frozen=True)
 class SearchSpace:
-    """Per-site choices plus the Mods dimensions; ``per_role=False`` ties fwd/dgrad/wgrad together."""
+    """Per-site choices plus the Mods dimensions.
+
+    ``per_gemm=True``: the per-GEMM space, one parameter per site x role (``per_role=False``
+    ties fwd/dgrad/wgrad together: one per site); ``per_gemm=False``: the recipe space, one
+    parameter per site whose values are its recipes (:attr:`SiteChoices.recipes`), priced
+    by ``price_source`` (``"modeled"``: the cost model, ``"measured"``: timed on the device).
+    A space stored before recipe spaces existed has no ``per_gemm`` key: per-GEMM.
+    """
 
     sites: tuple[SiteChoices, ...]
     mods: Mapping[str, tuple[Any, ...]] = field(default_factory=dict)
     per_role: bool = True
+    per_gemm: bool = True
+    price_source: str | None = None
 
     def site(self, name: str) -> SiteChoices:
         for s in self.sites:
@@ -88,7 +119,12 @@ class SearchSpace:
         return [s.name for s in self.sites]
 
     def n_fp8_candidates(self) -> int:
+        """FP8 choices left per site x GEMM (the per-GEMM space's; a recipe space is built from them)."""
         return sum(len(c) - 1 for s in self.sites for c in s.choices.values())
+
+    def n_recipe_values(self) -> int:
+        """FP8 values of a recipe space's site parameters (0 in a per-GEMM space)."""
+        return sum(max(len(s.values) - 1, 0) for s in self.sites)
 
     def size(self) -> float:
         """Number of distinct configurations (a float: it can be astronomically large)."""
@@ -100,13 +136,18 @@ class SearchSpace:
         return n
 
     def to_dict(self) -> dict[str, Any]:
-        return {"sites": [s.to_dict() for s in self.sites],
-                "mods": {k: list(v) for k, v in self.mods.items()}, "per_role": self.per_role}
+        d: dict[str, Any] = {"sites": [s.to_dict() for s in self.sites],
+                             "mods": {k: list(v) for k, v in self.mods.items()}, "per_role": self.per_role}
+        if not self.per_gemm:  # a per-GEMM space's dict is the one stored before recipe spaces
+            d["per_gemm"] = False
+            d["price_source"] = self.price_source
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "SearchSpace":
         return cls(tuple(SiteChoices.from_dict(s) for s in d["sites"]),
-                   {k: tuple(v) for k, v in d.get("mods", {}).items()}, bool(d.get("per_role", True)))
+                   {k: tuple(v) for k, v in d.get("mods", {}).items()}, bool(d.get("per_role", True)),
+                   bool(d.get("per_gemm", True)), d.get("price_source"))
 
 
 def enumerate_candidates(backends: Sequence[str], formats: Sequence[str], granularities: Sequence[str],

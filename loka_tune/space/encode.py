@@ -1,11 +1,15 @@
 """Encode / decode between a :class:`~loka_tune.config.PrecisionConfig` and Optuna parameters.
 
-One categorical parameter per site x role with more than one surviving choice
+In a recipe space (the default, :mod:`loka_tune.space.recipe_space`): one categorical parameter
+per site with more than one value (``"<site>@site"``, values are the site's recipes as
+:meth:`SitePrecision.short_str` strings: ``"bf16"``, ``"e4m3.tensor.torch_scaled_mm"``, or
+``"fwd|dgrad|wgrad"`` where the three differ). In a per-GEMM space (``[space] per_gemm = true``):
+one per site x role with more than one surviving choice
 (``"<site>@<role>"``, values are choice ids such as ``"e4m3.row.emulated"``), or per site
-(``"<site>@all"``) when the space ties the three GEMMs together; one per Mods dimension
+(``"<site>@all"``) when the space ties the three GEMMs together. In both, one per Mods dimension
 (``"mods.<field>"``, e.g. ``"mods.fuse_epilogue"``: False / True, kept only with
-``blocknorm`` and ``hardswish`` on). Site x roles with bf16 as their only choice get no
-parameter: they are bf16 in every trial. Decoding is deterministic, so a config's
+``blocknorm`` and ``hardswish`` on). Sites (site x roles) with bf16 as their only choice
+get no parameter: they are bf16 in every trial. Decoding is deterministic, so a config's
 :meth:`PrecisionConfig.key` identifies a trial across workers and restarts.
 """
 
@@ -31,10 +35,12 @@ __all__ = [
 ]
 
 ALL = "all"
+SITE = "site"  # the parameter of a recipe space's site: "<site>@site"
 
 
 def param_name(site: str, role: str | None) -> str:
-    """The Optuna parameter of ``site``'s ``role`` GEMM (``role=None``: the tied parameter)."""
+    """The Optuna parameter of ``site``'s ``role`` GEMM (``role=None``: the tied parameter;
+    ``role="site"``: a recipe space's site parameter)."""
     return f"{site}@{role or ALL}"
 
 
@@ -48,7 +54,10 @@ def _tied_choices(sc: SiteChoices) -> tuple[str, ...]:
 def _dims(space: SearchSpace) -> dict[str, tuple[Any, ...]]:
     dims: dict[str, tuple[Any, ...]] = {}
     for sc in space.sites:
-        if space.per_role:
+        if not space.per_gemm:
+            if len(sc.values) > 1:
+                dims[param_name(sc.name, SITE)] = sc.values
+        elif space.per_role:
             for r in ROLES:
                 ch = sc.choices[r.value]
                 if len(ch) > 1:
@@ -123,11 +132,15 @@ def config_from_params(space: SearchSpace, params: Mapping[str, Any]) -> Precisi
     rules: dict[str, SitePrecision] = {}
     mods = mods_from_params(params)
     for sc in space.sites:
-        if space.per_role:
-            ids = [params.get(param_name(sc.name, r.value), BF16_ID) for r in ROLES]
+        if not space.per_gemm:
+            name = param_name(sc.name, SITE)
+            prec = SitePrecision.parse(params.get(name, BF16_ID), key=name)
         else:
-            ids = [params.get(param_name(sc.name, None), BF16_ID)] * 3
-        prec = SitePrecision(*(GemmChoice.parse(i, key=param_name(sc.name, r.value)) for i, r in zip(ids, ROLES)))
+            if space.per_role:
+                ids = [params.get(param_name(sc.name, r.value), BF16_ID) for r in ROLES]
+            else:
+                ids = [params.get(param_name(sc.name, None), BF16_ID)] * 3
+            prec = SitePrecision(*(GemmChoice.parse(i, key=param_name(sc.name, r.value)) for i, r in zip(ids, ROLES)))
         if not prec.is_bf16:
             rules[_pattern(sc.name, mods)] = prec
     return PrecisionConfig.from_sites(rules, mods=mods)
@@ -136,15 +149,18 @@ def config_from_params(space: SearchSpace, params: Mapping[str, Any]) -> Precisi
 def params_from_config(space: SearchSpace, config: PrecisionConfig) -> tuple[dict[str, Any], list[str]]:
     """The parameters encoding ``config`` in ``space`` and notes for what did not fit.
 
-    A choice the space does not offer for that site x role becomes bf16 (noted); so does a
-    Mods setting outside the space's dimensions.
+    A choice the space does not offer for that site x role (in a recipe space: a site
+    precision that is none of the site's values) becomes bf16 (noted); so does a Mods setting
+    outside the space's dimensions.
     """
     dims = _dims(space)
     params: dict[str, Any] = {}
     notes: list[str] = []
     for sc in space.sites:
         prec = config.resolve(sc.name)
-        if space.per_role:
+        if not space.per_gemm:
+            pairs = [(param_name(sc.name, SITE), prec.short_str())]
+        elif space.per_role:
             pairs = [(param_name(sc.name, r.value), prec[r].short_str()) for r in ROLES]
         else:
             ids = {prec[r].short_str() for r in ROLES}
@@ -183,12 +199,17 @@ def params_picking(space: SearchSpace, pick: Callable[[SiteChoices, str, tuple[s
                    mods: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Parameters choosing ``pick(site_choices, role, choices)`` at every site parameter.
 
-    ``role`` is ``"all"`` in a tied space. ``mods`` gives Mods parameter values (default: off).
+    ``role`` is ``"all"`` in a tied space, ``"site"`` in a recipe space (``choices``: the site's
+    values). ``mods`` gives Mods parameter values (default: off).
     """
     dims = _dims(space)
     params: dict[str, Any] = {}
     for sc in space.sites:
-        if space.per_role:
+        if not space.per_gemm:
+            name = param_name(sc.name, SITE)
+            if name in dims:
+                params[name] = pick(sc, SITE, dims[name])
+        elif space.per_role:
             for r in ROLES:
                 name = param_name(sc.name, r.value)
                 if name in dims:

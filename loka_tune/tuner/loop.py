@@ -5,11 +5,14 @@ One study, end to end (see ``docs/design.md``)::
     StudyConfig ──> baseline: bf16 short runs on 2-3 seeds, each with its noise twins (the same
                     run from perturbed initial weights: the paired noise floor of relative log loss)
                     + the Probe's online statistics during the first one
-                ──> space: sites x roles x candidates, pruned by the ProbeReport (unsafe / slow)
+                ──> space: sites x roles x candidates, pruned by the ProbeReport (unsafe / slow);
+                    by default whole-site recipes on top of those, priced (seconds saved per step)
                 ──> enqueued starts (unless ``[trials] enqueue_starts = false``): bf16 under each
                     Mods set, then, under the fastest feasible of those, the named recipes
                     (tensorwise / rowwise on torchao's size-filter sites, torchao's own, the
-                    Dispatch plan): :mod:`loka_tune.tuner.starts`
+                    Dispatch plan): :mod:`loka_tune.tuner.starts`; then, in the recipe space, the
+                    additive model's frontier under the budget, refitted after each trial
+                    (:mod:`loka_tune.tuner.proposals`)
                 ──> Optuna ask/tell (TPE with constraints, objective: step time)
                     trial -> PrecisionConfig -> fresh model (same init) -> apply -> paired short run
                           -> relative log loss vs the baseline, step time (measured or modeled)
@@ -63,6 +66,7 @@ from loka_tune.tuner._workers import (
 from loka_tune.tuner.build import _log, resolve_device
 from loka_tune.tuner.optuna_setup import make_storage, open_study, set_constraint
 from loka_tune.tuner.prepare import StudyContext, prepare_study
+from loka_tune.tuner.proposals import enqueue_proposals
 from loka_tune.tuner.results import STATES_DONE, TrialRecord, best_trial, noise_note
 from loka_tune.tuner.starts import enqueue_recipe_starts
 from loka_tune.tuner.study import StudyConfig
@@ -155,6 +159,11 @@ def _trials(ctx: StudyContext, study: Any, storage: Any, tracker: Tracker | None
             time.sleep(min(cfg.storage.heartbeat_s, 2.0))
             continue
         if enqueue_recipe_starts(study):  # the bf16 + Mods starts run elsewhere: the recipes wait for them
+            time.sleep(min(cfg.storage.heartbeat_s, 2.0))
+            continue
+        if enqueue_proposals(study, ctx.space, budget_pct=budget, base_s=ctx.baseline.step_time_s,
+                             unmeasured_error=cfg.probe.max_error, noise_pct=ctx.baseline.noise_floor_pct):
+            # the first proposals wait for the recipe starts (they calibrate the model)
             time.sleep(min(cfg.storage.heartbeat_s, 2.0))
             continue
         with warnings.catch_warnings():  # heartbeats are recorded by _Heartbeat below, not by optimize()

@@ -1,4 +1,5 @@
-"""Preparing a study: the baseline, the probe, the search space it prunes, the first enqueued starts
+"""Preparing a study: the baseline, the probe, the search space it prunes, the recipe space priced on
+top of it (the default; ``[space] per_gemm = true``: the per-GEMM space), the first enqueued starts
 (bf16 under each Mods set; the recipes wait for them: :mod:`loka_tune.tuner.starts`).
 
 The first worker computes them and stores the baseline and the space in the study's user
@@ -9,6 +10,13 @@ the winner's.
 Files in the study's output dir: ``probe_report.json`` (per site x GEMM x candidate error and
 speed: what the pruning, ``report`` and MLflow read; tens of KB). The probe's raw statistics are
 not kept (``loka-tune probe --out DIR`` writes them, ``probe_stats.npz``, when wanted).
+
+Pricing (:func:`_site_prices`, recipe space only): per site and candidate recipe value, the seconds
+per training step it saves against the site in bf16. Modeled (a CPU study): the cost model's
+three GEMMs (fwd only for the inference objective) at ``cost_batch_size``, as the trials' modeled
+step times are. Measured (a GPU study): ``loka_tune.kernels.site_timing.price_sites`` times each
+site's fwd + dgrad + wgrad compiled at the batch the trials train at, on the study's device.
+The prices are stored with the space (:attr:`SiteChoices.prices`, :attr:`SearchSpace.price_source`).
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from loka_tune.data.base import model_inputs
 from loka_tune.errors import UnsupportedChoiceError
 from loka_tune.space.candidates import SearchSpace, build_space, enumerate_candidates, prune_by_probe
 from loka_tune.space.encode import distributions, mods_dims
+from loka_tune.space.recipe_space import recipe_candidates, select_recipes
 from loka_tune.space.sites import Site, discover_sites
 from loka_tune.tuner.baseline import Baseline, check_budget, price_baseline, run_baseline
 from loka_tune.tuner.build import _first_batch, _log, make_model, make_source, speed_source
@@ -118,6 +127,67 @@ def _prune(cfg: StudyConfig, space: SearchSpace, report: Any, speed: str) -> Sea
     return prune_by_probe(space, primary.results, max_error=cfg.probe.max_error,
                           min_speedup=cfg.probe.min_speedup, speedup=speedup_fn,
                           skipped=getattr(report, "skipped", ()), unprobed=getattr(report, "unprobed", ()))
+
+
+def _site_prices(cfg: StudyConfig, space: SearchSpace, device: str) -> dict[str, dict[str, float]]:
+    """Seconds per training step each recipe value of ``space`` saves against its site in bf16
+    (positive: faster), per site name and value; a value that cannot be priced is left out.
+
+    Modeled (``objective.speed`` resolves to "modeled"): the cost model at ``cost_batch_size``, the
+    sum over the GEMMs the objective runs (fwd, dgrad, wgrad; fwd only for "inference") of
+    ``t_bf16 - t_value``. Measured: ``loka_tune.kernels.site_timing.price_sites`` with each
+    site's (M, K, N) at the batch one process trains at (``[regime] batch_size`` else
+    ``[training]``'s, split over ``[regime] nproc``) on ``device``.
+    """
+    precs = {sc.name: [v for v in sc.values if v != "bf16"] for sc in space.sites}
+    precs = {k: v for k, v in precs.items() if v}  # only what the space can choose
+    if not precs:
+        return {}
+    if speed_source(cfg, device) == "measured":
+        from loka_tune.kernels.site_timing import price_sites
+
+        rows = cfg.batch_size // cfg.regime.nproc
+        shapes = {sc.name: (sc.site.rows(rows), sc.site.in_features, sc.site.out_features)
+                  for sc in space.sites if sc.name in precs}
+        got = price_sites(shapes, precs, device=device)
+        return {s: {v: float(x) for v, x in d.items()} for s, d in got.items()}
+    from loka_tune.config import ROLES, SitePrecision
+    from loka_tune.kernels.costmodel import estimate_gemm_seconds
+
+    roles = ROLES[:1] if cfg.objective.kind == "inference" else ROLES
+    dev = cfg.objective.cost_device
+    out: dict[str, dict[str, float]] = {}
+    for sc in space.sites:
+        for v in precs.get(sc.name, ()):
+            prec = SitePrecision.parse(v)
+            saved = 0.0
+            try:
+                for r in roles:
+                    m, k, n = sc.site.shape(r, cfg.cost_batch_size)
+                    saved += (estimate_gemm_seconds(GemmChoice.bf16(), m, k, n, r, dev)
+                              - estimate_gemm_seconds(prec[r], m, k, n, r, dev))
+            except UnsupportedChoiceError:
+                continue
+            out.setdefault(sc.name, {})[v] = saved
+    return out
+
+
+def _recipe_space(cfg: StudyConfig, space: SearchSpace, report: Any, device: str) -> SearchSpace:
+    """The recipe space on the pruned per-GEMM ``space``: candidates, their prices, the selection."""
+    plan = None
+    if report is not None:
+        from loka_tune.dispatch import build_plan
+
+        # the space's own choice ids (emulated on a CPU): each GEMM's fastest safe choice
+        plan = build_plan(report, max_error=cfg.probe.max_error, min_speedup=max(cfg.probe.min_speedup, 1.0),
+                          resolve_emulated=False)
+    cands = recipe_candidates(space, cfg.space.backends, plan)
+    t0 = time.perf_counter()
+    prices = _site_prices(cfg, cands, device)
+    source = speed_source(cfg, device)
+    _log(f"[loka-tune] prices: {sum(len(d) for d in prices.values())} site recipes priced ({source},"
+         f" {time.perf_counter() - t0:.1f}s)")
+    return select_recipes(cands, prices, source=source, keep_slow=cfg.probe.min_speedup < 1.0)
 
 
 def _enqueue_starts(cfg: StudyConfig, study: Any, space: SearchSpace, report: Any) -> None:
@@ -213,7 +283,10 @@ def _prepare(cfg: StudyConfig, study: Any, *, device: str, force: bool = False,
         report = _probe_report(cfg, stats, candidates, device, prep / "probe_report.json")
         space = _prune(cfg, space, report, speed)
     n_fp8 = space.n_fp8_candidates()
-    _log(f"[loka-tune] space: {len(space.sites)} sites, {n_fp8} FP8 candidates after pruning,"
+    if not cfg.space.per_gemm:
+        space = _recipe_space(cfg, space, report, device)
+    values = f", {space.n_recipe_values()} FP8 site recipes" if not space.per_gemm else ""
+    _log(f"[loka-tune] space: {len(space.sites)} sites, {n_fp8} FP8 candidates after pruning{values},"
          f" {len(distributions(space))} parameters ({time.perf_counter() - t0:.1f}s to prepare)")
     if n_fp8 == 0:
         _log("[loka-tune] " + no_fp8_reason(space, cfg))

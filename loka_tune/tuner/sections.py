@@ -279,7 +279,15 @@ class ObjectiveSection:
 
 @dataclass(frozen=True)
 class SpaceSection:
-    """The allowed search space."""
+    """The allowed search space.
+
+    ``per_gemm``: False (the default) searches the recipe space (per site bf16, tensorwise,
+    rowwise, rowwise with a bf16 wgrad or Dispatch's per-GEMM choice:
+    :mod:`loka_tune.space.recipe_space`); True the per-GEMM space, where ``per_role`` chooses
+    fwd / dgrad / wgrad separately (True) or ties them (False). A study file that sets
+    ``per_role`` but not ``per_gemm`` (written before the recipe space) gets the per-GEMM space it
+    had; ``per_gemm = false`` with ``per_role`` set is a contradiction (a ConfigError).
+    """
 
     formats: tuple[str, ...] = ("e4m3", "e5m2")
     granularities: tuple[str, ...] = ("tensor", "row", "block")
@@ -287,6 +295,7 @@ class SpaceSection:
     roundings: tuple[str, ...] = ("exact",)
     mods: tuple[str, ...] = ()
     per_role: bool = True
+    per_gemm: bool = False
     align: int = 16
     min_dim: int = 16
     blocknorm_sizes: tuple[int, ...] = (128,)
@@ -312,10 +321,17 @@ class SpaceSection:
             if (not isinstance(v, list) or not v
                     or not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in v)):
                 raise ConfigError(f"got {v!r}; expected a non-empty list of positive integers", key=f"space.{k}")
+        per_role = t.boolean("per_role", d.per_role)
+        if t.has("per_role") and t.has("per_gemm") and not t.boolean("per_gemm", d.per_gemm):
+            raise ConfigError(f"got per_gemm = false with per_role = {str(per_role).lower()}: per_role chooses how"
+                              " the per-GEMM space ties a site's three GEMMs, and per_gemm = false searches whole-site"
+                              " recipes instead; drop per_role, or set per_gemm = true", key="space.per_role")
+        # a study file from before the recipe space that sets per_role keeps its per-GEMM space
+        per_gemm = t.boolean("per_gemm", t.has("per_role"))
         space = cls(
             formats=fmts, granularities=grans, backends=backends, mods=mods,
             roundings=t.str_list("roundings", d.roundings, choices=("exact", "pow2")),
-            per_role=t.boolean("per_role", d.per_role),
+            per_role=per_role, per_gemm=per_gemm,
             align=t.integer("align", d.align, minimum=1),
             min_dim=t.integer("min_dim", d.min_dim, minimum=1),
             blocknorm_sizes=tuple(bn), pad_multiples=tuple(pm),

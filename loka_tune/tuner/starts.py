@@ -17,12 +17,19 @@ Two phases (unless ``[trials] enqueue_starts = false``: then the sampler picks e
    - ``"dispatch"``: the Dispatch plan of the probe report (with the probe on).
 
    Only then are the best Mods known, so these are queued by the loop, not at preparation.
+   The model's proposals follow them (:mod:`loka_tune.tuner.proposals`), under the same Mods.
    Their site choices are computed at preparation and stored with the study
    (:data:`ATTR_STARTS`, state ``"pending"``); queuing them sets the state to ``"done"``, so a
    resumed study (or a second worker) never queues them twice.
 
-Each recipe is mapped into the pruned space per site and GEMM: a choice the space lacks there
-is bf16 (as :func:`~loka_tune.space.encode.params_from_config` does). A start whose parameters
+In the recipe space (the default) a start takes at each site the site's value of its recipe:
+``tensorwise@filter`` the ``tensorwise`` value at the Linears torchao's filter keeps (bf16 where
+the site has no such value, and at every other site), ``rowwise@filter`` likewise, ``dispatch``
+the ``dispatch`` value everywhere. The torchao starts are not queued there: each site's recipe
+value is already the one of its backends (torchao among them, when in the space) that prices
+fastest, so they would repeat ours. In the per-GEMM space (``[space] per_gemm = true``) each
+recipe is mapped into the pruned space per site and GEMM: a choice the space lacks there is
+bf16 (as :func:`~loka_tune.space.encode.params_from_config` does). A start whose parameters
 repeat an earlier trial's is not queued (``skip_if_exists``); one whose config repeats an
 earlier one's is a cache copy, which does not count toward ``n_trials``. The label is the
 trial's user attribute ``seeded``: the leaderboard's note and the MLflow tag show it.
@@ -33,10 +40,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from loka_tune.config import Format, GemmChoice, Granularity, ModsConfig, ScaleRounding
-from loka_tune.recipes import SIZE_FILTERS
+from loka_tune.config import ModsConfig
+from loka_tune.recipes import DISPATCH, SIZE_FILTERS
 from loka_tune.space.candidates import BF16_ID, SearchSpace, SiteChoices
 from loka_tune.space.encode import mods_from_params, params_from_config, params_picking
+from loka_tune.space.recipe_space import recipe_gemm
 from loka_tune.tuner.build import _log
 from loka_tune.tuner.results import TrialRecord
 
@@ -69,48 +77,52 @@ def mods_label(params: Mapping[str, Any]) -> str:
     return BF16_LABEL if mods == ModsConfig() else f"bf16+mods:{mods.short_str()}"
 
 
-def _matches(cid: str, gran: Granularity) -> bool:
-    c = GemmChoice.parse(cid)
-    return c.a_format == Format.E4M3 and c.b_format == Format.E4M3 and c.granularity == gran
-
-
-def _recipe_pick(gran: Granularity, backends: Sequence[str], size_filter: Any) -> Any:
+def _recipe_pick(recipe: str, backends: Sequence[str], size_filter: Any) -> Any:
     """A ``params_picking`` rule: the recipe's choice at the Linears ``size_filter`` keeps, else bf16.
 
-    Among the space's e4m3 choices of granularity ``gran`` at that GEMM: the first backend of
-    ``backends``; then torchao's scale rounding (rowwise: power-of-two scales, tensorwise:
-    exact) and fast accumulation (on in fwd, off in the gradients' GEMMs), where the space has them.
+    Per-GEMM space: the first backend of ``backends`` whose choice for ``recipe`` the space has
+    at that GEMM (:func:`~loka_tune.space.recipe_space.recipe_gemm`: e4m3 of the recipe's
+    granularity, then its scale rounding and torchao's fast accumulation, on in fwd and off in the
+    gradients' GEMMs, where the space has them). Recipe space: the site's value of ``recipe``.
     """
-    pow2 = gran == Granularity.ROW
-
     def pick(sc: SiteChoices, role: str, choices: tuple[str, ...]) -> str:
         if not size_filter.keeps(sc.site.in_features, sc.site.out_features):
             return BF16_ID
-        fits = [c for c in choices if c != BF16_ID and _matches(c, gran) and GemmChoice.parse(c).backend in backends]
-        if not fits:
-            return BF16_ID
-        fa = role in ("fwd", "all")
-
-        def rank(cid: str) -> tuple[int, bool, bool]:
-            c = GemmChoice.parse(cid)
-            return (backends.index(c.backend), (c.rounding == ScaleRounding.POW2) != pow2, c.fast_accum != fa)
-
-        return min(fits, key=rank)
+        if role == "site":
+            return sc.recipes.get(recipe, BF16_ID)
+        for be in backends:
+            cid = recipe_gemm(choices, recipe, role, be)
+            if cid != BF16_ID:
+                return cid
+        return BF16_ID
 
     return pick
+
+
+class _KeepAll:
+    """The size filter of the ``dispatch`` start: every site (Dispatch chose per GEMM already)."""
+
+    def keeps(self, in_features: int, out_features: int) -> bool:
+        return True
 
 
 def recipe_starts(space: SearchSpace, backends: Sequence[str], report: Any = None, *,
                   max_error: float = 0.2, min_speedup: float = 1.0) -> list[tuple[str, dict[str, Any]]]:
     """The recipe starts' parameters in ``space`` (label, params; every Mod off, the loop sets
     the best ones): see the module's docstring. ``backends``: ``[space] backends`` in order."""
+    if not space.per_gemm:
+        out = [(f"{name}@filter", params_picking(space, _recipe_pick(name, backends, SIZE_FILTERS[name])))
+               for name in ("tensorwise", "rowwise")]
+        if any(DISPATCH in sc.recipes for sc in space.sites) or report is not None:
+            out.append(("dispatch", params_picking(space, _recipe_pick(DISPATCH, backends, _KeepAll()))))
+        return out
     ours = [b for b in backends if b not in ("torchao", "bf16")]
-    out: list[tuple[str, dict[str, Any]]] = []
+    out = []
     for prefix, bes in (("", ours), ("torchao:", ["torchao"] if "torchao" in backends else [])):
         if not bes:
             continue
-        for name, gran in (("tensorwise", Granularity.TENSOR), ("rowwise", Granularity.ROW)):
-            out.append((f"{prefix}{name}@filter", params_picking(space, _recipe_pick(gran, bes, SIZE_FILTERS[name]))))
+        for name in ("tensorwise", "rowwise"):
+            out.append((f"{prefix}{name}@filter", params_picking(space, _recipe_pick(name, bes, SIZE_FILTERS[name]))))
     if report is not None:
         from loka_tune.dispatch import build_plan
 
@@ -159,7 +171,7 @@ def enqueue_recipe_starts(study: Any) -> bool:
     under = mods_from_params(mods).short_str()
     for label, params in info["recipes"]:
         study.enqueue_trial({**params, **mods}, user_attrs={"seeded": label}, skip_if_exists=True)
-    study.set_user_attr(ATTR_STARTS, {**info, "state": "done", "under": under,
+    study.set_user_attr(ATTR_STARTS, {**info, "state": "done", "under": under, "mods": mods,
                                       "under_trial": None if best is None else best.number})
     why = f"trial {best.number}'s, the fastest feasible" if best is not None else "none: no bf16 + Mods start is feasible"
     _log(f"[loka-tune] starts: {len(info['recipes'])} recipe(s) queued under Mods {under!r} ({why})")

@@ -50,7 +50,11 @@ Layout (every section but ``[model]`` and ``[data]`` is optional)::
     backends = ["emulated"]
     roundings = ["exact"]        # scale rounding: "exact" and/or "pow2"
     mods = ["no_bias", "blocknorm", "hardswish"]
-    per_role = true              # choose fwd / dgrad / wgrad separately
+    per_gemm = false             # false: per site one of a few whole-site recipes (bf16, tensorwise, rowwise,
+                                 # rowwise with a bf16 wgrad, Dispatch's per-GEMM choice), priced per site;
+                                 # true: per site x GEMM every choice the probe kept (for experts)
+    per_role = true              # per_gemm = true only: choose fwd / dgrad / wgrad separately (false: tied);
+                                 # a file that sets per_role without per_gemm gets the per-GEMM space
     align = 16                   # FP8 only where K and N are multiples of this
     min_dim = 16                 # ... and at least this big
 
@@ -69,8 +73,9 @@ Layout (every section but ``[model]`` and ``[data]`` is optional)::
     n_startup_trials = 8         # random trials before TPE models the results
     enqueue_starts = true        # first trials: bf16 with no Mods and with all of [space] mods, then under
                                  # the faster feasible of the two the recipes tensorwise / rowwise on
-                                 # torchao's size-filter Linears (ours, and torchao's own with the torchao
-                                 # backend) and the Dispatch plan; false leaves every trial to the sampler
+                                 # torchao's size-filter Linears (per GEMM also torchao's own with the
+                                 # torchao backend) and the Dispatch plan, then (recipe space) the additive
+                                 # model's proposals; false leaves every trial to the sampler
 
     [storage]
     url = ""                     # default sqlite:///<output_dir>/optuna.db; postgresql://... for many machines

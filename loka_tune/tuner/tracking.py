@@ -211,10 +211,13 @@ class Tracker:
             "baseline_logloss": baseline.logloss, "baseline_ne": baseline.eval_ne, "baseline_auc": baseline.eval_auc,
             "noise_floor_pct": baseline.noise_floor_pct, "seed_spread_pct": getattr(baseline, "seed_spread_pct", None),
             "baseline_step_time_s": baseline.step_time_s,
-            "n_sites": len(space.sites), "n_fp8_candidates": space.n_fp8_candidates()})
+            "n_sites": len(space.sites), "n_fp8_candidates": space.n_fp8_candidates(),
+            "n_recipe_values": space.n_recipe_values()})
         self._log_curve(self.parent_run_id, "paired_noise_pct", getattr(baseline, "paired_noise_pct", ()))
         self._set_tags(self.parent_run_id, {"speed_source": baseline.speed_source, "device": baseline.device,
-                                            "noise_floor_kind": getattr(baseline, "noise_floor_kind", None)})
+                                            "noise_floor_kind": getattr(baseline, "noise_floor_kind", None),
+                                            "space": "per_gemm" if space.per_gemm else "recipes",
+                                            "price_source": space.price_source})
         for seed, losses in (curves or {}).items():
             self._log_curve(self.parent_run_id, f"baseline_train_loss.seed{seed}", losses)
         retry(self.client.log_text, self.parent_run_id, json.dumps(space.to_dict(), indent=1), "search_space.json")
