@@ -56,11 +56,17 @@ case "$part" in
       --budget "${E2E_BUDGET:-250}" --out "$out/e2e" 2>&1 | tail -30
     ;;
   study)
-    timeout -s INT -k 45 "${STUDY_TIMEOUT:-530}" python3 benchmarks/study_h200.py --study "$study" --work "$out/w" \
+    # first the site prices of the study's own recipe values that the shipped H200 file lacks, into the
+    # user's cache the study reads (what an earlier study on this machine would have left there)
+    mkdir -p "$out/w"
+    timeout -k 10 "${PRICE_BUDGET:-90}" python3 benchmarks/site_prices.py --study "$study" \
+      --cache "${LOKA_TUNE_CACHE_DIR:-$HOME/.cache/loka-tune}/site_prices.json" --out "$out/w/site_prices_receipt.json" \
+      --budget "$(( ${PRICE_BUDGET:-90} - 15 ))" 2>&1 | tail -12
+    cp "${LOKA_TUNE_CACHE_DIR:-$HOME/.cache/loka-tune}/site_prices.json" "$out/w/site_prices_new.json" 2>/dev/null
+    timeout -s INT -k 45 "${STUDY_TIMEOUT:-470}" python3 benchmarks/study_h200.py --study "$study" --work "$out/w" \
       --skip-e2e --out "$out/study_h200.json" "$@"
     echo "== study_h200 exit $?"; tail -45 "$out/w/study_h200.log"
     cp "$out/w/study/optuna.db" "$out/w/optuna.db" 2>/dev/null
-    cp "$out/w/study/probe_report.json" "$out/w/probe_report.json" 2>/dev/null
     timeout 60 python3 -m loka_tune report "$study" --storage "sqlite:///$out/w/study/optuna.db" --no-plots \
       > "$out/study_report.txt" 2>&1; tail -30 "$out/study_report.txt"
     rm -rf "$out/w/study" "$out/w/e2e" ;;

@@ -1,7 +1,8 @@
 """Compiled per-site prices of a study's model on one GPU: the cache a study's preparation reads.
 
 For every FP8-eligible Linear of the study's model (sites found on the model with its Mods, at
-the batch its ``[regime]`` trains) and every whole-site recipe below through each backend,
+the batch its ``[regime]`` trains) and every value the study's recipe space would price there
+(``--templates``: every recipe variant of TEMPLATES through each backend instead),
 :func:`loka_tune.kernels.site_timing.price_sites` times ``Hard Swish -> LokaLinear`` forward +
 backward compiled at the site's real (M, K, N) and stores the cells in ``--cache`` (the file
 ``loka_tune/kernels/data/site_prices_h200.json`` ships in the repo). The receipt ``--out`` has,
@@ -60,11 +61,29 @@ def site_precs(site: Any, batch: int, backends: tuple[str, ...], device: str) ->
     return out
 
 
+def study_recipe_values(cfg: Any, sites: list[Any], batch: int, backends: tuple[str, ...]) -> dict[str, dict[str, str]]:
+    """Per site, ``"<recipe>.<backend>"`` -> the value the study's recipe space would price there
+    (:func:`loka_tune.space.recipe_space.recipe_candidates` on its unpruned per-GEMM space; the
+    Dispatch value depends on the probe and is priced by the study itself)."""
+    from loka_tune.space.candidates import build_space, enumerate_candidates
+    from loka_tune.space.recipe_space import recipe_candidates
+
+    cands = enumerate_candidates(backends, cfg.space.formats, cfg.space.granularities, cfg.space.roundings,
+                                 device="cuda")
+    space = build_space(sites, cands, batch_size=batch, align=cfg.space.align, min_dim=cfg.space.min_dim,
+                        device="cuda")
+    rs = recipe_candidates(space, backends)
+    return {sc.name: {k: v for k, v in sc.recipes.items() if k != "bf16"} for sc in rs.sites}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--study", type=Path, default=Path("studies/wukong_h200.toml"))
     ap.add_argument("--batch", type=int, default=None, help="default: the study's regime batch")
-    ap.add_argument("--backends", default=",".join(BACKENDS))
+    ap.add_argument("--backends", default=None, help="default: the study's [space] backends")
+    ap.add_argument("--retime", action="store_true", help="time every cell, ignoring the shipped H200 file")
+    ap.add_argument("--templates", action="store_true",
+                    help="price TEMPLATES (every recipe variant) instead of the study's own recipe values")
     ap.add_argument("--cache", type=Path, required=True)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--greedy-config", type=Path, default=None)
@@ -92,13 +111,17 @@ def main(argv: list[str] | None = None) -> int:
                       hardswish="hardswish" in cfg.space.mods)
     apply_mods(model, mods)
     sites = discover_sites(model, *model_inputs(model, _first_batch(source, cfg, max_rows=64)))
-    backends = tuple(b for b in args.backends.split(",") if b)
-    names = {s.name: site_precs(s, batch, backends, "cuda") for s in sites}
+    backends = tuple(b for b in (args.backends or ",".join(cfg.space.backends)).split(",") if b)
+    if args.templates:
+        names = {s.name: site_precs(s, batch, backends, "cuda") for s in sites}
+    else:  # exactly the values the study's recipe space prices (before its probe prunes any GEMM)
+        names = study_recipe_values(cfg, sites, batch, backends)
     shapes = {s.name: (s.rows(batch), s.in_features, s.out_features) for s in sites}
     precs = {k: sorted(set(v.values())) for k, v in names.items() if v}
     n_cells = distinct_cells(shapes, precs)
     print(f"{len(sites)} sites, {len(precs)} with FP8 recipes, {n_cells} distinct cells", flush=True)
-    cache = SitePriceCache(args.cache, shipped=())
+    # the shipped H200 cells answer what they hold; only the rest is timed (and written to --cache)
+    cache = SitePriceCache(args.cache, shipped=() if args.retime else None)
     t0 = time.perf_counter()
 
     def timer(m: int, k: int, n: int, prec: str, device: str = "cuda") -> dict[str, Any]:

@@ -187,7 +187,8 @@ def _cfg(**over: object):  # noqa: ANN202
 
 def test_modeled_prices_are_the_cost_models_savings_over_the_objectives_gemms() -> None:
     from loka_tune.config import ROLES as R
-    from loka_tune.kernels.costmodel import estimate_gemm_seconds
+    from loka_tune.kernels.costmodel import estimate_gemm_seconds, estimate_site_seconds
+    from loka_tune.kernels.scaled import share_plan
     from loka_tune.tuner.prepare import _site_prices
 
     space = _recipe_space()
@@ -197,11 +198,19 @@ def test_modeled_prices_are_the_cost_models_savings_over_the_objectives_gemms() 
     for sc in space.sites:
         for v in sc.values[1:]:
             prec = SitePrecision.parse(v)
-            want = 0.0
+            per_gemm = 0.0
             for r in R:
                 m, k, n = sc.site.shape(r, 65536)
-                want += estimate_gemm_seconds("bf16", m, k, n, r, "h200") - estimate_gemm_seconds(prec[r], m, k, n, r, "h200")
-            assert prices[sc.name][v] == pytest.approx(want, rel=1e-12)
+                per_gemm += (estimate_gemm_seconds("bf16", m, k, n, r, "h200")
+                             - estimate_gemm_seconds(prec[r], m, k, n, r, "h200"))
+            M, K, N = sc.site.rows(65536), sc.site.in_features, sc.site.out_features
+            compiled = (sum(estimate_site_seconds("bf16", M, K, N).values())
+                        - sum(estimate_site_seconds(prec, M, K, N, compiled=True).values()))
+            # the layer as a compiled step runs it: a tensorwise operand two GEMMs share is quantized once
+            assert prices[sc.name][v] == pytest.approx(compiled, rel=1e-12)
+            shared = share_plan(*(c.with_backend("torch_scaled_mm") if c.backend == "emulated" and not c.is_bf16
+                                  else c for c in (prec.fwd, prec.dgrad, prec.wgrad))).any
+            assert (prices[sc.name][v] > per_gemm) if shared else prices[sc.name][v] == pytest.approx(per_gemm)
     assert prices["big"][space.site("big").recipes["tensorwise"]] > 0  # 8192-wide: FP8 pays off
     inf = _site_prices(_cfg(objective={"kind": "inference"}), space, "cpu")
     v = space.site("big").recipes["rowwise_with_gw_hp"]
@@ -267,3 +276,11 @@ def test_recipe_values_never_exceed_five_on_a_rich_space() -> None:
     assert len(cands.site("x").recipes) == 1 + 3 * 4 + 1
     sel = select_recipes(cands, _prices(cands, {}), source="modeled")
     assert len(sel.site("x").values) == 5
+
+
+def test_a_measured_recipe_study_lets_the_site_prices_judge_speed_not_the_per_gemm_model() -> None:
+    from loka_tune.tuner.prepare import _gemm_speed_prunes
+
+    assert _gemm_speed_prunes(_cfg(), "modeled")  # a CPU study: the cost model prunes GEMMs as before
+    assert _gemm_speed_prunes(_cfg(space={"per_gemm": True}), "measured")  # the per-GEMM space: likewise
+    assert not _gemm_speed_prunes(_cfg(), "measured")  # recipes timed whole on the GPU decide

@@ -510,7 +510,8 @@ def estimate_site_seconds(precision: SitePrecision | str, M: int, K: int, N: int
     ``compiled=True`` models the layer as it runs under ``torch.compile``: an operand that two
     of its GEMMs take tensorwise on ``torch_scaled_mm`` in one format is quantized once
     (:func:`loka_tune.kernels.scaled.share_plan`: ``X`` for fwd and wgrad, ``W`` for fwd and
-    dgrad, ``dY`` for dgrad and wgrad); the second GEMM pays a 1-byte transposed copy of the
+    dgrad, ``dY`` for dgrad and wgrad; an ``emulated`` choice counts as ``torch_scaled_mm``, the
+    fastest real backend of tensorwise numerics); the second GEMM pays a 1-byte transposed copy of the
     FP8 tensor instead of its own quantization. The per-GEMM model (``False``) is the one the
     GEMM suite was fitted on (each GEMM alone, as eager mode runs it). The copy's bandwidth
     (calibration ``compiled.transpose_fp8_bw_frac``) is fitted to the H200's compiled per-site
@@ -528,7 +529,10 @@ def estimate_site_seconds(precision: SitePrecision | str, M: int, K: int, N: int
     if compiled:
         from loka_tune.kernels.scaled import share_plan
 
-        plan = share_plan(precision.fwd, precision.dgrad, precision.wgrad)
+        def real(c: GemmChoice) -> GemmChoice:  # emulated: the fastest real backend, torch_scaled_mm for tensorwise
+            return c.with_backend("torch_scaled_mm") if c.backend == "emulated" and not c.is_bf16 else c
+
+        plan = share_plan(real(precision.fwd), real(precision.dgrad), real(precision.wgrad))
         dev, cal = DEVICES[device_key(device)], load_calibration()
         # (the GEMM whose quantization of the shared operand is dropped, its label, the operand's elements)
         for shared, role, label, elems in ((plan.x, "wgrad", "B", M * K), (plan.w, "dgrad", "B", K * N),

@@ -104,15 +104,25 @@ def _probe_report(cfg: StudyConfig, stats: Any, candidates: Mapping[str, list[Ge
     # skip_bad_sites: a site whose statistics cannot be formed is unprobed (keeps every candidate)
     report = measure(stats, flat, samples=cfg.probe.samples, device=device, cost_device=cfg.objective.cost_device,
                      speed_row_scale=scale, max_error=cfg.probe.max_error, min_speedup=cfg.probe.min_speedup,
-                     price_first=cfg.probe.price_first, skip_bad_sites=True)
+                     price_first=cfg.probe.price_first and _gemm_speed_prunes(cfg, speed_source(cfg, device)),
+                     skip_bad_sites=True)
     report.save(out)
     _log(f"[loka-tune] probe: {len(report.results)} results ({time.perf_counter() - t0:.1f}s)")
     _log(f"[loka-tune] probe sites: {report.status_line()}")
     return report
 
 
+def _gemm_speed_prunes(cfg: StudyConfig, speed: str) -> bool:
+    """Whether a GEMM's own (cost-model) speed prunes it: always, except in a measured recipe space,
+    where each site's recipes are timed whole and compiled at preparation (``_site_prices``) and
+    a per-GEMM price calibrated on eager kernels would drop GEMMs that pay inside a compiled layer
+    (on the H200 the per-GEMM model under-prices tensorwise on 8192 x 2048 x 8192 by 40%)."""
+    return cfg.space.per_gemm or speed != "measured"
+
+
 def _prune(cfg: StudyConfig, space: SearchSpace, report: Any, speed: str) -> SearchSpace:
-    """The space without the candidates the probe calls unsafe or slow (modeled speed: the cost model's)."""
+    """The space without the candidates the probe calls unsafe or slow (modeled speed: the cost
+    model's; no speed rule where :func:`_gemm_speed_prunes` says the site prices decide)."""
     speedup_fn = None
     if speed == "modeled":
         from loka_tune.kernels.costmodel import modeled_speedup
@@ -125,7 +135,8 @@ def _prune(cfg: StudyConfig, space: SearchSpace, report: Any, speed: str) -> Sea
                 return 0.0
     primary = report.select(report.primary_dist) if hasattr(report, "select") else report
     return prune_by_probe(space, primary.results, max_error=cfg.probe.max_error,
-                          min_speedup=cfg.probe.min_speedup, speedup=speedup_fn,
+                          min_speedup=cfg.probe.min_speedup if _gemm_speed_prunes(cfg, speed) else 0.0,
+                          speedup=speedup_fn,
                           skipped=getattr(report, "skipped", ()), unprobed=getattr(report, "unprobed", ()))
 
 
@@ -133,9 +144,11 @@ def _site_prices(cfg: StudyConfig, space: SearchSpace, device: str) -> dict[str,
     """Seconds per training step each recipe value of ``space`` saves against its site in bf16
     (positive: faster), per site name and value; a value that cannot be priced is left out.
 
-    Modeled (``objective.speed`` resolves to "modeled"): the cost model at ``cost_batch_size``, the
-    sum over the GEMMs the objective runs (fwd, dgrad, wgrad; fwd only for "inference") of
-    ``t_bf16 - t_value``. Measured: ``loka_tune.kernels.site_timing.price_sites`` with each
+    Modeled (``objective.speed`` resolves to "modeled"): the cost model at ``cost_batch_size``,
+    ``t_bf16 - t_value`` of the layer's three GEMMs in its compiled mode
+    (:func:`~loka_tune.kernels.costmodel.estimate_site_seconds` ``compiled=True``: an operand two
+    GEMMs share tensorwise is quantized once, as compiled steps do, calibrated on the H200's
+    compiled site prices), or of the forward GEMM alone for "inference". Measured: ``loka_tune.kernels.site_timing.price_sites`` with each
     site's (M, K, N) at the batch one process trains at (``[regime] batch_size`` else
     ``[training]``'s, split over ``[regime] nproc``) on ``device``.
     """
@@ -152,20 +165,22 @@ def _site_prices(cfg: StudyConfig, space: SearchSpace, device: str) -> dict[str,
         got = price_sites(shapes, precs, device=device)
         return {s: {v: float(x) for v, x in d.items()} for s, d in got.items()}
     from loka_tune.config import ROLES, SitePrecision
-    from loka_tune.kernels.costmodel import estimate_gemm_seconds
+    from loka_tune.kernels.costmodel import estimate_gemm_seconds, estimate_site_seconds
 
-    roles = ROLES[:1] if cfg.objective.kind == "inference" else ROLES
     dev = cfg.objective.cost_device
     out: dict[str, dict[str, float]] = {}
     for sc in space.sites:
+        M, K, N = sc.site.rows(cfg.cost_batch_size), sc.site.in_features, sc.site.out_features
         for v in precs.get(sc.name, ()):
             prec = SitePrecision.parse(v)
-            saved = 0.0
             try:
-                for r in roles:
-                    m, k, n = sc.site.shape(r, cfg.cost_batch_size)
-                    saved += (estimate_gemm_seconds(GemmChoice.bf16(), m, k, n, r, dev)
-                              - estimate_gemm_seconds(prec[r], m, k, n, r, dev))
+                if cfg.objective.kind == "inference":  # the forward GEMM alone
+                    m, k, n = ROLES[0].shape(M, K, N)
+                    saved = (estimate_gemm_seconds(GemmChoice.bf16(), m, k, n, ROLES[0], dev)
+                             - estimate_gemm_seconds(prec.fwd, m, k, n, ROLES[0], dev))
+                else:  # the layer as a compiled step runs it (shared tensorwise operands quantized once)
+                    saved = (sum(estimate_site_seconds("bf16", M, K, N, dev).values())
+                             - sum(estimate_site_seconds(prec, M, K, N, dev, compiled=True).values()))
             except UnsupportedChoiceError:
                 continue
             out.setdefault(sc.name, {})[v] = saved
