@@ -6,8 +6,10 @@
 
 Step counting: with ``step_on="forward"`` (default) every forward call of ``model`` in
 training mode counts as one step; with ``step_on="manual"`` the training loop calls
-``p.step()`` after each optimizer step. Steps ``every``, ``2 every``, ... (counted from 1)
-are *collections*: in the training forward of such a step the probe
+``p.step()`` after each optimizer step; with ``step_on="batch"`` it calls
+``p.step(*inputs, target=labels)`` with the step's batch (below). Steps ``every``,
+``2 every``, ... (counted from 1) are *collections*: in the training forward of such a step
+(``"forward"``, ``"manual"``) the probe
 
 - installs a forward hook on every site for that one forward (removed by a hook on the
   model's forward when it returns), which merges the site's input ``X`` rows into its
@@ -18,20 +20,38 @@ are *collections*: in the training forward of such a step the probe
 Between collections no per-site hook exists. With ``step_on="manual"`` no hook exists at all:
 :meth:`Probe.step` counts, and installs the root hooks only for the collection's forward
 (they remove themselves when it returns), so a step that does not collect runs the model
-untouched (a compiled model is not re-guarded, a hook-free module keeps its fast call path).
+untouched (a hook-free module keeps its fast call path); the collection's own training
+forward, though, would re-guard a compiled model.
 With ``step_on="forward"`` one forward pre-hook and one forward hook on the root module count
-the steps. The accumulators are allocated on the first step (a warm-up step of any timed
-loop), so the first collection costs what the others do. A collection itself is kept cheap: float64 moments of the rows (a ``(d, d)`` GEMM per
+the steps.
+
+A compiled (or CUDA-graph) training step: ``step_on="batch"``. The training step is never
+hooked; on a collection step, :meth:`Probe.step` runs the probe's *own* forward and backward
+of a random sub-batch of the step's batch (``sub_batch`` examples, default ``max_rows``: 2,048
+on a GPU, 65,536 on the CPU) on the uncompiled module (``Probe(torch.compile(m))`` is
+unwrapped to ``m``: the same parameters), with the site hooks installed for that forward
+only, and takes ``dY`` by ``torch.autograd.grad`` w.r.t. the sites' outputs of the loss
+scaled by ``rows / batch`` (each row's gradient as in the full batch's mean loss; no
+parameter gradient is formed). The compiled graph never sees a hook, and training is
+untouched (global RNG and BatchNorm statistics restored). Its cost is that forward and a
+backward without weight gradients on ``sub_batch`` rows, eager, plus the statistics; these
+are of a simple random sample of the batch's rows (error bound in
+:meth:`Probe._collect_side`), and the amax is the sub-batch's, not the whole batch's.
+
+The accumulators are allocated on the first step (a warm-up step of any timed loop), so the
+first collection costs what the others do. A collection itself is kept cheap: float64 moments of the rows (a ``(d, d)`` GEMM per
 tensor up to 2048 features, a streaming Nystrom sketch (two GEMMs) above), the weight
 model by two float32 GEMMs (moment estimators), quantiles and kurtosis on subsamples, at
 most ``max_rows`` rows per tensor (a random subset above). On a GPU the defaults are cheaper
 still (issue 13): 2,048 random rows per tensor and the moment GEMMs in float32 on centred
 rows, merged in float64 (``max_rows`` / ``precision``); the CPU keeps 65,536 rows and
 float64. On a GPU the collection
-of ``X`` and ``dY`` never reads a value back to the host (finite checks, counters, amax and
-quantiles stay device tensors until :attr:`Probe.stats`), so it does not stall the training
-loop; the weight update reads two flags per site (finite, moved). ``Probe(profile=True)`` times each site's
-collection (``benchmarks/probe_collect_cost.py``). Inputs with leading dims (3-D
+never reads a value back to the host (finite checks, counters, amax and quantiles stay
+device tensors until :attr:`Probe.stats`; the weight model's finite and moved flags are device
+masks), so it does not stall the training loop (``weight_flip_flop >= 1`` reads its flags:
+it inverts factors anyway). ``Probe(profile=True)`` times each site's
+collection (``benchmarks/probe_collect_cost.py``) and a side collection's forward and backward
+(``"side.forward_backward"``). Inputs with leading dims (3-D
 activations) are flattened into rows: each row is one independent draw of the feature vector.
 
 Non-finite batches: a collected ``X`` or ``dY`` holding NaN/inf is *not merged* (it would
@@ -49,6 +69,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from loka_tune.errors import ProbeError
@@ -69,6 +90,7 @@ QUANTILE_SAMPLE = 1 << 16  # elements of |x| subsampled per collection for the q
 REAL_ROWS = 256  # rows of the last batch kept per site for "real" replay (float32)
 MAX_ROWS = 1 << 16  # rows of X / dY merged per collection and site on the CPU (a random subset above)
 CUDA_MAX_ROWS = 2048  # the same on a GPU (issue 13: a collection's cost is its products; see Probe)
+STEP_ON = ("forward", "manual", "batch")  # how the probe counts steps (see Probe)
 
 
 def _resolve(device: torch.device, max_rows: int | None, precision: str) -> tuple[int, str]:
@@ -117,8 +139,11 @@ class _StreamAcc:
         self.amax = torch.zeros((), dtype=torch.float64, device=device)
         self.absq_sum = torch.zeros(len(QUANTILES), dtype=torch.float64, device=device)
 
-    def add(self, x: torch.Tensor, gen: torch.Generator, real_idx: torch.Tensor | None) -> None:
-        """Merge rows ``x (rows, dim)``; a batch holding NaN/inf is not merged (and counted)."""
+    def add(self, x: torch.Tensor, gen: torch.Generator, real_idx: torch.Tensor | None,
+            rows: int | None = None) -> None:
+        """Merge rows ``x (rows, dim)``; a batch holding NaN/inf is not merged (and counted).
+        ``rows``: the rows of the real call these stand for (a side collection's sub-batch
+        stands for the whole batch: the site's M); default ``x``'s own."""
         x = x.detach()
         # one memory-bound pass gives the finite check and the whole batch's amax (what a
         # tensor-wise FP8 scale sees): the inf-norm is NaN/inf iff some element is
@@ -126,7 +151,7 @@ class _StreamAcc:
         ok = torch.isfinite(x).all() if amax is None else torch.isfinite(amax)
         self.allocate(x.device, gen)
         assert self.moments is not None
-        self.rows = x.shape[0]
+        self.rows = x.shape[0] if rows is None else int(rows)
         if real_idx is not None:  # the same rows of X and dY: taken before any subsampling
             self.real = torch.where(ok, x[real_idx.to(x.device, non_blocking=True)].float(), torch.nan)
         zero = torch.zeros((), dtype=torch.float64, device=x.device)
@@ -204,10 +229,10 @@ class _Site:
         self.x = _StreamAcc(k, probe.max_full_dim, probe.sketch_rank, probe.max_rows, probe.precision)
         self.dy = _StreamAcc(n, probe.max_full_dim, probe.sketch_rank, probe.max_rows, probe.precision)
         self.w: MatrixNormalEMA | None = None
-        self.w_amax: torch.Tensor | float = 0.0  # device tensors once collected (read at snapshot)
+        self.w_amax: torch.Tensor | float = 0.0  # device tensors once allocated (read at snapshot)
         self.w_absq: torch.Tensor | np.ndarray = np.zeros(len(QUANTILES))
         self.w_kurt: torch.Tensor | float = 0.0
-        self.w_nonfinite = 0
+        self.w_nonfinite: torch.Tensor | int = 0
         self.real_at = -1  # the collection whose batch ``x.real`` / ``dy.real`` hold
 
 
@@ -217,9 +242,12 @@ class Probe:
     Args:
         model: the model; its eligible linears (:func:`find_sites`) are the sites.
         every: collect once every ``every`` steps (default 100).
-        step_on: ``"forward"`` (each training-mode forward of ``model`` is a step) or
+        step_on: ``"forward"`` (each training-mode forward of ``model`` is a step),
             ``"manual"`` (call :meth:`step` after each training step: no hook at all on the
-            steps that do not collect).
+            steps that do not collect) or ``"batch"`` (call ``step(*inputs, target=labels)``
+            after each training step with its batch: a collection is the probe's own forward
+            and backward of a sub-batch on the uncompiled module; for ``torch.compile`` and
+            CUDA-graph steps, whose graphs then never see a hook).
         sites: optional names or ``re:<regex>`` patterns restricting the sites.
         keep_real: keep the last collected batch of each site (``real_rows`` random rows of X
             and the same rows of dY) for "real" replay.
@@ -245,8 +273,15 @@ class Probe:
             :mod:`loka_tune.probe.weights`.
         seed: seeds the subsampling (quantiles, real rows).
         profile: record the seconds each site's collection takes (device-synchronised) in
-            :attr:`timings` (``"<site>.x"``, ``"<site>.dy"``, ``"<site>.w"``, summed over
-            collections): what ``benchmarks/probe_collect_cost.py`` reports.
+            :attr:`timings` (``"<site>.x"``, ``"<site>.dy"``, ``"<site>.w"``, and
+            ``"side.forward_backward"`` with ``step_on="batch"``, summed over collections):
+            what ``benchmarks/probe_collect_cost.py`` reports.
+        sub_batch: ``step_on="batch"``: examples of the step's batch a collection runs on, drawn
+            at random without replacement (the whole batch when it is not larger); ``None``
+            (default): ``max_rows`` (2,048 on a GPU: the rows the in-step collection merges
+            there anyway; 65,536 on the CPU).
+        loss_fn: ``step_on="batch"``: ``loss_fn(output, target)``, the training loss as a mean
+            over the batch's rows (default: binary cross-entropy on logits, the trainer's).
     """
 
     def __init__(
@@ -266,13 +301,29 @@ class Probe:
         weight_flip_flop: int = 0,
         seed: int = 0,
         profile: bool = False,
+        sub_batch: int | None = None,
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ProbeError(f"Probe needs an nn.Module, got {type(model).__name__}")
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ProbeError(f"every must be a positive integer (collect every N steps), got {every=!r}")
-        if step_on not in ("forward", "manual"):
-            raise ProbeError(f"step_on must be 'forward' or 'manual', got {step_on=!r}")
+        if step_on not in STEP_ON:
+            raise ProbeError(f"step_on must be one of {STEP_ON}, got {step_on=!r}")
+        compiled = _orig_module(model)
+        if compiled is not None:
+            if step_on != "batch":
+                raise ProbeError(
+                    f"{type(compiled).__name__} is torch.compile'd: the hooks of step_on={step_on!r} would"
+                    " re-guard (recompile) it on every collection; use step_on='batch' and call"
+                    " probe.step(*inputs, target=labels) after each step (collections then run on the"
+                    " uncompiled module: the compiled graph never sees a hook)")
+            model = compiled  # the module the user compiled: the same parameters, no dynamo frame
+        if sub_batch is not None and (isinstance(sub_batch, bool) or not isinstance(sub_batch, int) or sub_batch < 1):
+            raise ProbeError(f"sub_batch must be a positive integer (examples per side collection) or None"
+                             f" for the device's default, got {sub_batch=!r}")
+        if loss_fn is not None and not callable(loss_fn):
+            raise ProbeError(f"loss_fn must be callable as loss_fn(output, target) -> mean loss, got {loss_fn!r}")
         if not 0.0 < weight_ema <= 1.0:
             raise ProbeError(f"weight_ema must be in (0, 1], got {weight_ema=!r}")
         if isinstance(weight_flip_flop, bool) or not isinstance(weight_flip_flop, int) or weight_flip_flop < 0:
@@ -307,6 +358,9 @@ class Probe:
         self._site_handles: list[Any] = []
         self.profile = bool(profile)
         self.timings: dict[str, float] = {}
+        self.sub_batch, self.loss_fn = sub_batch, loss_fn
+        self._norms = [m for m in model.modules()
+                       if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats]
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> "Probe":
@@ -319,6 +373,8 @@ class Probe:
     def attach(self) -> "Probe":
         """Install the root hooks (idempotent; ``step_on="manual"``: only when a collection is due)."""
         self._attached = True
+        if self.step_on == "batch":
+            return self  # no hook on the model, ever: collections run in step() on the step's batch
         if self.step_on == "manual" and (self.steps + 1) % self.every == 0:
             self._due = True  # every=1: the first step collects
         if self.step_on == "forward" or self._due:
@@ -347,20 +403,39 @@ class Probe:
     def site_names(self) -> list[str]:
         return list(self._sites)
 
-    def step(self) -> None:
-        """Count one training step, after it ran (``step_on="manual"`` only)."""
-        if self.step_on != "manual":
-            raise ProbeError("Probe.step() is for step_on='manual'; this probe counts forward calls")
+    def step(self, *inputs: Any, target: Any = None) -> None:
+        """Count one training step, after it ran (``step_on="manual"`` or ``"batch"``).
+
+        ``step_on="batch"``: pass the step's model inputs (``model(*inputs)``) and ``target``
+        (its labels); on a collection step (``every``, ``2 every``, ...) the probe runs its own
+        forward and backward of a random sub-batch of them on the uncompiled module (see
+        :meth:`_collect_side`). ``step_on="manual"`` takes no arguments: the next training
+        forward collects.
+        """
+        if self.step_on == "forward":
+            raise ProbeError("Probe.step() is for step_on='manual' or 'batch'; this probe counts forward calls")
+        if self.step_on == "manual" and (inputs or target is not None):
+            raise ProbeError("Probe.step() of step_on='manual' takes no inputs (the next training forward"
+                             " collects); to collect from the step's batch use step_on='batch'")
+        if self.step_on == "batch" and not inputs:
+            raise ProbeError("Probe.step() of step_on='batch' needs the step's inputs:"
+                             " probe.step(*inputs, target=labels), as the model is called, model(*inputs)")
         self.steps += 1
         if self.steps == 1:
             self._allocate()
+        if self.step_on == "batch":
+            if self._due or self.steps % self.every == 0:
+                self._due = False
+                self._collect_side(inputs, target)
+            return
         if (self.steps + 1) % self.every == 0:  # the next step is step k * every: it collects
             self.collect_next()
 
     def collect_next(self) -> None:
-        """Make the next training-mode forward a collection, whatever the step count."""
+        """Make the next training-mode forward (``step_on="batch"``: the next :meth:`step`) a
+        collection, whatever the step count."""
         self._due = True
-        if self._attached:
+        if self._attached and self.step_on != "batch":
             self._arm()
 
     def _allocate(self) -> None:
@@ -370,6 +445,8 @@ class Probe:
             site.x.allocate(dev, self._gen)
             site.dy.allocate(dev, self._gen)
             self._allocate_weight(site)
+            if not torch.is_tensor(site.w_nonfinite):
+                self._allocate_weight_acc(site, dev)
 
     def _allocate_weight(self, site: _Site) -> None:
         if site.w is None:
@@ -394,12 +471,15 @@ class Probe:
             return
         self._due = False
         self.collections += 1
-        with torch.no_grad():
-            for site in self._sites.values():
-                with self._timed(site, "w", site.mod.weight):
-                    self._collect_weight(site)
+        self._collect_weights()
         for site in self._sites.values():
             self._site_handles.append(site.mod.register_forward_hook(self._make_hook(site)))
+
+    def _collect_weights(self) -> None:
+        with torch.no_grad():
+            for site in self._sites.values():
+                with self._timed(f"{site.name}.w", site.mod.weight):
+                    self._collect_weight(site)
 
     def _post(self, module: nn.Module, args: Any, output: Any) -> None:
         self._remove_site_hooks()
@@ -415,7 +495,7 @@ class Probe:
         def hook(mod: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
             if not inputs or not torch.is_tensor(inputs[0]) or not torch.is_tensor(output):
                 return
-            with torch.no_grad(), self._timed(site, "x", inputs[0]):
+            with torch.no_grad(), self._timed(f"{site.name}.x", inputs[0]):
                 x = inputs[0].detach().reshape(-1, site.x.dim)  # (M, K)
                 idx = None
                 if self.keep_real and site.real_at != self.collections:
@@ -431,44 +511,166 @@ class Probe:
 
     def _make_grad_hook(self, site: _Site, idx: torch.Tensor | None) -> Callable[[torch.Tensor], None]:
         def grad_hook(g: torch.Tensor) -> None:
-            with torch.no_grad(), self._timed(site, "dy", g):
+            with torch.no_grad(), self._timed(f"{site.name}.dy", g):
                 site.dy.add(g.detach().reshape(-1, site.dy.dim), self._gen, idx)  # (M, N)
 
         return grad_hook
 
+    # ------------------------------------------------------------------ side collection
+    def _collect_side(self, inputs: tuple[Any, ...], target: Any) -> None:
+        """One collection of ``step_on="batch"``: the probe's own forward and backward of a
+        random sub-batch of the step's ``inputs`` on ``self.model``, the uncompiled module.
+
+        - Rows: ``sub_batch`` examples drawn without replacement (all of them when the batch
+          is not larger), by the probe's own generator. Every tensor input (and ``target``)
+          whose first dim is the batch's is indexed with the same rows.
+        - ``dY``: the loss ``loss_fn(output, target)`` (a mean over the rows; default the
+          trainer's binary cross-entropy on logits) is scaled by ``rows / batch``, so each
+          row's output gradient is the one it has in the full batch's mean loss (the model
+          treats rows independently: the reference models do; a BatchNorm would not). It is
+          taken by ``torch.autograd.grad`` w.r.t. the sites' outputs only: no parameter's
+          ``.grad`` is written, no weight gradient or embedding backward is computed, no
+          DDP hook fires.
+        - Sampling error: the sub-batch is a simple random sample of the batch's rows, so a
+          feature's mean from ``r`` of ``B`` rows is off the batch's by ``sigma sqrt(1/r - 1/B)``
+          (one standard deviation) and a Gaussian covariance by a relative Frobenius error of
+          ``sqrt((tr(C)^2 + ||C||_F^2)(1/r - 1/B)) / ||C||_F``; over ``c`` collections ``r`` and
+          ``B`` become ``c r`` and ``c B`` (``tests/test_probe_compiled.py`` checks both). At the
+          GPU default (2,048 of 8,192 rows) that is what the in-step collection's 2,048 random
+          rows per batch give.
+        - Training is untouched: the global RNG (CPU, and the batch's CUDA device) is
+          restored afterwards (a dropout draws the same masks next step as without the probe),
+          BatchNorm running statistics are restored, no optimizer sees anything. Nothing reads
+          a value back to the host (as in the in-step collection).
+        - The site hooks exist only inside this forward and live on ``self.model``'s
+          submodules: a compiled wrapper (``torch.compile(model)``) is not called, and its
+          guards do not change once they are removed (``tests/test_probe_compiled.py``).
+        """
+        self.collections += 1
+        self._collect_weights()
+        full = _batch_size(inputs)
+        if full is None:
+            raise ProbeError(f"Probe.step(*inputs) of step_on='batch' needs at least one tensor input with a"
+                             f" batch dim, got {[type(a).__name__ for a in inputs]!r}")
+        dev = self._device()
+        r = self.sub_batch if self.sub_batch is not None else _resolve(dev, self.max_rows, self.precision)[0]
+        idx = None
+        if r < full:
+            first = _first_tensor(inputs)
+            assert first is not None
+            idx = _row_subset(full, r, self._gen).to(first.device, non_blocking=True)  # (r,) sorted, distinct
+        rows = full if idx is None else idx.numel()
+        sub = tuple(_take(a, idx, full) for a in inputs)
+        tgt = _take(target, idx, full)
+        calls: list[tuple[_Site, torch.Tensor, torch.Tensor | None, Any]] = []
+
+        def make_hook(site: _Site) -> Callable[..., None]:
+            def hook(mod: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+                if args and torch.is_tensor(args[0]) and torch.is_tensor(output):
+                    calls.append((site, args[0].detach(), None, output))
+
+            return hook
+
+        handles = [site.mod.register_forward_hook(make_hook(site)) for site in self._sites.values()]
+        with self._timed("side.forward_backward", _first_tensor(inputs)), self._restored_state(dev):
+            try:
+                with torch.enable_grad():
+                    out = self.model(*sub)
+                    loss_fn = self.loss_fn or _bce_with_logits
+                    loss = loss_fn(out, tgt) * (rows / full)  # each row's dY as in the full batch's mean loss
+            finally:
+                for h in handles:
+                    h.remove()
+            need = [i for i, c in enumerate(calls) if c[3].requires_grad]
+            grads = torch.autograd.grad(loss, [calls[i][3] for i in need], allow_unused=True) if need else ()
+        dys: dict[int, torch.Tensor | None] = dict(zip(need, grads))
+        with torch.no_grad():
+            pairs: list[tuple[_Site, torch.Tensor | None]] = []
+            for i, (site, x, _, _) in enumerate(calls):  # X in forward order, as the in-step hooks merge it
+                with self._timed(f"{site.name}.x", x):
+                    x2 = x.reshape(-1, site.x.dim)  # (M, K)
+                    real = None
+                    if self.keep_real and site.real_at != self.collections:  # the first call pairs X and dY
+                        site.real_at = self.collections
+                        real = _row_subset(x2.shape[0], self.real_rows, self._gen)
+                    site.x.add(x2, self._gen, real, rows=_full_rows(x2.shape[0], rows, full))
+                pairs.append((site, real))
+            for i in reversed(range(len(calls))):  # dY in backward order
+                g = dys.get(i)
+                site, real = pairs[i]
+                if g is None:
+                    continue
+                with self._timed(f"{site.name}.dy", g):
+                    g2 = g.reshape(-1, site.dy.dim)  # (M, N)
+                    site.dy.add(g2, self._gen, real, rows=_full_rows(g2.shape[0], rows, full))
+
+    def _device(self) -> torch.device:
+        return next(iter(self._sites.values())).mod.weight.device
+
     @contextlib.contextmanager
-    def _timed(self, site: _Site, part: str, like: torch.Tensor) -> Iterator[None]:
+    def _restored_state(self, dev: torch.device) -> Iterator[None]:
+        """The global RNG streams and BatchNorm running statistics as they were before."""
+        saved = [(m, {k: getattr(m, k).clone() for k in ("running_mean", "running_var", "num_batches_tracked")
+                      if torch.is_tensor(getattr(m, k, None))}) for m in self._norms]
+        devices = [dev] if dev.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):  # CPU always, the CUDA device when there is one
+            try:
+                yield
+            finally:
+                with torch.no_grad():
+                    for m, bufs in saved:
+                        for k, v in bufs.items():
+                            getattr(m, k).copy_(v)
+
+    @contextlib.contextmanager
+    def _timed(self, key: str, like: torch.Tensor | None) -> Iterator[None]:
         if not self.profile:
             yield
             return
-        cuda = like.is_cuda
+        cuda = like is not None and like.is_cuda
         if cuda:
+            assert like is not None
             torch.cuda.synchronize(like.device)
         t0 = time.perf_counter()
         yield
         if cuda:
+            assert like is not None
             torch.cuda.synchronize(like.device)
-        key = f"{site.name}.{part}"
         self.timings[key] = self.timings.get(key, 0.0) + time.perf_counter() - t0
 
     def _collect_weight(self, site: _Site) -> None:
+        """Fold the site's weight into its model; a non-finite weight is counted and skipped,
+        decided on the device (no host sync: ``torch.where`` keeps the previous values)."""
         w = site.mod.weight.detach()  # (N, K)
-        if not bool(torch.isfinite(w.float()).all()):  # the model keeps it in float32: beyond that is inf
-            site.w_nonfinite += 1  # reported by WeightStats.problem()
-            return
         self._allocate_weight(site)
         assert site.w is not None
-        site.w.update(w)
-        aw = w.abs().flatten()
-        site.w_amax = aw.max()
-        if aw.numel() > QUANTILE_SAMPLE:  # quantiles and kurtosis from a subsample
-            sub = w.flatten()[random_rows(aw.numel(), QUANTILE_SAMPLE, self._gen, aw.device)].double()
+        if not torch.is_tensor(site.w_nonfinite):
+            self._allocate_weight_acc(site, w.device)
+        assert torch.is_tensor(site.w_nonfinite) and torch.is_tensor(site.w_amax)
+        assert torch.is_tensor(site.w_absq) and torch.is_tensor(site.w_kurt)
+        amax = torch.linalg.vector_norm(w.float(), float("inf"))  # the model keeps it in float32: beyond is inf
+        ok = torch.isfinite(amax)  # NaN/inf anywhere makes the inf-norm non-finite
+        site.w_nonfinite = site.w_nonfinite + (~ok).long()  # reported by WeightStats.problem()
+        site.w.update(w, ok)
+        site.w_amax = torch.where(ok, amax, site.w_amax)
+        n = w.numel()
+        if n > QUANTILE_SAMPLE:  # quantiles and kurtosis from a subsample
+            sub = w.flatten()[random_rows(n, QUANTILE_SAMPLE, self._gen, w.device)].double()
         else:
             sub = w.flatten().double()
-        site.w_absq = torch.quantile(sub.abs(), torch.tensor(QUANTILES, device=sub.device, dtype=sub.dtype))
+        absq = torch.quantile(sub.abs(), torch.tensor(QUANTILES, device=sub.device, dtype=sub.dtype))
+        site.w_absq = torch.where(ok, absq, site.w_absq)
         wc = sub - sub.mean()
         var = (wc * wc).mean()
-        site.w_kurt = torch.where(var > 0, (wc**4).mean() / var.clamp_min(1e-300) ** 2 - 3.0, torch.zeros_like(var))
+        kurt = torch.where(var > 0, (wc**4).mean() / var.clamp_min(1e-300) ** 2 - 3.0, torch.zeros_like(var))
+        site.w_kurt = torch.where(ok, kurt, site.w_kurt)
+
+    @staticmethod
+    def _allocate_weight_acc(site: _Site, device: torch.device) -> None:
+        site.w_nonfinite = torch.zeros((), dtype=torch.int64, device=device)
+        site.w_amax = torch.zeros((), dtype=torch.float32, device=device)
+        site.w_absq = torch.zeros(len(QUANTILES), dtype=torch.float64, device=device)
+        site.w_kurt = torch.zeros((), dtype=torch.float64, device=device)
 
     # ------------------------------------------------------------------ read-out
     @property
@@ -478,7 +680,7 @@ class Probe:
         for name, s in self._sites.items():
             m = s.mod
             ws = WeightStats(rows=m.out_features, cols=m.in_features, ema=self.weight_ema,
-                             nonfinite=s.w_nonfinite)
+                             nonfinite=int(s.w_nonfinite))
             if s.w is not None:
                 ws.count, ws.residuals = s.w.count, s.w.residuals
                 ws.mean = s.w.mean.float().cpu().numpy()
@@ -541,3 +743,44 @@ def _select(found: dict[str, nn.Linear], patterns: list[str]) -> dict[str, nn.Li
                 out[name] = mod
                 break
     return out
+
+
+def _orig_module(model: nn.Module) -> nn.Module | None:
+    """The module a ``torch.compile(module)`` wrapper (dynamo's ``OptimizedModule``) runs, or None."""
+    orig = getattr(model, "_orig_mod", None)
+    return orig if isinstance(orig, nn.Module) and type(model).__name__ == "OptimizedModule" else None
+
+
+def _first_tensor(args: Iterable[Any]) -> torch.Tensor | None:
+    return next((a for a in args if torch.is_tensor(a) and a.dim() >= 1), None)
+
+
+def _batch_size(inputs: tuple[Any, ...]) -> int | None:
+    """The batch size of a step's inputs: the first dim of the first tensor input with one."""
+    t = _first_tensor(inputs)
+    return None if t is None else int(t.shape[0])
+
+
+def _take(a: Any, idx: torch.Tensor | None, full: int) -> Any:
+    """Rows ``idx`` of a tensor whose first dim is the batch's; anything else as it is."""
+    if idx is None or not torch.is_tensor(a) or a.dim() == 0 or a.shape[0] != full:
+        return a
+    return a.index_select(0, idx.to(a.device, non_blocking=True))
+
+
+def _full_rows(rows: int, sub: int, full: int) -> int:
+    """The rows of a site's real call (the whole batch's) that ``rows`` rows of a ``sub``-example
+    sub-batch stand for (tokens per example times the batch size)."""
+    if sub == full:
+        return rows
+    return rows // sub * full if rows % sub == 0 else round(rows * full / sub)
+
+
+def _bce_with_logits(output: torch.Tensor, target: Any) -> torch.Tensor:
+    """The trainer's loss (:class:`~loka_tune.objectives.step.TrainStep`): mean binary
+    cross-entropy of logits ``(B,)`` against labels ``(B,)``, in float32."""
+    if not torch.is_tensor(target):
+        raise ProbeError("Probe.step(*inputs, target=labels): the default loss (binary cross-entropy on"
+                         f" logits) needs the labels as a tensor, got target={type(target).__name__}; pass"
+                         " them, or give the Probe a loss_fn(output, target)")
+    return F.binary_cross_entropy_with_logits(output.float().reshape(-1), target.float().reshape(-1))

@@ -19,7 +19,8 @@ Fit, once per probe collection ``t`` (the weight ``W_t`` is read directly, no ho
     started from identity factors. Cost per collection: two GEMMs (``N^2 K + K^2 N``, run in
     float32; a sum over more than ``max_full_dim`` columns or rows uses that many random ones,
     rescaled: unbiased, and at most ``2 * 2048^3`` flops), no inverse: this is what keeps a
-    collection cheap on wide layers.
+    collection cheap on wide layers. No host sync either: whether the weight is finite, the
+    first one or moved at all are device masks (``torch.where``), the counters device tensors.
   * ``flip_flop=k >= 1``: ``k`` alternating MLE (flip-flop) steps per collection, each an EMA
     of the one-sample estimates ``U <- (1 - a) U + a R V^-1 R^T / K``, then
     ``V <- (1 - a) V + a R^T U^-1 R / N``, then the scale fix. Statistically more efficient
@@ -144,10 +145,13 @@ class MatrixNormalEMA:
         self.u_full = self.rows <= max_full_dim
         self.v_full = self.cols <= max_full_dim
         self.notes: dict[str, str] = {}  # statistic -> a fallback of the fit (reported by the probe)
-        self.count = 0  # collections seen
-        self.residuals = 0  # collections that moved the weight (fitted U, V)
         f32: dict[str, Any] = dict(dtype=torch.float32, device=device)
         f64: dict[str, Any] = dict(dtype=torch.float64, device=device)
+        i64: dict[str, Any] = dict(dtype=torch.int64, device=device)
+        # device counters (read at :attr:`count` / :attr:`residuals`): an update never syncs
+        self._count = torch.zeros((), **i64)  # collections folded in (finite weights)
+        self._residuals = torch.zeros((), **i64)  # those that moved the weight (fitted U, V)
+        self._calls = 0  # update() calls (host): none before means no residual can exist yet
         self.mean = torch.zeros(self.rows, self.cols, **f32)
         self.last = torch.zeros(self.rows, self.cols, **f32)
         # EMA states, before shrinkage: S_U, S_V (moments) or the scale-fixed U, V (flip-flop)
@@ -155,6 +159,16 @@ class MatrixNormalEMA:
         self._v_raw = torch.eye(self.cols, **f64) if self.v_full else torch.ones(self.cols, **f64)
 
     # ------------------------------------------------------------------ the factors
+    @property
+    def count(self) -> int:
+        """Collections folded in (reads a device counter: a host sync on a GPU)."""
+        return int(self._count)
+
+    @property
+    def residuals(self) -> int:
+        """Collections that moved the weight, i.e. fitted ``U`` and ``V`` (a host sync on a GPU)."""
+        return int(self._residuals)
+
     @property
     def _n_eff(self) -> float:
         return min(float(max(self.residuals, 1)), (2.0 - self.ema) / self.ema)
@@ -179,13 +193,43 @@ class MatrixNormalEMA:
         return _shrink(self._scaled()[1], self._n_eff * self.rows)
 
     # ------------------------------------------------------------------ the update
-    def update(self, w: torch.Tensor) -> None:
-        """Fold in the weight ``w (N, K)`` of one collection."""
+    def update(self, w: torch.Tensor, ok: torch.Tensor | None = None) -> None:
+        """Fold in the weight ``w (N, K)`` of one collection. ``ok`` (a 0-d bool device tensor,
+        e.g. ``isfinite(w).all()``): when False nothing changes, without reading the flag on the
+        host. With the moment estimators (``flip_flop=0``) an update never reads a value back
+        (the first-weight and moved-weight decisions are device masks, ``torch.where``: the
+        result is the one the branches would give, bit for bit); flip-flop steps read the
+        flags and invert factors on the host."""
         w = w.detach().to(device=self.mean.device, dtype=torch.float32)
         assert w.shape == (self.rows, self.cols), (w.shape, self.rows, self.cols)
+        calls, self._calls = self._calls, self._calls + 1
+        if self.flip_flop:
+            self._update_flip_flop(w, ok)
+            return
+        ok_t = torch.ones((), dtype=torch.bool, device=w.device) if ok is None else ok.to(w.device)
+        first = ok_t & (self._count == 0)  # the first finite weight: the mean starts there
+        a = self.ema
+        r = w - self.mean  # (N, K)
+        self.last = torch.where(ok_t, w, self.last)
+        self.mean = torch.where(first, w, torch.where(ok_t, (1.0 - a) * self.mean + a * w, self.mean))
+        self._count = self._count + ok_t.long()
+        if calls == 0:  # no weight was folded in before this one: there is no residual to fit
+            return
+        moved = ok_t & ~first & torch.any(r != 0)  # a weight that did not move says nothing of U, V
+        cap = self.max_full_dim
+        su, sv = _gram(r, self.u_full, cap, self._gen), _gram(r.T, self.v_full, cap, self._gen)  # R R^T, R^T R
+        first_res = self._residuals == 0
+        self._u_raw = torch.where(moved, torch.where(first_res, su, (1.0 - a) * self._u_raw + a * su), self._u_raw)
+        self._v_raw = torch.where(moved, torch.where(first_res, sv, (1.0 - a) * self._v_raw + a * sv), self._v_raw)
+        self._residuals = self._residuals + moved.long()
+
+    def _update_flip_flop(self, w: torch.Tensor, ok: torch.Tensor | None) -> None:
+        """The flip-flop fit's update (host decisions: it inverts factors anyway)."""
+        if ok is not None and not bool(ok):
+            return
         self.last = w.clone()
-        self.count += 1
-        if self.count == 1:
+        self._count += 1
+        if int(self._count) == 1:
             self.mean = w.clone()
             return
         a = self.ema
@@ -194,13 +238,7 @@ class MatrixNormalEMA:
         if not bool(torch.any(r != 0)):
             return  # the weight did not move: nothing to learn about U, V
         first = self.residuals == 0
-        self.residuals += 1
-        if self.flip_flop == 0:
-            cap = self.max_full_dim
-            su, sv = _gram(r, self.u_full, cap, self._gen), _gram(r.T, self.v_full, cap, self._gen)  # R R^T, R^T R
-            self._u_raw = su if first else (1.0 - a) * self._u_raw + a * su
-            self._v_raw = sv if first else (1.0 - a) * self._v_raw + a * sv
-            return
+        self._residuals += 1
         self._flip_flop(r.to(torch.float64), first)
 
     def _flip_flop(self, r: torch.Tensor, first: bool) -> None:
