@@ -80,9 +80,11 @@ from loka_tune.probe.moments import (
     RunningMoments,
     StatisticError,
     random_rows,
+    update_concat,
 )
 from loka_tune.probe.stats import QUANTILES, ProbeStats, SiteStats, TensorStats, WeightStats, find_sites
 from loka_tune.probe.weights import MatrixNormalEMA
+from loka_tune.probe.weights import update_many as update_weights
 
 __all__ = ["Probe"]
 
@@ -93,13 +95,14 @@ CUDA_MAX_ROWS = 2048  # the same on a GPU (issue 13: a collection's cost is its 
 STEP_ON = ("forward", "manual", "batch")  # how the probe counts steps (see Probe)
 
 
-def _resolve(device: torch.device, max_rows: int | None, precision: str) -> tuple[int, str]:
+def _resolve(device: torch.device, max_rows: int | None, precision: str, side: bool = False) -> tuple[int, str]:
     """The ``(max_rows, precision)`` a stream on ``device`` uses: ``None`` / ``"auto"`` mean the
     CPU defaults (65,536 rows, float64: what the probe always did there) on the CPU and the
-    cheap ones (2,048 random rows, float32 products) on any accelerator."""
+    cheap ones (2,048 random rows, float32 products; TF32 products for a side collection,
+    ``side``: the compiled production step's budget, issue 22) on any accelerator."""
     cpu = device.type == "cpu"
     rows = max_rows if max_rows is not None else (MAX_ROWS if cpu else CUDA_MAX_ROWS)
-    prec = precision if precision != "auto" else ("float64" if cpu else "float32")
+    prec = precision if precision != "auto" else ("float64" if cpu else "tf32" if side else "float32")
     return rows, prec
 
 
@@ -112,9 +115,9 @@ class _StreamAcc:
     """
 
     def __init__(self, dim: int, max_full_dim: int, sketch_rank: int, max_rows: int | None,
-                 precision: str = "auto") -> None:
+                 precision: str = "auto", side: bool = False) -> None:
         self.dim, self.max_full_dim, self.sketch_rank = dim, max_full_dim, sketch_rank
-        self.max_rows_arg, self.precision_arg = max_rows, precision
+        self.max_rows_arg, self.precision_arg, self.side = max_rows, precision, side
         self.max_rows, self.precision = _resolve(torch.device("cpu"), max_rows, precision)  # set on allocate
         self.moments: RunningMoments | None = None  # created on first data (on its device)
         self.batches: torch.Tensor | int = 0  # merged batches (device counter once data came)
@@ -129,7 +132,7 @@ class _StreamAcc:
         that the first collection costs what the others do)."""
         if self.moments is not None:
             return
-        self.max_rows, self.precision = _resolve(torch.device(device), self.max_rows_arg, self.precision_arg)
+        self.max_rows, self.precision = _resolve(torch.device(device), self.max_rows_arg, self.precision_arg, self.side)
         self.moments = RunningMoments(
             self.dim, max_full_dim=self.max_full_dim, sketch_rank=self.sketch_rank, device=device, generator=gen,
             precision=self.precision,
@@ -144,22 +147,8 @@ class _StreamAcc:
         """Merge rows ``x (rows, dim)``; a batch holding NaN/inf is not merged (and counted).
         ``rows``: the rows of the real call these stand for (a side collection's sub-batch
         stands for the whole batch: the site's M); default ``x``'s own."""
-        x = x.detach()
-        # one memory-bound pass gives the finite check and the whole batch's amax (what a
-        # tensor-wise FP8 scale sees): the inf-norm is NaN/inf iff some element is
-        amax = torch.linalg.vector_norm(x, float("inf")).double() if x.numel() else None
-        ok = torch.isfinite(x).all() if amax is None else torch.isfinite(amax)
-        self.allocate(x.device, gen)
+        x, ok = self.prepare(x, gen, real_idx, rows)
         assert self.moments is not None
-        self.rows = x.shape[0] if rows is None else int(rows)
-        if real_idx is not None:  # the same rows of X and dY: taken before any subsampling
-            self.real = torch.where(ok, x[real_idx.to(x.device, non_blocking=True)].float(), torch.nan)
-        zero = torch.zeros((), dtype=torch.float64, device=x.device)
-        if amax is not None:
-            assert isinstance(self.amax, torch.Tensor)  # a device scalar since the first data
-            self.amax = torch.maximum(self.amax, torch.where(ok, amax, zero))
-        if x.shape[0] > self.max_rows:  # a random subset of the rows (i.i.d. draws of the feature vector)
-            x = x[random_rows(x.shape[0], self.max_rows, gen, x.device)]
         self.moments.update(x, ok)
         self.batches += ok.long()
         self.nonfinite += (~ok).long()
@@ -169,9 +158,31 @@ class _StreamAcc:
         if flat.numel() > QUANTILE_SAMPLE:
             flat = flat[random_rows(flat.numel(), QUANTILE_SAMPLE, gen, flat.device)]
         ax = flat.abs().to(torch.float64 if flat.dtype == torch.float64 else torch.float32)  # no overflow
-        q = torch.quantile(torch.where(ok, ax, zero.to(ax.dtype)), torch.tensor(QUANTILES, device=ax.device,
-                                                                                 dtype=ax.dtype))
+        zero = torch.zeros((), dtype=ax.dtype, device=ax.device)
+        q = torch.quantile(torch.where(ok, ax, zero), torch.tensor(QUANTILES, device=ax.device, dtype=ax.dtype))
         self.absq_sum += q.double()
+
+    def prepare(self, x: torch.Tensor, gen: torch.Generator, real_idx: torch.Tensor | None,
+                rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a merge of ``x`` needs per stream: the finite flag and the whole call's amax
+        (one pass), the real rows, the site's M, and at most ``max_rows`` rows drawn at random;
+        returns ``(rows to merge, ok)``. :meth:`add` merges them; a side collection merges the
+        streams together (:meth:`Probe._merge_side`)."""
+        x = x.detach()
+        # one memory-bound pass gives the finite check and the whole batch's amax (what a
+        # tensor-wise FP8 scale sees): the inf-norm is NaN/inf iff some element is
+        amax = torch.linalg.vector_norm(x, float("inf")).double() if x.numel() else None
+        ok = torch.isfinite(x).all() if amax is None else torch.isfinite(amax)
+        self.allocate(x.device, gen)
+        self.rows = x.shape[0] if rows is None else int(rows)
+        if real_idx is not None:  # the same rows of X and dY: taken before any subsampling
+            self.real = torch.where(ok, x[real_idx.to(x.device, non_blocking=True)].float(), torch.nan)
+        if amax is not None:
+            assert isinstance(self.amax, torch.Tensor)  # a device scalar since the first data
+            self.amax = torch.maximum(self.amax, torch.where(ok, amax, torch.zeros_like(amax)))
+        if x.shape[0] > self.max_rows:  # a random subset of the rows (i.i.d. draws of the feature vector)
+            x = x[random_rows(x.shape[0], self.max_rows, gen, x.device)]
+        return x, ok
 
     def snapshot(self) -> TensorStats:
         """The stream's :class:`TensorStats`. Never raises on the data: a covariance or sketch
@@ -226,14 +237,16 @@ class _Site:
     def __init__(self, name: str, mod: nn.Linear, probe: "Probe") -> None:
         self.name, self.mod = name, mod
         k, n = mod.in_features, mod.out_features
-        self.x = _StreamAcc(k, probe.max_full_dim, probe.sketch_rank, probe.max_rows, probe.precision)
-        self.dy = _StreamAcc(n, probe.max_full_dim, probe.sketch_rank, probe.max_rows, probe.precision)
+        side = probe.step_on == "batch"
+        self.x = _StreamAcc(k, probe.max_full_dim, probe.sketch_rank, probe.max_rows, probe.precision, side)
+        self.dy = _StreamAcc(n, probe.max_full_dim, probe.sketch_rank, probe.max_rows, probe.precision, side)
         self.w: MatrixNormalEMA | None = None
         self.w_amax: torch.Tensor | float = 0.0  # device tensors once allocated (read at snapshot)
         self.w_absq: torch.Tensor | np.ndarray = np.zeros(len(QUANTILES))
         self.w_kurt: torch.Tensor | float = 0.0
         self.w_nonfinite: torch.Tensor | int = 0
         self.real_at = -1  # the collection whose batch ``x.real`` / ``dy.real`` hold
+        self.w_lazy = False  # weight amax / quantiles / kurtosis from ``w.last`` when read (side collections)
 
 
 class Probe:
@@ -261,9 +274,12 @@ class Probe:
             (B = 8192) merges a quarter of each batch. The amax is the whole batch's.
         precision: dtype of the products of a collection (the ``(d, d)`` scatter GEMM and the
             sketch's GEMMs): ``"float64"``, ``"float32"`` (rows centred on the batch's
-            float64 mean first, results merged in float64; TF32 if the caller enabled it) or
-            ``"auto"`` (default): float64 on the CPU, float32 on a GPU, where float64 GEMMs
-            run 15-30x slower. See :mod:`loka_tune.probe.moments`.
+            float64 mean first, results merged in float64; TF32 if the caller enabled it),
+            ``"tf32"`` (the same on TF32 tensor cores, the weight model's GEMMs too; the CPU
+            emulates it) or ``"auto"`` (default): float64 on the CPU, float32 on a GPU, where
+            float64 GEMMs run 15-30x slower, tf32 for ``step_on="batch"`` on a GPU (a
+            relative error ~1e-3 against a sampling error of ~3% at 2,048 rows:
+            ``tests/test_probe_compiled.py``). See :mod:`loka_tune.probe.moments`.
         max_full_dim: feature dims above it keep diagonal + low-rank statistics.
         sketch_rank: rank of that low-rank sketch.
         weight_ema: EMA factor of the weight model.
@@ -332,8 +348,8 @@ class Probe:
             raise ProbeError(f"max_full_dim, sketch_rank, real_rows and max_rows must be >= 1 (max_rows: or None"
                              f" for the device's default), got {max_full_dim=}, {sketch_rank=}, {real_rows=}, {max_rows=}")
         if precision not in ("auto", *PRECISIONS):
-            raise ProbeError(f"precision must be 'auto', 'float64' or 'float32' (the dtype of a collection's"
-                             f" products), got {precision=!r}")
+            raise ProbeError(f"precision must be 'auto', 'float64', 'float32' or 'tf32' (the dtype of a"
+                             f" collection's products), got {precision=!r}")
         self.model, self.every, self.step_on = model, every, step_on
         self.keep_real, self.real_rows = keep_real, int(real_rows)
         self.max_rows, self.precision = (None if max_rows is None else int(max_rows)), precision
@@ -350,6 +366,7 @@ class Probe:
             )
         self._sites = {name: _Site(name, mod, self) for name, mod in found.items()}
         self._gen = torch.Generator().manual_seed(seed)
+        self._seed = int(seed)
         self.steps = 0  # training steps counted
         self.collections = 0
         self._due = False
@@ -359,6 +376,7 @@ class Probe:
         self.profile = bool(profile)
         self.timings: dict[str, float] = {}
         self.sub_batch, self.loss_fn = sub_batch, loss_fn
+        self._segs: dict[tuple[Any, ...], torch.Tensor] = {}  # side collections' column layouts
         self._norms = [m for m in model.modules()
                        if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats]
 
@@ -451,9 +469,10 @@ class Probe:
     def _allocate_weight(self, site: _Site) -> None:
         if site.w is None:
             w = site.mod.weight
+            prec = _resolve(w.device, self.max_rows, self.precision, self.step_on == "batch")[1]
             site.w = MatrixNormalEMA(
                 w.shape[0], w.shape[1], ema=self.weight_ema, flip_flop=self.weight_flip_flop,
-                max_full_dim=self.max_full_dim, device=w.device, generator=self._gen,
+                max_full_dim=self.max_full_dim, device=w.device, generator=self._gen, tf32=prec == "tf32",
             )
 
     # ------------------------------------------------------------------ hooks
@@ -547,7 +566,7 @@ class Probe:
           guards do not change once they are removed (``tests/test_probe_compiled.py``).
         """
         self.collections += 1
-        self._collect_weights()
+        self._collect_weights_grouped()
         full = _batch_size(inputs)
         if full is None:
             raise ProbeError(f"Probe.step(*inputs) of step_on='batch' needs at least one tensor input with a"
@@ -584,25 +603,181 @@ class Probe:
             need = [i for i, c in enumerate(calls) if c[3].requires_grad]
             grads = torch.autograd.grad(loss, [calls[i][3] for i in need], allow_unused=True) if need else ()
         dys: dict[int, torch.Tensor | None] = dict(zip(need, grads))
-        with torch.no_grad():
-            pairs: list[tuple[_Site, torch.Tensor | None]] = []
-            for i, (site, x, _, _) in enumerate(calls):  # X in forward order, as the in-step hooks merge it
-                with self._timed(f"{site.name}.x", x):
-                    x2 = x.reshape(-1, site.x.dim)  # (M, K)
-                    real = None
-                    if self.keep_real and site.real_at != self.collections:  # the first call pairs X and dY
-                        site.real_at = self.collections
-                        real = _row_subset(x2.shape[0], self.real_rows, self._gen)
-                    site.x.add(x2, self._gen, real, rows=_full_rows(x2.shape[0], rows, full))
-                pairs.append((site, real))
+        with torch.no_grad(), self._timed("side.stats", _first_tensor(inputs)):
+            items: list[tuple[_StreamAcc, torch.Tensor, torch.Tensor | None, int]] = []
+            reals: list[torch.Tensor | None] = []
+            for site, x, _, _ in calls:  # X in forward order, as the in-step hooks merge it
+                x2 = x.reshape(-1, site.x.dim)  # (M, K)
+                real = None
+                if self.keep_real and site.real_at != self.collections:  # the first call pairs X and dY
+                    site.real_at = self.collections
+                    real = _row_subset(x2.shape[0], self.real_rows, self._gen).to(x2.device, non_blocking=True)
+                items.append((site.x, x2, real, _full_rows(x2.shape[0], rows, full)))
+                reals.append(real)
             for i in reversed(range(len(calls))):  # dY in backward order
                 g = dys.get(i)
-                site, real = pairs[i]
-                if g is None:
-                    continue
-                with self._timed(f"{site.name}.dy", g):
+                if g is not None:
+                    site = calls[i][0]
                     g2 = g.reshape(-1, site.dy.dim)  # (M, N)
-                    site.dy.add(g2, self._gen, real, rows=_full_rows(g2.shape[0], rows, full))
+                    items.append((site.dy, g2, reals[i], _full_rows(g2.shape[0], rows, full)))
+            self._merge_side(items)
+
+    def _merge_side(self, items: list[tuple[_StreamAcc, torch.Tensor, torch.Tensor | None, int]]) -> None:
+        """Merge a side collection's streams ``(acc, rows (M, dim), real row indices, the site's
+        M)``: what :meth:`_StreamAcc.add` does for each, with one kernel per operation for many
+        streams at once wherever the work allows (a collection's host cost is its launches).
+        Per stream: the inf-norm (finite flag and amax) and, above ``max_rows``, the row
+        subset (and its real rows, taken before it). Then the streams of one row count side by
+        side, ``(M, D)``: their real rows by one gather, their quantiles by one gather and one
+        quantile call, their moments by one merge
+        (:func:`~loka_tune.probe.moments.update_concat`); the running amax and counters of all
+        streams at once. A stream seen twice (a module called twice per forward) merges its
+        second batch in a second round."""
+        gen = self._gen
+        live = [(a, t, r, n) for a, t, r, n in items if t.numel()]
+        if not live:
+            return
+        for a, t, _, n in live:
+            a.allocate(t.device, gen)
+            a.rows = n
+        dev = live[0][1].device
+        amax = torch.stack([torch.linalg.vector_norm(t, float("inf")) for _, t, _, _ in live]).double()  # (S,)
+        ok = torch.isfinite(amax)  # the inf-norm is NaN/inf iff some element is
+        olds = torch.stack([a.amax for a, _, _, _ in live])  # type: ignore[misc]
+        new_amax = torch.maximum(olds, torch.where(ok, amax, 0.0))
+        okl = ok.long()
+        batches = torch.stack([a.batches for a, _, _, _ in live]) + okl  # type: ignore[misc]
+        nonfinite = torch.stack([a.nonfinite for a, _, _, _ in live]) + (1 - okl)  # type: ignore[misc]
+        absq = torch.stack([a.absq_sum for a, _, _, _ in live])  # type: ignore[misc]  # (S, nq)
+        merged, own_real = [], {}
+        for k, (a, t, r, _) in enumerate(live):  # at most max_rows rows merged: a random subset above
+            if t.shape[0] > a.max_rows:
+                if r is not None:
+                    own_real[k] = t[r]  # the real rows come before any subset
+                t = t[random_rows(t.shape[0], a.max_rows, gen, t.device)]
+            merged.append(t)
+        rounds: list[dict[int, list[int]]] = []  # round -> row count -> streams
+        seen: dict[int, int] = {}
+        for k, (a, _, _, _) in enumerate(live):
+            rnd = seen.get(id(a), 0)
+            seen[id(a)] = rnd + 1
+            while len(rounds) <= rnd:
+                rounds.append({})
+            rounds[rnd].setdefault(merged[k].shape[0], []).append(k)
+        q_rows: dict[int, torch.Tensor] = {}
+        for groups in rounds:
+            for ks in groups.values():
+                sizes = [live[k][0].dim for k in ks]
+                seg = self._seg(sizes, dev)
+                x = torch.cat([merged[k] for k in ks], 1) if len(ks) > 1 else merged[ks[0]]  # (M, D)
+                okg = ok[ks] if len(ks) < len(live) else ok
+                self._real_side(live, ks, x, okg, seg, own_real)
+                q_rows.update(zip(ks, self._quantiles_side(x, sizes, okg).unbind(0)))
+                update_concat([live[k][0].moments for k in ks], x, okg, seg, gen)  # type: ignore[misc]
+        absq = absq + torch.stack([q_rows[k] for k in range(len(live))])
+        for k, (a, _, _, _) in enumerate(live):
+            a.amax, a.batches, a.nonfinite, a.absq_sum = new_amax[k], batches[k], nonfinite[k], absq[k]
+
+    def _real_side(self, live: list[tuple[_StreamAcc, torch.Tensor, torch.Tensor | None, int]], ks: list[int],
+                   x: torch.Tensor, okg: torch.Tensor, seg: torch.Tensor, own: dict[int, torch.Tensor]) -> None:
+        """The real rows of streams ``ks`` (their rows side by side in ``x (M, D)``): each stream's
+        row indices gathered column by column in one go (``own``: rows taken before a subset)."""
+        with_real = [j for j, k in enumerate(ks) if live[k][2] is not None and k not in own]
+        sizes = [live[k][0].dim for k in ks]
+        if with_real:
+            counts = {int(live[ks[j]][2].numel()) for j in with_real}  # type: ignore[union-attr]
+            if len(counts) == 1 and len(with_real) > 1:
+                idx = torch.zeros(counts.pop(), len(ks), dtype=torch.long, device=x.device)  # (rows, S_g)
+                idx[:, with_real] = torch.stack([live[ks[j]][2] for j in with_real], 1)  # type: ignore[misc]
+                real = torch.where(okg[seg], x.gather(0, idx[:, seg]).float(), torch.nan)  # (rows, D)
+                offs = [0]
+                for d in sizes:
+                    offs.append(offs[-1] + d)
+                for j in with_real:
+                    live[ks[j]][0].real = real[:, offs[j]:offs[j + 1]]
+            else:
+                for j in with_real:
+                    a, t, r, _ = live[ks[j]]
+                    a.real = torch.where(okg[j], t[r].float(), torch.nan)
+        for j, k in enumerate(ks):
+            if k in own:
+                live[k][0].real = torch.where(okg[j], own[k].float(), torch.nan)
+
+    def _quantiles_side(self, x: torch.Tensor, sizes: list[int], okg: torch.Tensor) -> torch.Tensor:
+        """``(S_g, len(QUANTILES))``: each stream's quantiles of ``|x|`` over its columns of ``x
+        (M, D)``, as :meth:`_StreamAcc.add` takes them (every element up to QUANTILE_SAMPLE,
+        that many drawn at random with replacement above), a non-finite stream's zero; the
+        sampled streams in one gather and one quantile call, the others one call per size."""
+        gen, dev, m = self._gen, x.device, x.shape[0]
+        out: list[torch.Tensor | None] = [None] * len(sizes)
+        offs = [0]
+        for d in sizes:
+            offs.append(offs[-1] + d)
+        dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+        qs = torch.tensor(QUANTILES, device=dev, dtype=dtype)
+        big = [j for j, d in enumerate(sizes) if m * d > QUANTILE_SAMPLE]
+        if big:  # element (row, column) pairs drawn per stream, gathered from x in one go
+            rows = torch.randint(m, (len(big), QUANTILE_SAMPLE), generator=gen)
+            cols = (torch.rand(len(big), QUANTILE_SAMPLE, generator=gen, dtype=torch.float64)
+                    * torch.tensor([float(sizes[j]) for j in big])[:, None]).long()
+            cols = cols + torch.tensor([offs[j] for j in big])[:, None]
+            flat = x.reshape(-1)[(rows * x.shape[1] + cols).to(dev, non_blocking=True)]  # (S_b, Q)
+            ax = torch.where(okg[big][:, None], flat.abs().to(dtype), 0.0)
+            for j, q in zip(big, torch.quantile(ax, qs, dim=1).T.double().unbind(0)):
+                out[j] = q
+        small: dict[int, list[int]] = {}
+        for j, d in enumerate(sizes):
+            if m * d <= QUANTILE_SAMPLE:
+                small.setdefault(d, []).append(j)
+        for d, js in small.items():  # every element: one quantile call for the streams of one size
+            ax = torch.stack([x[:, offs[j]:offs[j] + d].reshape(-1) for j in js]).abs().to(dtype)
+            ax = torch.where(okg[js][:, None], ax, 0.0)
+            for j, q in zip(js, torch.quantile(ax, qs, dim=1).T.double().unbind(0)):
+                out[j] = q
+        return torch.stack(out)  # type: ignore[arg-type]
+
+    def _seg(self, sizes: list[int], dev: torch.device) -> torch.Tensor:
+        """``(sum(sizes),)``: the position of each column's stream, for streams of ``sizes``
+        side by side (cached on ``dev`` per layout)."""
+        key = (tuple(sizes), str(dev))
+        seg = self._segs.get(key)
+        if seg is None:
+            seg = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes)).to(dev)
+            self._segs[key] = seg
+        return seg
+
+    def _collect_weights_grouped(self) -> None:
+        """:meth:`_collect_weight` for every site, the sites of one weight shape (and weight
+        model) together: one kernel per operation for each group (a side collection's host
+        cost is its launches). Flip-flop models update one by one (they sync anyway)."""
+        groups: dict[tuple[Any, ...], list[_Site]] = {}
+        with torch.no_grad(), self._timed("side.weights", self._device_tensor()):
+            for site in self._sites.values():
+                w = site.mod.weight
+                self._allocate_weight(site)
+                if not torch.is_tensor(site.w_nonfinite):
+                    self._allocate_weight_acc(site, w.device)
+                if self.weight_flip_flop:
+                    self._collect_weight(site)
+                    continue
+                assert site.w is not None
+                groups.setdefault((tuple(w.shape), w.dtype, w.device, site.w._calls), []).append(site)
+            for sites in groups.values():
+                self._collect_weight_group(sites)
+
+    def _collect_weight_group(self, sites: list[_Site]) -> None:
+        """The weight models of ``sites`` (one shape) updated together; their amax, quantiles
+        and kurtosis are those of the last finite weight, which the model keeps
+        (``MatrixNormalEMA.last``): computed from it when read (:attr:`stats`), not here, and
+        the non-finite count is the updates less the weights folded in."""
+        w = torch.stack([s.mod.weight.detach() for s in sites])  # (S, N, K)
+        ok = torch.isfinite(torch.linalg.vector_norm(w.flatten(1), float("inf"), dim=1))  # (S,)
+        update_weights([s.w for s in sites], w, ok)  # type: ignore[misc]
+        for s in sites:
+            s.w_lazy = True
+
+    def _device_tensor(self) -> torch.Tensor:
+        return next(iter(self._sites.values())).mod.weight
 
     def _device(self) -> torch.device:
         return next(iter(self._sites.values())).mod.weight.device
@@ -679,15 +854,20 @@ class Probe:
         sites = {}
         for name, s in self._sites.items():
             m = s.mod
-            ws = WeightStats(rows=m.out_features, cols=m.in_features, ema=self.weight_ema,
-                             nonfinite=int(s.w_nonfinite))
+            nonfinite = s.w._calls - s.w.count if s.w_lazy and s.w is not None else int(s.w_nonfinite)
+            ws = WeightStats(rows=m.out_features, cols=m.in_features, ema=self.weight_ema, nonfinite=nonfinite)
             if s.w is not None:
                 ws.count, ws.residuals = s.w.count, s.w.residuals
                 ws.mean = s.w.mean.float().cpu().numpy()
                 ws.last = s.w.last.float().cpu().numpy()
                 ws.u, ws.v, ws.fallbacks = _weight_factors(s.w)
-                ws.amax, ws.kurtosis = float(s.w_amax), float(s.w_kurt)
-                ws.absq = s.w_absq.cpu().numpy() if torch.is_tensor(s.w_absq) else s.w_absq
+                if s.w_lazy and ws.count:
+                    read_gen = torch.Generator().manual_seed(self._seed + 7919 * (1 + self.collections))
+                    amax, absq, kurt = _weight_summary(s.w.last, read_gen)  # the same numbers at every read
+                    ws.amax, ws.kurtosis, ws.absq = float(amax), float(kurt), absq.cpu().numpy()
+                else:
+                    ws.amax, ws.kurtosis = float(s.w_amax), float(s.w_kurt)
+                    ws.absq = s.w_absq.cpu().numpy() if torch.is_tensor(s.w_absq) else s.w_absq
             sites[name] = SiteStats(
                 name, m.in_features, m.out_features, s.x.snapshot(), s.dy.snapshot(), ws,
                 bias=getattr(m, "bias", None) is not None,
@@ -743,6 +923,19 @@ def _select(found: dict[str, nn.Linear], patterns: list[str]) -> dict[str, nn.Li
                 out[name] = mod
                 break
     return out
+
+
+def _weight_summary(w: torch.Tensor, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(amax, quantiles of |w|, excess kurtosis)`` of a weight, as :meth:`Probe._collect_weight`
+    takes them (quantiles and kurtosis from QUANTILE_SAMPLE random elements above that many)."""
+    amax = w.abs().max()
+    n = w.numel()
+    sub = (w.flatten()[random_rows(n, QUANTILE_SAMPLE, gen, w.device)] if n > QUANTILE_SAMPLE else w.flatten()).double()
+    absq = torch.quantile(sub.abs(), torch.tensor(QUANTILES, device=sub.device, dtype=sub.dtype))
+    wc = sub - sub.mean()
+    var = (wc * wc).mean()
+    kurt = torch.where(var > 0, (wc**4).mean() / var.clamp_min(1e-300) ** 2 - 3.0, torch.zeros_like(var))
+    return amax, absq, kurt
 
 
 def _orig_module(model: nn.Module) -> nn.Module | None:

@@ -52,9 +52,9 @@ from typing import Any
 
 import torch
 
-from loka_tune.probe.moments import MAX_FULL_DIM, StatisticError, pow2_scale
+from loka_tune.probe.moments import MAX_FULL_DIM, StatisticError, matmul, pow2_scale
 
-__all__ = ["MatrixNormalEMA"]
+__all__ = ["MatrixNormalEMA", "update_many"]
 
 _RIDGE = 1e-6  # relative ridge of the inverses in the flip-flop steps
 _TINY = torch.finfo(torch.float64).tiny  # the ridge of an all-zero factor (its inverse is then huge, not inf)
@@ -103,7 +103,7 @@ def _shrink(s: torch.Tensor, n_obs: float) -> torch.Tensor:
     return (1.0 - r) * s + (r * mu) * torch.eye(d, dtype=s.dtype, device=s.device)
 
 
-def _gram(r: torch.Tensor, full: bool, max_cols: int, gen: torch.Generator) -> torch.Tensor:
+def _gram(r: torch.Tensor, full: bool, max_cols: int, gen: torch.Generator, tf32: bool = False) -> torch.Tensor:
     """``r r^T`` ``(d, d)`` (float32 GEMM, float64 result) or its diagonal ``(d,)``.
 
     ``r`` is scaled by the power of two above its largest ``|value|`` before the float32
@@ -120,8 +120,8 @@ def _gram(r: torch.Tensor, full: bool, max_cols: int, gen: torch.Generator) -> t
     if cols > max_cols:
         idx = torch.randperm(cols, generator=gen)[:max_cols].to(r32.device, non_blocking=True)
         sub = r32[:, idx]
-        return (sub @ sub.T).to(torch.float64) * (a2 * (cols / max_cols))
-    return (r32 @ r32.T).to(torch.float64) * a2
+        return matmul(sub, sub.T, tf32).to(torch.float64) * (a2 * (cols / max_cols))
+    return matmul(r32, r32.T, tf32).to(torch.float64) * a2
 
 
 class MatrixNormalEMA:
@@ -137,8 +137,10 @@ class MatrixNormalEMA:
         max_full_dim: int = MAX_FULL_DIM,
         device: torch.device | str | None = None,
         generator: torch.Generator | None = None,
+        tf32: bool = False,
     ) -> None:
         assert 0.0 < ema <= 1.0 and flip_flop >= 0
+        self.tf32 = bool(tf32)  # the moment estimators' two GEMMs on TF32 tensor cores (moments.matmul)
         self.max_full_dim = int(max_full_dim)
         self._gen = generator if generator is not None else torch.Generator().manual_seed(0)
         self.rows, self.cols, self.ema, self.flip_flop = int(rows), int(cols), float(ema), int(flip_flop)
@@ -217,7 +219,8 @@ class MatrixNormalEMA:
             return
         moved = ok_t & ~first & torch.any(r != 0)  # a weight that did not move says nothing of U, V
         cap = self.max_full_dim
-        su, sv = _gram(r, self.u_full, cap, self._gen), _gram(r.T, self.v_full, cap, self._gen)  # R R^T, R^T R
+        su = _gram(r, self.u_full, cap, self._gen, self.tf32)  # R R^T
+        sv = _gram(r.T, self.v_full, cap, self._gen, self.tf32)  # R^T R
         first_res = self._residuals == 0
         self._u_raw = torch.where(moved, torch.where(first_res, su, (1.0 - a) * self._u_raw + a * su), self._u_raw)
         self._v_raw = torch.where(moved, torch.where(first_res, sv, (1.0 - a) * self._v_raw + a * sv), self._v_raw)
@@ -278,3 +281,66 @@ class MatrixNormalEMA:
         """``r inv r^T`` (full ``(d, d)``) or its diagonal, for a full or diagonal ``inv``."""
         ri = r @ inv if inv_full else r * inv[None, :]  # (d, e)
         return ri @ r.T if out_full else (ri * r).sum(1)
+
+
+def update_many(models: list[MatrixNormalEMA], w: torch.Tensor, ok: torch.Tensor) -> None:
+    """:meth:`MatrixNormalEMA.update` of ``S`` models of one shape at once (moment estimators):
+    ``w (S, N, K)``, ``ok (S,)``. The same masks and EMAs, batched along the first dim (one
+    kernel per operation for all S instead of S; R R^T and R^T R share one power-of-two scale
+    per residual), written back as views of the stacked state; each model ends where its own
+    ``update`` would, up to float rounding. No host sync."""
+    m0 = models[0]
+    s_, n, k = w.shape
+    assert s_ == len(models) and all((m.rows, m.cols, m.flip_flop, m.ema) == (n, k, 0, m0.ema) for m in models)
+    assert all(m.max_full_dim == m0.max_full_dim and m.tf32 == m0.tf32 for m in models)
+    calls = {m._calls for m in models}
+    assert len(calls) == 1, "models of one group are updated together"
+    dev = m0.mean.device
+    w = w.detach().to(device=dev, dtype=torch.float32)
+    ok = ok.to(dev)
+    okw = ok[:, None, None]
+    mean = torch.stack([m.mean for m in models])  # (S, N, K)
+    count = torch.stack([m._count for m in models])
+    first = ok & (count == 0)
+    a = m0.ema
+    r = w - mean
+    last = torch.where(okw, w, torch.stack([m.last for m in models]))
+    mean = torch.where(okw, torch.where(first[:, None, None], w, (1.0 - a) * mean + a * w), mean)
+    count = count + ok.long()
+    for i, m in enumerate(models):
+        m._calls += 1
+        m.last, m.mean, m._count = last[i], mean[i], count[i]
+    if calls == {0}:  # no weight was folded in before: there is no residual to fit
+        return
+    moved = ok & ~first & (r != 0).flatten(1).any(1)  # (S,)
+    scale = pow2_scale(r.abs().amax((1, 2)).to(torch.float64))  # (S,) a power of two: exact scaling
+    r32 = (r / scale[:, None, None].to(r.dtype)).to(torch.float32)
+    a2 = scale * scale
+    cap, gen = m0.max_full_dim, m0._gen
+    su = _gram_many(r32, a2, m0.u_full, cap, gen, m0.tf32)  # R R^T
+    sv = _gram_many(r32.transpose(1, 2), a2, m0.v_full, cap, gen, m0.tf32)  # R^T R
+    residuals = torch.stack([m._residuals for m in models])
+    first_res = residuals == 0
+    out = []
+    for new, raw in ((su, torch.stack([m._u_raw for m in models])), (sv, torch.stack([m._v_raw for m in models]))):
+        shape = (-1,) + (1,) * (new.dim() - 1)
+        blend = torch.where(first_res.view(shape), new, (1.0 - a) * raw + a * new)
+        out.append(torch.where(moved.view(shape), blend, raw))
+    residuals = residuals + moved.long()
+    for i, m in enumerate(models):
+        m._u_raw, m._v_raw, m._residuals = out[0][i], out[1][i], residuals[i]
+
+
+def _gram_many(r32: torch.Tensor, a2: torch.Tensor, full: bool, max_cols: int, gen: torch.Generator,
+               tf32: bool = False) -> torch.Tensor:
+    """:func:`_gram` of ``S`` scaled residuals ``r32 (S, d, cols)`` (``r / sqrt(a2)``) at once
+    -> ``(S, d, d)`` or ``(S, d)``; one random column subset shared by the S when a full product
+    is over more than ``max_cols`` columns (each estimate stays unbiased)."""
+    if not full:
+        return (r32 * r32).sum(2).to(torch.float64) * a2[:, None]
+    cols = r32.shape[2]
+    if cols > max_cols:
+        idx = torch.randperm(cols, generator=gen)[:max_cols].to(r32.device, non_blocking=True)
+        sub = r32[:, :, idx]
+        return matmul(sub, sub.transpose(1, 2), tf32).to(torch.float64) * (a2 * (cols / max_cols))[:, None, None]
+    return matmul(r32, r32.transpose(1, 2), tf32).to(torch.float64) * a2[:, None, None]
