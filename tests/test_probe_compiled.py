@@ -389,3 +389,40 @@ def test_grouped_weight_updates_equal_one_model_at_a_time() -> None:
         # stream 0: step 1 rejected, steps 2-4 residuals; stream 1: every later step a residual
         # (the EMA mean lags the weight, even on the step it stood still); stream 2: none
         assert (one[0].count, one[0].residuals) == (4, 3) and one[1].residuals == 4 and one[2].residuals == 0
+
+
+@pytest.mark.gpu
+def test_a_side_collection_on_cuda_never_syncs_and_never_recompiles() -> None:
+    """On a GPU, under torch.compile with bf16 autocast: a side collection (TF32 products, the
+    default there) runs with CUDA's sync debug mode set to raise (no .item(), no blocking copy,
+    no stream synchronisation), and the compiled graph compiles nothing more."""
+    from loka_tune.objectives.compiled import dynamo_report, strict_compile
+
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    model = Net().to(dev)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    batches = [tuple(t.to(dev) for t in b) for b in _batches(6, 4096)]
+    probe = Probe(model, every=2, step_on="batch")
+    with strict_compile() as report:
+        fwd = torch.compile(model)
+        with probe:
+            for i, (x, seq, y) in enumerate(batches, start=1):
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    _step(fwd, opt, x, seq, y)
+                    if i == 1:
+                        probe.step(x, seq, target=y)  # allocates the accumulators (not a collection)
+                        torch.cuda.synchronize()
+                        warm = dynamo_report()
+                        continue
+                    torch.cuda.set_sync_debug_mode("error")
+                    try:
+                        probe.step(x, seq, target=y)
+                    finally:
+                        torch.cuda.set_sync_debug_mode("default")
+    assert report["graph_breaks"] == 0 and report["frames_total"] == warm["frames_total"]
+    assert probe.collections == 3
+    st = probe.stats
+    assert st.sites["a"].x.count == 3 * 2048 and st.sites["a"].rows == 4096  # 2,048 of 4,096 rows
+    assert next(iter(probe._sites.values())).x.precision == "tf32"
+    assert st.problems() == {}

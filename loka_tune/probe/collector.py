@@ -79,6 +79,8 @@ from loka_tune.probe.moments import (
     PRECISIONS,
     RunningMoments,
     StatisticError,
+    on_device,
+    pick,
     random_rows,
     update_concat,
 )
@@ -159,7 +161,7 @@ class _StreamAcc:
             flat = flat[random_rows(flat.numel(), QUANTILE_SAMPLE, gen, flat.device)]
         ax = flat.abs().to(torch.float64 if flat.dtype == torch.float64 else torch.float32)  # no overflow
         zero = torch.zeros((), dtype=ax.dtype, device=ax.device)
-        q = torch.quantile(torch.where(ok, ax, zero), torch.tensor(QUANTILES, device=ax.device, dtype=ax.dtype))
+        q = torch.quantile(torch.where(ok, ax, zero), on_device(QUANTILES, ax))
         self.absq_sum += q.double()
 
     def prepare(self, x: torch.Tensor, gen: torch.Generator, real_idx: torch.Tensor | None,
@@ -670,7 +672,7 @@ class Probe:
                 sizes = [live[k][0].dim for k in ks]
                 seg = self._seg(sizes, dev)
                 x = torch.cat([merged[k] for k in ks], 1) if len(ks) > 1 else merged[ks[0]]  # (M, D)
-                okg = ok[ks] if len(ks) < len(live) else ok
+                okg = pick(ok, ks)
                 self._real_side(live, ks, x, okg, seg, own_real)
                 q_rows.update(zip(ks, self._quantiles_side(x, sizes, okg).unbind(0)))
                 update_concat([live[k][0].moments for k in ks], x, okg, seg, gen)  # type: ignore[misc]
@@ -688,7 +690,7 @@ class Probe:
             counts = {int(live[ks[j]][2].numel()) for j in with_real}  # type: ignore[union-attr]
             if len(counts) == 1 and len(with_real) > 1:
                 idx = torch.zeros(counts.pop(), len(ks), dtype=torch.long, device=x.device)  # (rows, S_g)
-                idx[:, with_real] = torch.stack([live[ks[j]][2] for j in with_real], 1)  # type: ignore[misc]
+                idx.index_copy_(1, on_device(with_real, idx), torch.stack([live[ks[j]][2] for j in with_real], 1))  # type: ignore[misc]
                 real = torch.where(okg[seg], x.gather(0, idx[:, seg]).float(), torch.nan)  # (rows, D)
                 offs = [0]
                 for d in sizes:
@@ -714,7 +716,7 @@ class Probe:
         for d in sizes:
             offs.append(offs[-1] + d)
         dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-        qs = torch.tensor(QUANTILES, device=dev, dtype=dtype)
+        qs = on_device(QUANTILES, x, dtype)
         big = [j for j, d in enumerate(sizes) if m * d > QUANTILE_SAMPLE]
         if big:  # element (row, column) pairs drawn per stream, gathered from x in one go
             rows = torch.randint(m, (len(big), QUANTILE_SAMPLE), generator=gen)
@@ -722,7 +724,7 @@ class Probe:
                     * torch.tensor([float(sizes[j]) for j in big])[:, None]).long()
             cols = cols + torch.tensor([offs[j] for j in big])[:, None]
             flat = x.reshape(-1)[(rows * x.shape[1] + cols).to(dev, non_blocking=True)]  # (S_b, Q)
-            ax = torch.where(okg[big][:, None], flat.abs().to(dtype), 0.0)
+            ax = torch.where(pick(okg, big)[:, None], flat.abs().to(dtype), 0.0)
             for j, q in zip(big, torch.quantile(ax, qs, dim=1).T.double().unbind(0)):
                 out[j] = q
         small: dict[int, list[int]] = {}
@@ -731,7 +733,7 @@ class Probe:
                 small.setdefault(d, []).append(j)
         for d, js in small.items():  # every element: one quantile call for the streams of one size
             ax = torch.stack([x[:, offs[j]:offs[j] + d].reshape(-1) for j in js]).abs().to(dtype)
-            ax = torch.where(okg[js][:, None], ax, 0.0)
+            ax = torch.where(pick(okg, js)[:, None], ax, 0.0)
             for j, q in zip(js, torch.quantile(ax, qs, dim=1).T.double().unbind(0)):
                 out[j] = q
         return torch.stack(out)  # type: ignore[arg-type]
@@ -742,7 +744,7 @@ class Probe:
         key = (tuple(sizes), str(dev))
         seg = self._segs.get(key)
         if seg is None:
-            seg = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes)).to(dev)
+            seg = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes)).to(dev, non_blocking=True)
             self._segs[key] = seg
         return seg
 
@@ -833,7 +835,7 @@ class Probe:
             sub = w.flatten()[random_rows(n, QUANTILE_SAMPLE, self._gen, w.device)].double()
         else:
             sub = w.flatten().double()
-        absq = torch.quantile(sub.abs(), torch.tensor(QUANTILES, device=sub.device, dtype=sub.dtype))
+        absq = torch.quantile(sub.abs(), on_device(QUANTILES, sub))
         site.w_absq = torch.where(ok, absq, site.w_absq)
         wc = sub - sub.mean()
         var = (wc * wc).mean()
@@ -931,7 +933,7 @@ def _weight_summary(w: torch.Tensor, gen: torch.Generator) -> tuple[torch.Tensor
     amax = w.abs().max()
     n = w.numel()
     sub = (w.flatten()[random_rows(n, QUANTILE_SAMPLE, gen, w.device)] if n > QUANTILE_SAMPLE else w.flatten()).double()
-    absq = torch.quantile(sub.abs(), torch.tensor(QUANTILES, device=sub.device, dtype=sub.dtype))
+    absq = torch.quantile(sub.abs(), on_device(QUANTILES, sub))
     wc = sub - sub.mean()
     var = (wc * wc).mean()
     kurt = torch.where(var > 0, (wc**4).mean() / var.clamp_min(1e-300) ** 2 - 3.0, torch.zeros_like(var))

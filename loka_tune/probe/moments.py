@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["MAX_FULL_DIM", "PRECISIONS", "TF32_RTOL", "matmul", "tf32_truncate", "RunningMoments", "NystromSketch", "StatisticError", "pow2_scale", "random_rows",
+__all__ = ["MAX_FULL_DIM", "PRECISIONS", "TF32_RTOL", "matmul", "tf32_truncate", "on_device", "pick", "RunningMoments", "NystromSketch", "StatisticError", "pow2_scale", "random_rows",
            "update_concat"]
 
 PRECISIONS = ("float64", "float32", "tf32")  # the GEMMs of an update (the state is always float64)
@@ -68,6 +68,26 @@ def random_rows(m: int, k: int, gen: torch.Generator, device: torch.device) -> t
     with ``gen`` on its own device and copied asynchronously when the devices differ."""
     idx = torch.randint(m, (k,), generator=gen, device=gen.device)
     return idx if idx.device == torch.device(device) else idx.to(device, non_blocking=True)
+
+
+def on_device(values: list[int] | list[float] | tuple[float, ...], like: torch.Tensor,
+              dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``values`` as a tensor on ``like``'s device, copied without blocking: ``torch.tensor(...,
+    device=cuda)`` and indexing a CUDA tensor with a Python list copy with ``non_blocking=False``,
+    a stream synchronisation each (what a collection must never do)."""
+    t = torch.tensor(values, dtype=dtype if dtype is not None else (torch.long if isinstance(values[0], int)
+                                                                      else like.dtype))
+    return t.to(like.device, non_blocking=True)
+
+
+def pick(t: torch.Tensor, idx: list[int]) -> torch.Tensor:
+    """``t[idx]`` along dim 0 for a host list ``idx`` without a blocking copy (all of ``t``:
+    ``t`` itself; a contiguous run: a view)."""
+    if idx == list(range(t.shape[0])):
+        return t
+    if idx == list(range(idx[0], idx[0] + len(idx))):
+        return t[idx[0]:idx[0] + len(idx)]
+    return t.index_select(0, on_device(idx, t))
 
 
 def tf32_truncate(t: torch.Tensor) -> torch.Tensor:
@@ -397,7 +417,7 @@ def update_concat(moments: list[RunningMoments], x: torch.Tensor, ok: torch.Tens
     if nb == 0:
         return
     dev = m0.mean.device
-    ok = ok.to(dev)
+    ok = ok.to(dev, non_blocking=True)
     okf = ok[seg]  # (D,) each column's stream's flag
     # a rejected stream's rows become zeros: its batch moments are exact zeros and its count 0,
     # so the merge below leaves its state exactly unchanged (where, not *: NaN * 0 = NaN). Each
@@ -440,7 +460,7 @@ def update_concat(moments: list[RunningMoments], x: torch.Tensor, ok: torch.Tens
         g_all = (xc / col).to(m0._gemm_dtype)  # (rows, D) in [-1, 1]
     for (full, d), idx in groups.items():
         delta_g = torch.stack([delta[offs[i]:offs[i] + d] for i in idx])  # (S_g, d)
-        c_g = cs[idx] if len(idx) < len(moments) else cs  # (S_g,)
+        c_g = pick(cs, idx)  # (S_g,)
         if full:
             if g_all is not None and col is not None:
                 g = torch.stack([g_all[:, offs[i]:offs[i] + d] for i in idx])  # (S_g, rows, d)
@@ -456,8 +476,8 @@ def update_concat(moments: list[RunningMoments], x: torch.Tensor, ok: torch.Tens
         rows = torch.stack([xc[:, offs[i]:offs[i] + d] for i in idx])  # (S_g, rows, d)
         sk_rows = moments[idx[0]].sketch_rows
         if nb > sk_rows:  # each stream its own random rows, reweighted (as RunningMoments._sketch_rows)
-            pick = torch.randint(nb, (len(idx), sk_rows), generator=gen, device=gen.device).to(dev, non_blocking=True)
-            rows = rows.gather(1, pick[:, :, None].expand(-1, -1, d)) * math.sqrt(nb / sk_rows)
+            sel = torch.randint(nb, (len(idx), sk_rows), generator=gen, device=gen.device).to(dev, non_blocking=True)
+            rows = rows.gather(1, sel[:, :, None].expand(-1, -1, d)) * math.sqrt(nb / sk_rows)
         cross = (delta_g * torch.sqrt(c_g)[:, None])[:, None, :]  # (S_g, 1, d) the Chan cross term
         _append_many([moments[i].sketch for i in idx], torch.cat([rows, cross], 1))  # type: ignore[misc]
     for i, m in enumerate(moments):

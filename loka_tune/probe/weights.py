@@ -297,7 +297,7 @@ def update_many(models: list[MatrixNormalEMA], w: torch.Tensor, ok: torch.Tensor
     assert len(calls) == 1, "models of one group are updated together"
     dev = m0.mean.device
     w = w.detach().to(device=dev, dtype=torch.float32)
-    ok = ok.to(dev)
+    ok = ok.to(dev, non_blocking=True)
     okw = ok[:, None, None]
     mean = torch.stack([m.mean for m in models])  # (S, N, K)
     count = torch.stack([m._count for m in models])
