@@ -63,6 +63,7 @@ goes on. :meth:`ProbeStats.check` (run by :func:`loka_tune.probe.measure`) then 
 from __future__ import annotations
 
 import contextlib
+import math
 import re
 import time
 from typing import Any, Callable, Iterable, Iterator
@@ -82,6 +83,7 @@ from loka_tune.probe.moments import (
     on_device,
     pick,
     random_rows,
+    stacked,
     update_concat,
 )
 from loka_tune.probe.stats import QUANTILES, ProbeStats, SiteStats, TensorStats, WeightStats, find_sites
@@ -174,7 +176,7 @@ class _StreamAcc:
         # one memory-bound pass gives the finite check and the whole batch's amax (what a
         # tensor-wise FP8 scale sees): the inf-norm is NaN/inf iff some element is
         amax = torch.linalg.vector_norm(x, float("inf")).double() if x.numel() else None
-        ok = torch.isfinite(x).all() if amax is None else torch.isfinite(amax)
+        ok = torch.isfinite(x).all() if amax is None else amax < math.inf  # NaN and inf fail: one kernel
         self.allocate(x.device, gen)
         self.rows = x.shape[0] if rows is None else int(rows)
         if real_idx is not None:  # the same rows of X and dY: taken before any subsampling
@@ -644,13 +646,13 @@ class Probe:
             a.rows = n
         dev = live[0][1].device
         amax = torch.stack([torch.linalg.vector_norm(t, float("inf")) for _, t, _, _ in live]).double()  # (S,)
-        ok = torch.isfinite(amax)  # the inf-norm is NaN/inf iff some element is
-        olds = torch.stack([a.amax for a, _, _, _ in live])  # type: ignore[misc]
+        ok = amax < math.inf  # the inf-norm is NaN/inf iff some element is (NaN < inf is False)
+        olds = stacked([a.amax for a, _, _, _ in live])  # type: ignore[misc]
         new_amax = torch.maximum(olds, torch.where(ok, amax, 0.0))
         okl = ok.long()
-        batches = torch.stack([a.batches for a, _, _, _ in live]) + okl  # type: ignore[misc]
-        nonfinite = torch.stack([a.nonfinite for a, _, _, _ in live]) + (1 - okl)  # type: ignore[misc]
-        absq = torch.stack([a.absq_sum for a, _, _, _ in live])  # type: ignore[misc]  # (S, nq)
+        batches = stacked([a.batches for a, _, _, _ in live]) + okl  # type: ignore[misc]
+        nonfinite = stacked([a.nonfinite for a, _, _, _ in live]) + (1 - okl)  # type: ignore[misc]
+        absq = stacked([a.absq_sum for a, _, _, _ in live])  # type: ignore[misc]  # (S, nq)
         merged, own_real = [], {}
         for k, (a, t, r, _) in enumerate(live):  # at most max_rows rows merged: a random subset above
             if t.shape[0] > a.max_rows:
@@ -773,7 +775,7 @@ class Probe:
         (``MatrixNormalEMA.last``): computed from it when read (:attr:`stats`), not here, and
         the non-finite count is the updates less the weights folded in."""
         w = torch.stack([s.mod.weight.detach() for s in sites])  # (S, N, K)
-        ok = torch.isfinite(torch.linalg.vector_norm(w.flatten(1), float("inf"), dim=1))  # (S,)
+        ok = torch.linalg.vector_norm(w.flatten(1), float("inf"), dim=1) < math.inf  # (S,) finite weights
         update_weights([s.w for s in sites], w, ok)  # type: ignore[misc]
         for s in sites:
             s.w_lazy = True
@@ -826,7 +828,7 @@ class Probe:
         assert torch.is_tensor(site.w_nonfinite) and torch.is_tensor(site.w_amax)
         assert torch.is_tensor(site.w_absq) and torch.is_tensor(site.w_kurt)
         amax = torch.linalg.vector_norm(w.float(), float("inf"))  # the model keeps it in float32: beyond is inf
-        ok = torch.isfinite(amax)  # NaN/inf anywhere makes the inf-norm non-finite
+        ok = amax < math.inf  # NaN/inf anywhere makes the inf-norm NaN/inf (and NaN < inf is False)
         site.w_nonfinite = site.w_nonfinite + (~ok).long()  # reported by WeightStats.problem()
         site.w.update(w, ok)
         site.w_amax = torch.where(ok, amax, site.w_amax)

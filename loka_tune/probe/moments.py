@@ -51,7 +51,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["MAX_FULL_DIM", "PRECISIONS", "TF32_RTOL", "matmul", "tf32_truncate", "on_device", "pick", "RunningMoments", "NystromSketch", "StatisticError", "pow2_scale", "random_rows",
+__all__ = ["MAX_FULL_DIM", "PRECISIONS", "TF32_RTOL", "matmul", "tf32_truncate", "on_device", "pick", "stacked",
+           "concatenated", "RunningMoments", "NystromSketch", "StatisticError", "pow2_scale", "random_rows",
            "update_concat"]
 
 PRECISIONS = ("float64", "float32", "tf32")  # the GEMMs of an update (the state is always float64)
@@ -90,6 +91,32 @@ def pick(t: torch.Tensor, idx: list[int]) -> torch.Tensor:
     return t.index_select(0, on_device(idx, t))
 
 
+def stacked(ts: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.stack(ts)``, or the tensor ``ts`` are the rows of when they are exactly that (the
+    views a batched update wrote back last time): no copy, no kernel."""
+    base = ts[0]._base
+    if (base is not None and base.is_contiguous() and base.dim() == ts[0].dim() + 1 and base.shape[0] == len(ts)
+            and all(t._base is base and t.shape == base.shape[1:] and t.storage_offset() == base.storage_offset() + i * t.numel()
+                    for i, t in enumerate(ts))):
+        return base
+    return torch.stack(ts)
+
+
+def concatenated(ts: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat(ts)`` of 1-d tensors, or the tensor they are consecutive slices of, in order,
+    when they cover it exactly (what :func:`update_concat` wrote back): no copy, no kernel."""
+    base = ts[0]._base
+    if base is not None and base.dim() == 1 and base.is_contiguous() and all(t.dim() == 1 and t._base is base for t in ts):
+        off = base.storage_offset()
+        for t in ts:
+            if t.storage_offset() != off:
+                return torch.cat(ts)
+            off += t.numel()
+        if off == base.storage_offset() + base.numel():
+            return base
+    return torch.cat(ts)
+
+
 def tf32_truncate(t: torch.Tensor) -> torch.Tensor:
     """Float32 ``t`` with its mantissa cut to TF32's 10 explicit bits, toward zero: how the CPU
     stands in for a TF32 tensor-core GEMM (the worst case of its input conversion: a relative
@@ -119,7 +146,7 @@ def pow2_scale(amax: torch.Tensor) -> torch.Tensor:
     device tensor: dividing by it maps the values into [-1, 1] exactly (no rounding), so a
     float32 product of scaled operands rescaled in float64 equals the unscaled one bit for
     bit wherever that one neither over- nor underflowed."""
-    ok = (amax > 0) & torch.isfinite(amax)
+    ok = (amax > 0) & (amax < math.inf)  # NaN fails both (one kernel each, where isfinite takes four)
     one = torch.ones_like(amax)
     _, e = torch.frexp(torch.where(ok, amax, one))  # amax = m 2^e, m in [0.5, 1)
     return torch.where(ok, torch.ldexp(one, e), one)
@@ -431,12 +458,12 @@ def update_concat(moments: list[RunningMoments], x: torch.Tensor, ok: torch.Tens
     m3_b = xc.pow(3).sum(0)
     m4_b = torch.linalg.vector_norm(xc, 4, dim=0) ** 4
     nbs = ok.to(torch.float64) * float(nb)  # (S,) rows merged per stream
-    nas = torch.stack([m._n for m in moments])  # (S,)
+    nas = stacked([m._n for m in moments])  # (S,)
     ns = nas + nbs
     n1s = ns.clamp_min(1.0)
     cs = nas * nbs / n1s  # (S,) the Chan cross weight
     na, nbf, n1 = nas[seg], nbs[seg], n1s[seg]  # (D,) per column
-    mean, m2a, m3a, m4a = (torch.cat(t) for t in zip(*[(m.mean, m.m2d, m.m3, m.m4) for m in moments]))
+    mean, m2a, m3a, m4a = (concatenated(list(t)) for t in zip(*[(m.mean, m.m2d, m.m3, m.m4) for m in moments]))
     delta = mb - mean  # (D,)
     d2 = delta * delta
     c = cs[seg]
@@ -469,7 +496,7 @@ def update_concat(moments: list[RunningMoments], x: torch.Tensor, ok: torch.Tens
             else:
                 xc_g = torch.stack([xc[:, offs[i]:offs[i] + d] for i in idx])  # (S_g, rows, d)
                 m2_b = xc_g.transpose(1, 2) @ xc_g
-            m2 = torch.stack([moments[i].m2 for i in idx]) + m2_b + delta_g[:, :, None] * delta_g[:, None, :] * c_g[:, None, None]  # type: ignore[misc]
+            m2 = stacked([moments[i].m2 for i in idx]) + m2_b + delta_g[:, :, None] * delta_g[:, None, :] * c_g[:, None, None]  # type: ignore[misc]
             for i, t in zip(idx, m2.unbind(0)):
                 moments[i].m2 = t
             continue
@@ -489,7 +516,7 @@ def _append_many(sketches: list[NystromSketch], rows: torch.Tensor) -> None:
     """:meth:`NystromSketch.append` of ``rows (S, r, dim)`` to ``S`` sketches of one dim at once."""
     sk = sketches[0]
     omega = torch.stack([s.omega for s in sketches])  # (S, dim, k)
-    y = torch.stack([s.y for s in sketches])
+    y = stacked([s.y for s in sketches])
     if sk.gemm_dtype == torch.float64:
         r64 = rows.to(torch.float64)
         y = y + r64.transpose(1, 2) @ (r64 @ omega)

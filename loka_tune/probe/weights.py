@@ -52,7 +52,7 @@ from typing import Any
 
 import torch
 
-from loka_tune.probe.moments import MAX_FULL_DIM, StatisticError, matmul, pow2_scale
+from loka_tune.probe.moments import MAX_FULL_DIM, StatisticError, matmul, pow2_scale, stacked
 
 __all__ = ["MatrixNormalEMA", "update_many"]
 
@@ -299,12 +299,12 @@ def update_many(models: list[MatrixNormalEMA], w: torch.Tensor, ok: torch.Tensor
     w = w.detach().to(device=dev, dtype=torch.float32)
     ok = ok.to(dev, non_blocking=True)
     okw = ok[:, None, None]
-    mean = torch.stack([m.mean for m in models])  # (S, N, K)
-    count = torch.stack([m._count for m in models])
+    mean = stacked([m.mean for m in models])  # (S, N, K)
+    count = stacked([m._count for m in models])
     first = ok & (count == 0)
     a = m0.ema
     r = w - mean
-    last = torch.where(okw, w, torch.stack([m.last for m in models]))
+    last = torch.where(okw, w, stacked([m.last for m in models]))
     mean = torch.where(okw, torch.where(first[:, None, None], w, (1.0 - a) * mean + a * w), mean)
     count = count + ok.long()
     for i, m in enumerate(models):
@@ -319,10 +319,10 @@ def update_many(models: list[MatrixNormalEMA], w: torch.Tensor, ok: torch.Tensor
     cap, gen = m0.max_full_dim, m0._gen
     su = _gram_many(r32, a2, m0.u_full, cap, gen, m0.tf32)  # R R^T
     sv = _gram_many(r32.transpose(1, 2), a2, m0.v_full, cap, gen, m0.tf32)  # R^T R
-    residuals = torch.stack([m._residuals for m in models])
+    residuals = stacked([m._residuals for m in models])
     first_res = residuals == 0
     out = []
-    for new, raw in ((su, torch.stack([m._u_raw for m in models])), (sv, torch.stack([m._v_raw for m in models]))):
+    for new, raw in ((su, stacked([m._u_raw for m in models])), (sv, stacked([m._v_raw for m in models]))):
         shape = (-1,) + (1,) * (new.dim() - 1)
         blend = torch.where(first_res.view(shape), new, (1.0 - a) * raw + a * new)
         out.append(torch.where(moved.view(shape), blend, raw))
