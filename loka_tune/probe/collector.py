@@ -393,7 +393,8 @@ class Probe:
         self.detach()
 
     def attach(self) -> "Probe":
-        """Install the root hooks (idempotent; ``step_on="manual"``: only when a collection is due)."""
+        """Install the root hooks (idempotent; ``step_on="manual"``: only when a collection is due;
+        ``step_on="batch"``: none, ever)."""
         self._attached = True
         if self.step_on == "batch":
             return self  # no hook on the model, ever: collections run in step() on the step's batch
@@ -585,12 +586,12 @@ class Probe:
         rows = full if idx is None else idx.numel()
         sub = tuple(_take(a, idx, full) for a in inputs)
         tgt = _take(target, idx, full)
-        calls: list[tuple[_Site, torch.Tensor, torch.Tensor | None, Any]] = []
+        calls: list[tuple[_Site, torch.Tensor, torch.Tensor]] = []  # (site, X, Y) per call, in forward order
 
         def make_hook(site: _Site) -> Callable[..., None]:
             def hook(mod: nn.Module, args: tuple[Any, ...], output: Any) -> None:
                 if args and torch.is_tensor(args[0]) and torch.is_tensor(output):
-                    calls.append((site, args[0].detach(), None, output))
+                    calls.append((site, args[0].detach(), output))
 
             return hook
 
@@ -604,13 +605,13 @@ class Probe:
             finally:
                 for h in handles:
                     h.remove()
-            need = [i for i, c in enumerate(calls) if c[3].requires_grad]
-            grads = torch.autograd.grad(loss, [calls[i][3] for i in need], allow_unused=True) if need else ()
+            need = [i for i, c in enumerate(calls) if c[2].requires_grad]
+            grads = torch.autograd.grad(loss, [calls[i][2] for i in need], allow_unused=True) if need else ()
         dys: dict[int, torch.Tensor | None] = dict(zip(need, grads))
         with torch.no_grad(), self._timed("side.stats", _first_tensor(inputs)):
             items: list[tuple[_StreamAcc, torch.Tensor, torch.Tensor | None, int]] = []
             reals: list[torch.Tensor | None] = []
-            for site, x, _, _ in calls:  # X in forward order, as the in-step hooks merge it
+            for site, x, _ in calls:  # X in forward order, as the in-step hooks merge it
                 x2 = x.reshape(-1, site.x.dim)  # (M, K)
                 real = None
                 if self.keep_real and site.real_at != self.collections:  # the first call pairs X and dY

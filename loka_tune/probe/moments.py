@@ -132,9 +132,12 @@ def matmul(a: torch.Tensor, b: torch.Tensor, tf32: bool = False) -> torch.Tensor
     if not tf32:
         return a @ b
     if a.is_cuda:
-        prev = torch.get_float32_matmul_precision()
-        torch.set_float32_matmul_precision("high")
         try:
+            prev = torch.get_float32_matmul_precision()
+            torch.set_float32_matmul_precision("high")
+        except RuntimeError:  # a torch that refuses the legacy setting beside its newer TF32 API: float32
+            return a @ b
+        try:  # restored at once: dynamo guards the TF32 flag, a compiled step must find it as it was
             return a @ b
         finally:
             torch.set_float32_matmul_precision(prev)
