@@ -1,22 +1,34 @@
 """Train-step time of a reference model on the GPU, where the time goes, and the probe's overhead.
 
-Measures, for one model/preset at one batch size on synthetic data generated on the GPU:
-  1. the step time (fwd + bwd + sparse row-wise Adagrad + dense Adam; bf16 autocast), median
-     and mean over a steady window, each step timed with CUDA events;
-  2. a breakdown of GPU kernel time by the aten op that launched it (torch.profiler, eager
-     mode): dense linear GEMMs (mm/addmm/_scaled_mm), other GEMMs (bmm: interactions),
+Measures, for one model/preset at one batch size on synthetic data generated on the device:
+  1. the step time (fwd + bwd + sparse row-wise Adagrad + dense Adam; bf16 autocast on CUDA),
+     median and mean over a steady window, each step timed with CUDA events (``--compile``:
+     the model wrapped in ``torch.compile``, the regime a study trains in);
+  2. a breakdown of GPU kernel time by the aten op that launched it (torch.profiler, CUDA
+     only): dense linear GEMMs (mm/addmm/_scaled_mm), other GEMMs (bmm: interactions),
      embeddings, optimizer, everything else; and the time to generate one batch;
-  3. with ``--probe-every N``: the same loop with a ``loka_tune.Probe(model, every=N,
-     step_on="manual")`` (``Probe.step()`` after each step, no hook between collections;
-     ``--probe-forward-hooks``: the forward-counting probe) attached for ``--probe-steps`` steps: its overhead on the mean step time against plain
-     runs before and after it (their difference is the run-to-run noise), and directly: the
-     extra time of each collection step over the median of the other steps of the same run,
-     divided by N median steps (the steady figure leaves out the first collection; both are
-     printed; the probe allocates its accumulators on its first step, not in a collection).
+  3. with ``--probe-every N``: the same loop with a ``loka_tune.Probe(model, every=N)``
+     attached for ``--probe-steps`` steps. Eager, ``step_on="manual"`` (``Probe.step()`` after
+     each step, no hook between collections; ``--probe-forward-hooks``: the forward-counting
+     probe); ``--compile``, ``step_on="batch"`` (``Probe.step(*inputs, target=labels)`` after
+     each step: a collection is the probe's own forward and backward of ``--probe-rows``
+     examples of the step's batch on the uncompiled module, so the compiled graph never sees a
+     hook; dynamo's counters before and after the probed steps are in the JSON, ``probe_recompiled``
+     says whether anything compiled again). Each timed step includes the probe's work after it.
+     Reported: the overhead on the mean step time against plain runs before and after it
+     (``probe_overhead_mean``; ``plain_noise_mean`` is the two plain runs' difference, the
+     run-to-run noise), and directly the extra time of each collection step over the median of
+     the other steps of the same run (``probe_collection_extra_ms``, per call; divided by N
+     median steps: ``probe_overhead_steady``, the first collection left out). Then
+     ``--probe-profile`` collections with ``Probe(profile=True)`` say where a collection's time
+     goes (``probe_profile_ms``: the side forward/backward, X, dY and weight statistics per
+     collection, device-synchronised) and how many aten ops one collection dispatches.
 
-Example (the BENCHMARKS.md entries):
+Example (the BENCHMARKS.md entries; issue 22, the compiled step with the probe, one H200, ~5 min):
     python benchmarks/train_step.py --model wukong --preset large --batch 8192 --steps 200 \
-        --num-sparse 40 --cardinality 100000 --probe-every 100 --out $OUT/train_step.json
+        --num-sparse 40 --cardinality 100000 --probe-every 100 --probe-steps 320 --compile \
+        --out $OUT/probe_overhead_h200.json
+A CPU smoke run (``tests/test_train_step_bench.py``): ``--device cpu --model dlrm --preset tiny``.
 """
 
 from __future__ import annotations
@@ -55,7 +67,16 @@ CATEGORIES = {
 }
 
 
-def make_step(model, optimizers):
+def autocast(dev: torch.device):
+    """bf16 autocast on CUDA (the trainer's default there), none on the CPU."""
+    if dev.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return torch.autocast(dev.type, enabled=False)
+
+
+def make_step(model, optimizers, dev: torch.device | None = None):
+    dev = dev or torch.device("cuda")
+
     def step(batch, marks: list | None = None) -> torch.Tensor:
         """One training step; with ``marks``, CUDA events after fwd, bwd and the optimizers."""
 
@@ -66,7 +87,7 @@ def make_step(model, optimizers):
                 marks.append(e)
 
         mark()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with autocast(dev):
             logits = model(*model_inputs(model, batch))  # (B,)
         loss = F.binary_cross_entropy_with_logits(logits.float(), batch.labels)
         mark()
@@ -94,20 +115,28 @@ def phase_times(step, batches, steps: int) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in out.items()}
 
 
-def timed_loop(step, batches, steps: int, after=None) -> list[float]:
-    """Seconds of every step (CUDA events), data generation excluded; ``after()`` runs after
-    each step, outside its timing (a manual probe's step count)."""
+def timed_loop(step, batches, steps: int, after=None, dev: torch.device | None = None) -> list[float]:
+    """Seconds of every step (CUDA events; wall time on the CPU), data generation excluded;
+    ``after(batch)`` runs after each step and inside its timing: the probe's work (a manual
+    probe's step count, or a side collection on the step's batch) is part of the step it follows."""
+    cuda = dev is None or dev.type == "cuda"
     times = []
     for _ in range(steps):
         batch = next(batches)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        else:
+            t0 = time.perf_counter()
         step(batch)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
         if after is not None:
-            after()
+            after(batch)
+        if cuda:
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            times.append(time.perf_counter() - t0)
     return times
 
 
@@ -206,9 +235,9 @@ def run_variants(args, source, dev) -> list[dict]:
             cfg = variant_config(mods_text, precision)
             summary = apply(model, cfg, strict=False)
             model = model.to(dev)
-            fwd_model = torch.compile(model) if args.compile else model
+            fwd_model = torch.compile(model, backend=getattr(args, "compile_backend", "inductor")) if args.compile else model
             optimizers = build_optimizers(model, TrainConfig(batch_size=args.batch))
-            step = make_step(fwd_model, optimizers)
+            step = make_step(fwd_model, optimizers, dev)
             batches = iter(source.batches("train", args.batch, seed=0, device=dev))
             times = timed_loop(step, batches, args.variant_steps)
             row = {"variant": label, "mods": cfg.mods.short_str(), "precision": precision,
@@ -241,6 +270,109 @@ def print_variants(rows: list[dict], args) -> None:
               f" {r['mean_ms']:.2f} | {r['speedup_vs_first']:.3f}x |")
 
 
+def probe_after(probe, model, mode: str, dev: torch.device):
+    """What runs after each timed step: ``Probe.step()`` (manual), ``Probe.step(*inputs,
+    target=labels)`` under the step's autocast (batch: the side collection), nothing (forward)."""
+    if mode == "forward":
+        return None
+    if mode == "manual":
+        return lambda _batch: probe.step()
+
+    def side(batch) -> None:
+        with autocast(dev):
+            probe.step(*model_inputs(model, batch), target=batch.labels)
+
+    return side
+
+
+def probe_precision(probe) -> str:
+    """The products' precision the probe's streams resolved to (after its first step)."""
+    site = next(iter(probe._sites.values()))
+    return site.x.precision
+
+
+def probe_profile(model, step, batches, args, mode: str, dev: torch.device) -> dict:
+    """Where a collection's time goes: ``--probe-profile`` collections with ``Probe(profile=True)``
+    (device-synchronised per part, so slower than the overhead run's), after a training step
+    each; and the aten ops one collection dispatches (the host's launches on a GPU)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from loka_tune.probe import Probe
+
+    cuda = dev.type == "cuda"
+    if mode == "forward":
+        mode = "manual"  # the same collection, counted by hand here
+    probe = Probe(model, every=1, step_on=mode, profile=True, sub_batch=args.probe_rows if mode == "batch" else None,
+                  precision=args.probe_precision)
+    after = probe_after(probe, model, mode, dev)
+    wall = []
+    with probe:
+        for i in range(args.probe_profile + 1):  # the first allocates the accumulators: left out
+            batch = next(batches)
+            if mode == "manual":
+                probe.collect_next()
+            if cuda:
+                torch.cuda.synchronize(dev)
+            t0 = time.perf_counter()
+            step(batch)
+            if cuda:
+                torch.cuda.synchronize(dev)
+            t1 = time.perf_counter()
+            after(batch)
+            if cuda:
+                torch.cuda.synchronize(dev)
+            wall.append((time.perf_counter() - t1) * 1e3 if mode == "batch" else (time.perf_counter() - t0) * 1e3)
+            if i == 0:
+                probe.timings.clear()
+        n = max(args.probe_profile, 1)
+        parts: dict[str, float] = defaultdict(float)  # side: forward_backward, weights, stats; in-step: x, dy, w
+        sites: dict[str, float] = defaultdict(float)
+        for key, sec in probe.timings.items():
+            head, part = key.rsplit(".", 1)
+            parts[part] += sec * 1e3 / n
+            if head != "side":
+                sites[head] += sec * 1e3 / n
+
+        class Count(TorchDispatchMode):
+            ops = 0
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                Count.ops += 1
+                return func(*args, **(kwargs or {}))
+
+        probe.profile = False
+        batch = next(batches)
+        step(batch)
+        if mode == "manual":
+            probe.collect_next()
+            with Count():
+                step(batch)  # the collecting step (its training ops counted too)
+        else:
+            with Count():
+                after(batch)
+        syncs = None
+        if cuda and mode == "batch":  # CUDA's sync debug mode warns at each synchronising call
+            import warnings
+
+            batch = next(batches)
+            step(batch)
+            torch.cuda.synchronize(dev)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    after(batch)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            syncs = [str(w.message).splitlines()[0][:160] for w in caught if "synchroniz" in str(w.message)]
+    top = sorted(sites.items(), key=lambda kv: -kv[1])[:8]
+    return {"collections": args.probe_profile, "rows": args.probe_rows, "mode": mode, "precision": probe_precision(probe),
+            "wall_ms_per_collection": wall[1:],
+            "wall_what": "the side collection alone" if mode == "batch" else "the collecting training step", "parts_ms_per_collection": dict(parts),
+            "top_sites_ms": dict(top), "aten_ops_per_collection": Count.ops,
+            "host_syncs_per_collection": None if syncs is None else len(syncs), "host_syncs": (syncs or [])[:5]}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="wukong")
@@ -251,51 +383,74 @@ def main() -> int:
     ap.add_argument("--num-sparse", type=int, default=40)
     ap.add_argument("--num-dense", type=int, default=13)
     ap.add_argument("--cardinality", type=int, default=100_000)
-    ap.add_argument("--profile-steps", type=int, default=10)
+    ap.add_argument("--profile-steps", type=int, default=10, help="kernel-time breakdown steps (CUDA; 0: skip)")
     ap.add_argument("--probe-every", type=int, default=0, help="also measure the probe's overhead (0: skip)")
     ap.add_argument("--probe-forward-hooks", action="store_true",
                     help="count the probe's steps with root forward hooks (step_on='forward') instead of"
                          " Probe.step() after each step (the default: hook-free steps between collections)")
     ap.add_argument("--probe-steps", type=int, default=400,
                     help="steps with the probe attached (at least 2 x --probe-every)")
+    ap.add_argument("--probe-rows", type=int, default=None,
+                    help="with --compile: examples of the step's batch a side collection runs on"
+                         " (Probe(sub_batch=...); default: the probe's, 2048 on a GPU)")
+    ap.add_argument("--probe-precision", default="auto",
+                    help="Probe(precision=...): auto (tf32 for the compiled side collection on a GPU, float32 in"
+                         " step), float32, tf32, float64")
+    ap.add_argument("--probe-profile", type=int, default=3,
+                    help="collections timed part by part after the overhead run (Probe(profile=True); 0: skip)")
     ap.add_argument("--variant", action="append", default=[],
                     help="LABEL|MODS|PRECISION, repeatable: MODS = none or nobias,bn256,hswish,pad16,fused;"
                          " PRECISION = bf16, torchao:tensorwise, uniform:e4m3.row.fa.triton, or a config JSON"
                          " (MODS 'config' keeps that file's mods). Timed after the main measurement.")
     ap.add_argument("--variant-steps", type=int, default=60)
-    ap.add_argument("--compile", action="store_true", help="torch.compile the variants' models")
+    ap.add_argument("--compile", action="store_true",
+                    help="torch.compile the model (the main measurement, the probe's run, the variants); the"
+                         " probe then collects with step_on='batch' (its own forward/backward, uncompiled)")
+    ap.add_argument("--compile-backend", default="inductor", help="torch.compile backend (CPU smoke: aot_eager)")
+    ap.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (a smoke run: no kernel breakdown)")
     ap.add_argument("--skip-main", action="store_true", help="only time the variants")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("this benchmark needs a CUDA GPU", file=sys.stderr)
+    dev = torch.device(args.device)
+    cuda = dev.type == "cuda"
+    if cuda and not torch.cuda.is_available():
+        print("this benchmark needs a CUDA GPU (or --device cpu for a smoke run)", file=sys.stderr)
         return 2
 
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize(dev)
+
     torch.manual_seed(0)
-    dev = torch.device("cuda")
     source = SyntheticCTR(num_dense=args.num_dense, cardinalities=[args.cardinality] * args.num_sparse)
     model = build_model(
         args.model, args.preset, num_dense=args.num_dense, cardinalities=source.cardinalities
     ).to(dev)
     optimizers = build_optimizers(model, TrainConfig(batch_size=args.batch))
-    step = make_step(model, optimizers)
+    fwd_model = model
+    if args.compile:
+        from loka_tune.objectives.compiled import allow_sparse_gradients
+
+        allow_sparse_gradients()  # as TrainStep does before compiling (sparse embedding gradients)
+        fwd_model = torch.compile(model, backend=args.compile_backend)
+    step = make_step(fwd_model, optimizers, dev)
     batches = iter(source.batches("train", args.batch, seed=0, device=dev))
 
     # data generation time (not part of the step)
     next(batches)
-    torch.cuda.synchronize()
+    sync()
     t0 = time.perf_counter()
     for _ in range(20):
         next(batches)
-    torch.cuda.synchronize()
+    sync()
     data_ms = (time.perf_counter() - t0) / 20 * 1e3
 
     result: dict = {
         "model": args.model, "preset": args.preset, "batch": args.batch, "steps": args.steps,
-        "num_sparse": args.num_sparse, "cardinality": args.cardinality,
+        "num_sparse": args.num_sparse, "cardinality": args.cardinality, "compile": bool(args.compile),
         "params": sum(p.numel() for p in model.parameters()),
-        "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-        "python": platform.python_version(), "date": time.strftime("%Y-%m-%d"),
+        "device": torch.cuda.get_device_name(dev) if cuda else platform.processor() or "cpu",
+        "torch": torch.__version__, "python": platform.python_version(), "date": time.strftime("%Y-%m-%d"),
         "data_gen_ms_per_batch": data_ms,
     }
     if args.skip_main:
@@ -309,30 +464,50 @@ def main() -> int:
             args.out.write_text(json.dumps(result, indent=2))
         print_variants(result["variants"], args)
         return 0
-    plain = timed_loop(step, batches, args.steps)
+    t_first = time.perf_counter()
+    plain = timed_loop(step, batches, args.steps, dev=dev)
+    result["first_plain_run_wall_s"] = time.perf_counter() - t_first  # compilation included
     result["plain"] = summarize(plain, args.warmup)
-    result["phases_ms"] = phase_times(step, batches, max(args.profile_steps, 10))
-    breakdown = profile_breakdown(step, batches, args.profile_steps)
-    total = sum(breakdown.values())
-    result["breakdown_ms_per_step"] = breakdown
-    result["gpu_kernel_ms_per_step"] = total
-    result["share_outside_linear_gemms"] = 1 - breakdown.get("linear GEMMs", 0.0) / total if total else None
+    breakdown: dict[str, float] = {}
+    total = 0.0
+    if cuda and args.profile_steps:
+        result["phases_ms"] = phase_times(step, batches, max(args.profile_steps, 10))
+        breakdown = profile_breakdown(step, batches, args.profile_steps)
+        total = sum(breakdown.values())
+        result["breakdown_ms_per_step"] = breakdown
+        result["gpu_kernel_ms_per_step"] = total
+        result["share_outside_linear_gemms"] = 1 - breakdown.get("linear GEMMs", 0.0) / total if total else None
 
     if args.probe_every:
         from loka_tune.probe import Probe
 
         every = args.probe_every
-        # step_on="manual": no hook at all on the steps that do not collect (the hooks exist for
-        # the collection's forward only); --probe-forward-hooks: the forward-counting probe
-        mode = "forward" if args.probe_forward_hooks else "manual"
-        with Probe(model, every=every, step_on=mode) as probe:
+        # eager, step_on="manual": no hook at all on the steps that do not collect (the hooks exist
+        # for the collection's forward only); --probe-forward-hooks: the forward-counting probe;
+        # compiled, step_on="batch": no hook on the compiled model ever, the collection is the
+        # probe's own forward/backward of a sub-batch on the uncompiled module
+        mode = "batch" if args.compile else ("forward" if args.probe_forward_hooks else "manual")
+        dyn = None
+        if args.compile:
+            from loka_tune.objectives.compiled import dynamo_report
+
+            dyn = dynamo_report()
+        probe = Probe(model, every=every, step_on=mode, sub_batch=args.probe_rows if mode == "batch" else None,
+                      precision=args.probe_precision)
+        with probe:
             probed = timed_loop(step, batches, max(args.probe_steps, 2 * every),
-                                after=probe.step if mode == "manual" else None)
+                                after=probe_after(probe, model, mode, dev), dev=dev)
         result["probe_step_on"] = mode
-        plain2 = timed_loop(step, batches, args.steps)
+        if dyn is not None:
+            after_dyn = dynamo_report()
+            result["dynamo_before_probe"], result["dynamo_after_probe"] = dyn, after_dyn
+            result["probe_recompiled"] = any(after_dyn[k] != dyn[k] for k in ("frames_total", "unique_graphs"))
+        plain2 = timed_loop(step, batches, args.steps, dev=dev)
         result["probe"] = summarize(probed, args.warmup)
         result["plain_after"] = summarize(plain2, args.warmup)
         result["probe_collections"] = probe.collections
+        result["probe_sub_batch"] = args.probe_rows
+        result["probe_precision"] = probe_precision(probe)
         base = (result["plain"]["mean_ms"] + result["plain_after"]["mean_ms"]) / 2
         result["probe_overhead_mean"] = result["probe"]["mean_ms"] / base - 1
         result["plain_noise_mean"] = abs(result["plain"]["mean_ms"] - result["plain_after"]["mean_ms"]) / base
@@ -345,10 +520,13 @@ def main() -> int:
         extra = [probed[i] - med for i in coll]
         steady = extra[1:] or extra  # the first collection also allocates the accumulators
         result["probe_collection_extra_ms"] = [e * 1e3 for e in extra]
+        result["probe_collection_ms_mean"] = statistics.fmean(extra) * 1e3
         result["probe_noncollection_median_ms"] = med * 1e3
         result["probe_overhead_steady"] = statistics.fmean(steady) / (every * med)
         result["probe_overhead_first"] = extra[0] / (every * med)
         result["probe_hook_cost_noncollection"] = med * 1e3 / result["plain"]["median_ms"] - 1
+        if args.probe_profile:
+            result["probe_profile"] = probe_profile(model, step, batches, args, mode, dev)
 
     def dump() -> None:
         if args.out:
@@ -356,27 +534,39 @@ def main() -> int:
             args.out.write_text(json.dumps(result, indent=2))
 
     dump()
-    print(f"\n{args.model}/{args.preset} batch {args.batch} on {result['device']} (torch {torch.__version__})")
+    print(f"\n{args.model}/{args.preset} batch {args.batch} on {result['device']} (torch {torch.__version__},"
+          f" {'compiled' if args.compile else 'eager'})")
     print(f"step time: median {result['plain']['median_ms']:.2f} ms, mean {result['plain']['mean_ms']:.2f} ms"
           f" over {result['plain']['steps']} steps; data generation {data_ms:.2f} ms/batch (not in the step)")
-    print(f"{'category':48s} {'ms/step':>8s} {'share':>6s}")
-    for cat, ms in sorted(breakdown.items(), key=lambda kv: -kv[1]):
-        print(f"{cat:48s} {ms:8.2f} {ms / total:6.1%}")
-    print(f"share of GPU kernel time outside the linear GEMMs: {result['share_outside_linear_gemms']:.1%}")
-    print("phases (median ms): " + ", ".join(f"{k} {v:.2f}" for k, v in result["phases_ms"].items()))
+    if breakdown:
+        print(f"{'category':48s} {'ms/step':>8s} {'share':>6s}")
+        for cat, ms in sorted(breakdown.items(), key=lambda kv: -kv[1]):
+            print(f"{cat:48s} {ms:8.2f} {ms / total:6.1%}")
+        print(f"share of GPU kernel time outside the linear GEMMs: {result['share_outside_linear_gemms']:.1%}")
+        print("phases (median ms): " + ", ".join(f"{k} {v:.2f}" for k, v in result["phases_ms"].items()))
     if args.probe_every:
-        print(f"probe every {args.probe_every}: mean {result['probe']['mean_ms']:.2f} ms vs"
+        print(f"probe every {args.probe_every} ({result['probe_step_on']}): mean {result['probe']['mean_ms']:.2f} ms vs"
               f" {result['plain']['mean_ms']:.2f} / {result['plain_after']['mean_ms']:.2f} ms plain"
               f" -> overhead {result['probe_overhead_mean']:+.2%} (plain-vs-plain noise"
-              f" {result['plain_noise_mean']:.2%}; {result['probe_collections']} collections)")
+              f" {result['plain_noise_mean']:.2%}; {result['probe_collections']} collections)"
+              + (f"; recompiled: {result['probe_recompiled']}" if "probe_recompiled" in result else ""))
         print("probe, direct: collection steps cost "
               + ", ".join(f"{e:+.1f}" for e in result["probe_collection_extra_ms"])
               + f" ms over the median other step ({result['probe_noncollection_median_ms']:.2f} ms);"
               f" overhead at every={args.probe_every}: steady {result['probe_overhead_steady']:+.3%},"
               f" first collection {result['probe_overhead_first']:+.3%}", flush=True)
+        if "probe_profile" in result:
+            pp = result["probe_profile"]
+            print("probe, profiled (ms per collection, synchronised): "
+                  + ", ".join(f"{k} {v:.1f}" for k, v in pp["parts_ms_per_collection"].items())
+                  + f"; wall {', '.join(f'{w:.1f}' for w in pp['wall_ms_per_collection'])};"
+                  f" {pp['aten_ops_per_collection']} aten ops per collection"
+                  + ("" if pp["host_syncs_per_collection"] is None else f", {pp['host_syncs_per_collection']} host syncs"),
+                  flush=True)
     if args.variant:
         del model, optimizers, step
-        torch.cuda.empty_cache()
+        if cuda:
+            torch.cuda.empty_cache()
         result["variants"] = run_variants(args, source, dev)
         dump()
         print_variants(result["variants"], args)

@@ -19,8 +19,9 @@ is the summary line the suite prints. The variants (:data:`VARIANTS`):
   probe report of the bf16 model (:func:`probe_report`).
 
 :func:`probe_report` attaches the probe the way a study's baseline does it
-(:func:`loka_tune.tuner.baseline.run_baseline`): ``Probe(model, step_on="manual")`` around an
-*eager* run even where the regime compiles (its hooks would re-guard a compiled model), then
+(:func:`loka_tune.tuner.baseline.run_baseline`): in the case's regime, compiled with
+``Probe(model, step_on="batch")`` (collections from a sub-batch of each step's batch on the
+uncompiled module: the compiled graph never sees a hook), eager with ``step_on="manual"``, then
 :func:`~loka_tune.probe.measure` prices the candidates with the cost model at ``COST_ROWS``
 rows (a study's ``cost_batch_size``), so the plan is what a study's Dispatch start would be.
 """
@@ -41,6 +42,7 @@ from torch import nn
 
 from loka_tune.applier import apply
 from loka_tune.config import ModsConfig, PrecisionConfig, SitePrecision
+from loka_tune.data.base import model_inputs
 from loka_tune.data.synthetic import SyntheticCTR
 from loka_tune.models import build_model
 from loka_tune.objectives.compiled import strict_compile
@@ -185,9 +187,18 @@ def probe_report(case: SmokeCase, source: SyntheticCTR, out: Path | None = None)
     t0 = time.perf_counter()
     model = make_model(case, source)
     apply(model, PrecisionConfig())
-    eager = case.train_config(compile=False, steps=case.probe_steps)  # the probed run is eager, as in a study
-    with Probe(model, every=case.probe_every, step_on="manual") as probe:
-        res = train(model, source, eager, after_step=lambda _n: probe.step(), progress=False)
+    tcfg = case.train_config(steps=case.probe_steps)  # the probed run is in the regime, as in a study
+    if tcfg.compile:
+        probe = Probe(model, every=case.probe_every, step_on="batch")
+
+        def side(_n: int, batch: Any) -> None:
+            probe.step(*model_inputs(model, batch), target=batch.labels)
+
+        with strict_compile(), probe:
+            res = train(model, source, tcfg, on_batch=side, progress=False)
+    else:
+        with Probe(model, every=case.probe_every, step_on="manual") as probe:
+            res = train(model, source, tcfg, after_step=lambda _n: probe.step(), progress=False)
     stats = probe.stats
     t1 = time.perf_counter()
     report = measure(stats, list(case.candidates), samples=case.probe_samples, device=case.device,

@@ -38,6 +38,18 @@ CPU_CASE = SmokeCase(
 )
 
 
+def test_the_smoke_probe_of_a_compiled_case_collects_in_the_regime() -> None:
+    """A compiled case's probe (as a study's baseline attaches it, issue 22): compiled with the
+    side probe, strict (a graph break would raise), two collections, a report that forms."""
+    from dataclasses import replace
+
+    case = replace(CPU_CASE, compile=True)
+    source = make_source(case)
+    report, stats, info = probe_report(case, source)
+    assert info["status"] == "ok" and info["collections"] == 2 and report_problem(report, stats) is None
+    assert all(s.x.count == 2 * case.batch_size for s in stats.sites.values())  # the whole batch on the CPU
+
+
 def test_the_smoke_helpers_run_a_tiny_model_on_the_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from loka_tune.probe import ProbeReport
 

@@ -1,4 +1,5 @@
-"""benchmarks/train_step.py's variant loop on the CPU: a failing variant must not end the run."""
+"""benchmarks/train_step.py on the CPU: a failing variant must not end the run; the compiled
+probe-overhead run (issue 22) works end to end."""
 
 from __future__ import annotations
 
@@ -48,3 +49,34 @@ def test_a_failing_variant_is_recorded_and_the_next_ones_run(monkeypatch: pytest
     assert rows[0]["speedup_vs_first"] == pytest.approx(1.0) and rows[1]["speedup_vs_first"] is None
     ts.print_variants(rows, args)
     assert "failed: BackendError" in capsys.readouterr().out
+
+
+def test_the_script_runs_compiled_on_the_cpu_with_the_side_probe(monkeypatch: pytest.MonkeyPatch,
+                                                                 tmp_path: Path) -> None:
+    """The issue-22 receipt's code path, small: --compile --probe-every on a tiny model on the
+    CPU (dynamo's aot_eager backend: the same guards, no code generation); the JSON carries what
+    the H200 receipt must (compile, overhead, per-call cost, plain-vs-plain noise, recompiles)."""
+    import json
+    import math
+    import sys
+
+    ts = _load()
+    out = tmp_path / "probe_overhead.json"
+    monkeypatch.setattr(sys, "argv", [
+        "train_step.py", "--device", "cpu", "--model", "dlrm", "--preset", "tiny", "--batch", "48",
+        "--steps", "8", "--warmup", "2", "--num-sparse", "3", "--cardinality", "40", "--num-dense", "4",
+        "--probe-every", "4", "--probe-steps", "12", "--probe-rows", "16", "--probe-profile", "2",
+        "--compile", "--compile-backend", "aot_eager", "--out", str(out)])
+    assert ts.main() == 0
+    r = json.loads(out.read_text())
+    assert r["compile"] is True and r["probe_step_on"] == "batch" and r["probe_sub_batch"] == 16
+    assert r["probe_collections"] == 3 and len(r["probe_collection_extra_ms"]) == 3
+    assert r["probe_recompiled"] is False and r["dynamo_after_probe"]["graph_breaks"] == 0
+    assert r["dynamo_after_probe"]["unique_graphs"] >= 1
+    for key in ("probe_overhead_mean", "plain_noise_mean", "probe_collection_ms_mean", "probe_overhead_steady"):
+        assert math.isfinite(r[key]), key
+    assert r["probe"]["steps"] == 10 and r["plain"]["steps"] == r["plain_after"]["steps"] == 6
+    pp = r["probe_profile"]
+    assert set(pp["parts_ms_per_collection"]) == {"forward_backward", "weights", "stats"}
+    assert r["probe_precision"] == pp["precision"] == "float64"  # auto on the CPU
+    assert len(pp["wall_ms_per_collection"]) == 2 and pp["aten_ops_per_collection"] > 0

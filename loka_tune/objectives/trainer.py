@@ -463,6 +463,7 @@ def train(
     on_step: OnStep | None = None,
     progress: bool | ProgressFn = True,
     after_step: Callable[[int], None] | None = None,
+    on_batch: Callable[[int, Any], None] | None = None,
 ) -> TrainResult:
     """Train ``model`` in place for ``cfg.steps`` steps on ``source`` and evaluate it.
 
@@ -475,7 +476,10 @@ def train(
 
     ``progress``: True = a tqdm bar on stderr with the running loss; False = silent; a
     callable ``progress(step, running_loss)`` is called every ``cfg.log_every`` steps instead.
-    ``after_step(steps_done)`` is called after every step (e.g. ``Probe.step`` of a manual probe).
+    ``after_step(steps_done)`` is called after every step (e.g. ``Probe.step`` of a manual probe);
+    ``on_batch(steps_done, batch)`` too, with the step's batch, under the run's autocast (e.g. a
+    ``Probe(step_on="batch")``'s side collection on a compiled or CUDA-graph step). Both run
+    outside the step's timing: ``step_time_s`` is the training step's alone.
 
     A non-finite training loss (or non-finite eval logits) ends the run with status
     "nonfinite" instead of raising. Errors in the model or the data source still raise.
@@ -497,7 +501,7 @@ def train(
         step = TrainStep(ddp, build_optimizers(model, cfg), device=dev, dtype=dtype, compile=cfg.compile,
                          cuda_graphs=cfg.cuda_graphs, lr_warmup_steps=cfg.lr_warmup_steps)
         run = _run_steps(step, src, cfg, dev, on_step, progress if env is None or env.is_main else False,
-                         f"train {type(model).__name__}", after_step, env=env)
+                         f"train {type(model).__name__}", after_step, env=env, on_batch=on_batch)
         ev = {"logloss": math.nan, "ne": math.nan, "auc": math.nan, "count": 0, "ctr": math.nan}
         if run.status == "ok":
             ev = evaluate(model, src, batch_size=cfg.eval_batch_size or cfg.batch_size, device=dev,
@@ -526,7 +530,7 @@ def train(
 
 def _run_steps(step: TrainStep, source: Any, cfg: TrainConfig, dev: torch.device, on_step: OnStep | None,
                progress: bool | ProgressFn, desc: str, after_step: Callable[[int], None] | None = None, *,
-               env: DistEnv | None = None) -> _Run:
+               env: DistEnv | None = None, on_batch: Callable[[int, Any], None] | None = None) -> _Run:
     """The step loop: time each step, pull losses to the host at sync points, fire callbacks."""
     on_cuda = dev.type == "cuda"
     bar, progress_fn = _make_progress(progress, cfg.steps, desc)
@@ -561,6 +565,9 @@ def _run_steps(step: TrainStep, source: Any, cfg: TrainConfig, dev: torch.device
             run.steps_run = i + 1
             if after_step is not None:
                 after_step(run.steps_run)
+            if on_batch is not None:
+                with autocast_context(dev, step.dtype):
+                    on_batch(run.steps_run, batch)
             if profiler is not None and run.steps_run == cfg.steps:
                 run.profile, run.profiled, profiler = profiler.stop(), cfg.profile_steps, None
             if _sync_point(run, loss_buf, cfg, on_cuda, bar, progress_fn, on_step, env):

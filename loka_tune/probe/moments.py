@@ -19,7 +19,10 @@ a relative error ~1e-6 per batch scatter (float32; ~1e-3 with TF32), far below t
 error of any row count the probe merges; the gain: float64 GEMMs run 15-30x slower than
 float32 on a data-centre GPU. The float32 operands are scaled per feature to [-1, 1] first and
 the products rescaled in float64, so no feature scale over- or underflows them (1e-30 next to
-1e30, or gradients of 1e-20).
+1e30, or gradients of 1e-20). ``precision="tf32"``: the same float32 products on TF32 tensor
+cores (a 10-bit mantissa: a relative error up to 2^-10 per operand, ~1e-3 on a covariance entry,
+against a sampling error of ~3% at 2,048 rows), 8x faster again; the CPU emulates it by
+truncating the operands (:func:`tf32_truncate`), so CPU tests see its error.
 
 Feature dims above ``max_full_dim`` (default :data:`MAX_FULL_DIM` = 2048: a 2048^2 float64
 matrix is 32 MiB, the largest we keep per tensor) do not keep the full ``M2``: they keep the
@@ -48,9 +51,12 @@ from typing import Any
 
 import torch
 
-__all__ = ["MAX_FULL_DIM", "PRECISIONS", "RunningMoments", "NystromSketch", "StatisticError", "pow2_scale", "random_rows"]
+__all__ = ["MAX_FULL_DIM", "PRECISIONS", "TF32_RTOL", "matmul", "tf32_truncate", "on_device", "pick", "stacked",
+           "concatenated", "RunningMoments", "NystromSketch", "StatisticError", "pow2_scale", "random_rows",
+           "update_concat"]
 
-PRECISIONS = ("float64", "float32")  # dtype of the GEMMs of an update (the state is always float64)
+PRECISIONS = ("float64", "float32", "tf32")  # the GEMMs of an update (the state is always float64)
+TF32_RTOL = 8.0 * 2.0**-10  # the sketch core's eigenvalue floor under TF32 products (a 10-bit mantissa)
 
 MAX_FULL_DIM = 2048  # largest feature dim with a full covariance (32 MiB float64 per tensor)
 DEFAULT_SKETCH_RANK = 64  # rank of the Nystrom sketch above MAX_FULL_DIM (sketch width 2 x 64)
@@ -65,14 +71,88 @@ def random_rows(m: int, k: int, gen: torch.Generator, device: torch.device) -> t
     return idx if idx.device == torch.device(device) else idx.to(device, non_blocking=True)
 
 
+def on_device(values: list[int] | list[float] | tuple[float, ...], like: torch.Tensor,
+              dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``values`` as a tensor on ``like``'s device, copied without blocking: ``torch.tensor(...,
+    device=cuda)`` and indexing a CUDA tensor with a Python list copy with ``non_blocking=False``,
+    a stream synchronisation each (what a collection must never do)."""
+    t = torch.tensor(values, dtype=dtype if dtype is not None else (torch.long if isinstance(values[0], int)
+                                                                      else like.dtype))
+    return t.to(like.device, non_blocking=True)
+
+
+def pick(t: torch.Tensor, idx: list[int]) -> torch.Tensor:
+    """``t[idx]`` along dim 0 for a host list ``idx`` without a blocking copy (all of ``t``:
+    ``t`` itself; a contiguous run: a view)."""
+    if idx == list(range(t.shape[0])):
+        return t
+    if idx == list(range(idx[0], idx[0] + len(idx))):
+        return t[idx[0]:idx[0] + len(idx)]
+    return t.index_select(0, on_device(idx, t))
+
+
+def stacked(ts: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.stack(ts)``, or the tensor ``ts`` are the rows of when they are exactly that (the
+    views a batched update wrote back last time): no copy, no kernel."""
+    base = ts[0]._base
+    if (base is not None and base.is_contiguous() and base.dim() == ts[0].dim() + 1 and base.shape[0] == len(ts)
+            and all(t._base is base and t.shape == base.shape[1:] and t.storage_offset() == base.storage_offset() + i * t.numel()
+                    for i, t in enumerate(ts))):
+        return base
+    return torch.stack(ts)
+
+
+def concatenated(ts: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat(ts)`` of 1-d tensors, or the tensor they are consecutive slices of, in order,
+    when they cover it exactly (what :func:`update_concat` wrote back): no copy, no kernel."""
+    base = ts[0]._base
+    if base is not None and base.dim() == 1 and base.is_contiguous() and all(t.dim() == 1 and t._base is base for t in ts):
+        off = base.storage_offset()
+        for t in ts:
+            if t.storage_offset() != off:
+                return torch.cat(ts)
+            off += t.numel()
+        if off == base.storage_offset() + base.numel():
+            return base
+    return torch.cat(ts)
+
+
+def tf32_truncate(t: torch.Tensor) -> torch.Tensor:
+    """Float32 ``t`` with its mantissa cut to TF32's 10 explicit bits, toward zero: how the CPU
+    stands in for a TF32 tensor-core GEMM (the worst case of its input conversion: a relative
+    error up to 2^-10 per operand, biased; round-to-nearest halves it)."""
+    i = t.contiguous().view(torch.int32)
+    return (i & ~0x1FFF).view(torch.float32)
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor, tf32: bool = False) -> torch.Tensor:
+    """``a @ b``; ``tf32``: float32 operands multiplied on TF32 tensor cores (CUDA: the matmul
+    precision set to "high" for this product only; the CPU truncates the operands, see
+    :func:`tf32_truncate`), 8x faster than float32 on a data-centre GPU."""
+    if not tf32:
+        return a @ b
+    if a.is_cuda:
+        try:
+            prev = torch.get_float32_matmul_precision()
+            torch.set_float32_matmul_precision("high")
+        except RuntimeError:  # a torch that refuses the legacy setting beside its newer TF32 API: float32
+            return a @ b
+        try:  # restored at once: dynamo guards the TF32 flag, a compiled step must find it as it was
+            return a @ b
+        finally:
+            torch.set_float32_matmul_precision(prev)
+    return tf32_truncate(a) @ tf32_truncate(b)
+
+
 def pow2_scale(amax: torch.Tensor) -> torch.Tensor:
     """The power of two at or just above each ``amax`` (1 where it is 0 or not finite), a
     device tensor: dividing by it maps the values into [-1, 1] exactly (no rounding), so a
     float32 product of scaled operands rescaled in float64 equals the unscaled one bit for
     bit wherever that one neither over- nor underflowed."""
-    ok = (amax > 0) & torch.isfinite(amax)
-    _, e = torch.frexp(torch.where(ok, amax, torch.ones_like(amax)))  # amax = m 2^e, m in [0.5, 1)
-    return torch.where(ok, torch.ldexp(torch.ones_like(amax), e), torch.ones_like(amax))
+    ok = (amax > 0) & (amax < math.inf)  # NaN fails both (one kernel each, where isfinite takes four)
+    one = torch.ones_like(amax)
+    _, e = torch.frexp(torch.where(ok, amax, one))  # amax = m 2^e, m in [0.5, 1)
+    return torch.where(ok, torch.ldexp(one, e), one)
 
 
 class StatisticError(ArithmeticError):
@@ -131,14 +211,15 @@ class NystromSketch:
         omega = torch.randn(self.dim, self.k, generator=gen, dtype=torch.float64, device=gen.device)
         self.omega = omega.to(device) if device is not None else omega
         self.y = torch.zeros(self.dim, self.k, dtype=torch.float64, device=self.omega.device)
-        self.gemm_dtype = getattr(torch, precision)
+        self.tf32 = precision == "tf32"
+        self.gemm_dtype = torch.float32 if self.tf32 else getattr(torch, precision)
         self._omega_g = self.omega.to(self.gemm_dtype)  # Omega in the GEMMs' dtype
         # relative floor of the core's eigenvalues: float64 rounding (k eps), or 8 eps of the
         # float32 GEMMs (their rounding makes C indefinite at ~3e-8 relative on rank-deficient
         # input; measured on features spanning 1e-30..1e30: core error 3e-3 with no floor,
         # 5e-8 at 1e-9, 6e-7 at 1e-6 = 8 eps, growing as the floor above: it drops what it cuts)
         self.core_rtol = (self.k * torch.finfo(torch.float64).eps if self.gemm_dtype == torch.float64
-                          else 8.0 * torch.finfo(torch.float32).eps)
+                          else TF32_RTOL if self.tf32 else 8.0 * torch.finfo(torch.float32).eps)
         self.note: str | None = None  # set by eig(): a fallback inside the factorization, if any
 
     def append(self, rows: torch.Tensor) -> None:
@@ -149,13 +230,13 @@ class NystromSketch:
             self.y += rows.T @ (rows @ self._omega_g)
             return
         if rows.is_cuda and torch.backends.cuda.matmul.allow_tf32:  # the caller's TF32: a 10-bit mantissa
-            self.core_rtol = max(self.core_rtol, 8.0 * 2.0**-10)
+            self.core_rtol = max(self.core_rtol, TF32_RTOL)
         r64 = rows.to(torch.float64)
         col = pow2_scale(r64.abs().amax(0))  # (dim,) per-feature scale (a device tensor: no host sync)
         s = col.max()
         g = (r64 / col).to(self.gemm_dtype)  # (r, dim) in [-1, 1]
         om = ((col / s)[:, None] * self.omega).to(self.gemm_dtype)  # D Omega / s: (dim, k)
-        self.y += (g.T @ (g @ om)).to(torch.float64) * (col[:, None] * s)
+        self.y += matmul(g.T, matmul(g, om, self.tf32), self.tf32).to(torch.float64) * (col[:, None] * s)
 
     def eig(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(values (r,), vectors (r, dim))`` with ``A ~= V^T diag(values) V``, values descending,
@@ -221,7 +302,8 @@ class RunningMoments:
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision=!r}")
         self.dim, self.precision = int(dim), precision
-        self._gemm_dtype = getattr(torch, precision)
+        self._tf32 = precision == "tf32"
+        self._gemm_dtype = torch.float32 if self._tf32 else getattr(torch, precision)
         self.sketch_rows = int(sketch_rows)
         self._gen = generator if generator is not None else torch.Generator().manual_seed(0)
         self.full = self.dim <= max_full_dim
@@ -310,7 +392,7 @@ class RunningMoments:
             return xc.T @ xc
         col = pow2_scale(xc.abs().amax(0))  # (d,) a device tensor: no host sync
         g = (xc / col).to(self._gemm_dtype)
-        return (g.T @ g).to(torch.float64) * torch.outer(col, col)
+        return matmul(g.T, g, self._tf32).to(torch.float64) * torch.outer(col, col)
 
     def _sketch_rows(self, xc: torch.Tensor) -> torch.Tensor:
         """At most ``sketch_rows`` random rows of ``xc``, scaled by ``sqrt(rows / kept)`` so
@@ -343,3 +425,114 @@ class RunningMoments:
         m2c = m2.clamp_min(1e-300)
         k = self.n * (self.m4 / m2c) / m2c - 3.0  # divided twice: m2^2 overflows for |x| > ~1e77
         return torch.where(m2 > 0, k, torch.zeros_like(k))
+
+
+def update_concat(moments: list[RunningMoments], x: torch.Tensor, ok: torch.Tensor, seg: torch.Tensor,
+                  gen: torch.Generator) -> None:
+    """Merge one batch into each of ``S`` streams at once, their rows side by side: ``x (rows,
+    D)`` holds stream ``i``'s features at columns ``off_i .. off_i + dim_i`` (in ``moments``
+    order, any dims, any mix of full and sketch streams), ``ok (S,)`` each stream's finite flag
+    (False: not merged, as in :meth:`RunningMoments.update`), ``seg (D,)`` the stream of each
+    column (a device tensor). The same Chan/Pebay merge as ``update``, feature by feature over
+    all ``D`` columns in one kernel per operation (a collection's host cost is its kernel
+    launches: one merge for every stream instead of one per stream); the scatter matrices
+    and sketches by one batched GEMM per dim. Each stream ends where its own ``update`` would,
+    up to float rounding; the new state is written back as views. No host sync. The streams
+    must share ``precision`` and device; ``gen`` draws the sketches' row subsets."""
+    m0 = moments[0]
+    nb, d_all = x.shape
+    sizes = [m.dim for m in moments]
+    assert sum(sizes) == d_all and ok.shape == (len(moments),) and seg.shape == (d_all,)
+    assert all(m.precision == m0.precision for m in moments)
+    if nb == 0:
+        return
+    dev = m0.mean.device
+    ok = ok.to(dev, non_blocking=True)
+    okf = ok[seg]  # (D,) each column's stream's flag
+    # a rejected stream's rows become zeros: its batch moments are exact zeros and its count 0,
+    # so the merge below leaves its state exactly unchanged (where, not *: NaN * 0 = NaN). Each
+    # pass over (rows, D) float64 is a GPU cost here (1.8 GB at large Wukong's 2,048 x 112k):
+    # the masks go on the input's own dtype, and the sums of squares and fourth powers are norms
+    # (no product materialised)
+    xb = torch.where(okf, x.detach().to(dev), 0.0).to(torch.float64)  # (rows, D)
+    mb = xb.mean(0)  # (D,)
+    xc = xb - mb  # (rows, D) centred within the batch
+    m2d_b = torch.linalg.vector_norm(xc, 2, dim=0) ** 2
+    m3_b = xc.pow(3).sum(0)
+    m4_b = torch.linalg.vector_norm(xc, 4, dim=0) ** 4
+    nbs = ok.to(torch.float64) * float(nb)  # (S,) rows merged per stream
+    nas = stacked([m._n for m in moments])  # (S,)
+    ns = nas + nbs
+    n1s = ns.clamp_min(1.0)
+    cs = nas * nbs / n1s  # (S,) the Chan cross weight
+    na, nbf, n1 = nas[seg], nbs[seg], n1s[seg]  # (D,) per column
+    mean, m2a, m3a, m4a = (concatenated(list(t)) for t in zip(*[(m.mean, m.m2d, m.m3, m.m4) for m in moments]))
+    delta = mb - mean  # (D,)
+    d2 = delta * delta
+    c = cs[seg]
+    m4 = (m4a + m4_b + d2 * d2 * (c * (na * na - na * nbf + nbf * nbf) / (n1 * n1))
+          + 6.0 * d2 * (na * na * m2d_b + nbf * nbf * m2a) / (n1 * n1)
+          + 4.0 * delta * (na * m3_b - nbf * m3a) / n1)
+    m3 = m3a + m3_b + d2 * delta * (c * (na - nbf) / n1) + 3.0 * delta * (na * m2d_b - nbf * m2a) / n1
+    m2d = m2a + m2d_b + d2 * c
+    mean = mean + delta * (nbf / n1)
+    offs = [0]
+    for d in sizes:
+        offs.append(offs[-1] + d)
+    groups: dict[tuple[bool, int], list[int]] = {}  # the streams of one mode and dim: one batched GEMM
+    for i, m in enumerate(moments):
+        groups.setdefault((m.full, m.dim), []).append(i)
+    g_all = col = None
+    if m0._gemm_dtype != torch.float64 and any(m.full for m in moments):
+        # the float32 operands of every full stream's scatter at once: each column scaled by the
+        # power of two above its largest |value| (as RunningMoments._scatter), then cast
+        col = pow2_scale(torch.linalg.vector_norm(xc, float("inf"), dim=0))  # (D,)
+        g_all = (xc / col).to(m0._gemm_dtype)  # (rows, D) in [-1, 1]
+    for (full, d), idx in groups.items():
+        delta_g = torch.stack([delta[offs[i]:offs[i] + d] for i in idx])  # (S_g, d)
+        c_g = pick(cs, idx)  # (S_g,)
+        if full:
+            if g_all is not None and col is not None:
+                g = torch.stack([g_all[:, offs[i]:offs[i] + d] for i in idx])  # (S_g, rows, d)
+                col_g = torch.stack([col[offs[i]:offs[i] + d] for i in idx])  # (S_g, d)
+                m2_b = matmul(g.transpose(1, 2), g, m0._tf32).to(torch.float64) * (col_g[:, :, None] * col_g[:, None, :])
+            else:
+                xc_g = torch.stack([xc[:, offs[i]:offs[i] + d] for i in idx])  # (S_g, rows, d)
+                m2_b = xc_g.transpose(1, 2) @ xc_g
+            m2 = stacked([moments[i].m2 for i in idx]) + m2_b + delta_g[:, :, None] * delta_g[:, None, :] * c_g[:, None, None]  # type: ignore[misc]
+            for i, t in zip(idx, m2.unbind(0)):
+                moments[i].m2 = t
+            continue
+        rows = torch.stack([xc[:, offs[i]:offs[i] + d] for i in idx])  # (S_g, rows, d)
+        sk_rows = moments[idx[0]].sketch_rows
+        if nb > sk_rows:  # each stream its own random rows, reweighted (as RunningMoments._sketch_rows)
+            sel = torch.randint(nb, (len(idx), sk_rows), generator=gen, device=gen.device).to(dev, non_blocking=True)
+            rows = rows.gather(1, sel[:, :, None].expand(-1, -1, d)) * math.sqrt(nb / sk_rows)
+        cross = (delta_g * torch.sqrt(c_g)[:, None])[:, None, :]  # (S_g, 1, d) the Chan cross term
+        _append_many([moments[i].sketch for i in idx], torch.cat([rows, cross], 1))  # type: ignore[misc]
+    for i, m in enumerate(moments):
+        a, b = offs[i], offs[i + 1]
+        m.mean, m.m2d, m.m3, m.m4, m._n = mean[a:b], m2d[a:b], m3[a:b], m4[a:b], ns[i]
+
+
+def _append_many(sketches: list[NystromSketch], rows: torch.Tensor) -> None:
+    """:meth:`NystromSketch.append` of ``rows (S, r, dim)`` to ``S`` sketches of one dim at once."""
+    sk = sketches[0]
+    omega = torch.stack([s.omega for s in sketches])  # (S, dim, k)
+    y = stacked([s.y for s in sketches])
+    if sk.gemm_dtype == torch.float64:
+        r64 = rows.to(torch.float64)
+        y = y + r64.transpose(1, 2) @ (r64 @ omega)
+    else:
+        if rows.is_cuda and torch.backends.cuda.matmul.allow_tf32:
+            for s in sketches:
+                s.core_rtol = max(s.core_rtol, TF32_RTOL)
+        r64 = rows.to(torch.float64)
+        col = pow2_scale(r64.abs().amax(1))  # (S, dim)
+        smax = col.amax(1)  # (S,)
+        g = (r64 / col[:, None, :]).to(sk.gemm_dtype)
+        om = ((col / smax[:, None])[:, :, None] * omega).to(sk.gemm_dtype)  # (S, dim, k)
+        prod = matmul(g.transpose(1, 2), matmul(g, om, sk.tf32), sk.tf32)
+        y = y + prod.to(torch.float64) * (col[:, :, None] * smax[:, None, None])
+    for s, t in zip(sketches, y.unbind(0)):
+        s.y = t

@@ -19,7 +19,8 @@ Fit, once per probe collection ``t`` (the weight ``W_t`` is read directly, no ho
     started from identity factors. Cost per collection: two GEMMs (``N^2 K + K^2 N``, run in
     float32; a sum over more than ``max_full_dim`` columns or rows uses that many random ones,
     rescaled: unbiased, and at most ``2 * 2048^3`` flops), no inverse: this is what keeps a
-    collection cheap on wide layers.
+    collection cheap on wide layers. No host sync either: whether the weight is finite, the
+    first one or moved at all are device masks (``torch.where``), the counters device tensors.
   * ``flip_flop=k >= 1``: ``k`` alternating MLE (flip-flop) steps per collection, each an EMA
     of the one-sample estimates ``U <- (1 - a) U + a R V^-1 R^T / K``, then
     ``V <- (1 - a) V + a R^T U^-1 R / N``, then the scale fix. Statistically more efficient
@@ -51,9 +52,9 @@ from typing import Any
 
 import torch
 
-from loka_tune.probe.moments import MAX_FULL_DIM, StatisticError, pow2_scale
+from loka_tune.probe.moments import MAX_FULL_DIM, StatisticError, matmul, pow2_scale, stacked
 
-__all__ = ["MatrixNormalEMA"]
+__all__ = ["MatrixNormalEMA", "update_many"]
 
 _RIDGE = 1e-6  # relative ridge of the inverses in the flip-flop steps
 _TINY = torch.finfo(torch.float64).tiny  # the ridge of an all-zero factor (its inverse is then huge, not inf)
@@ -102,7 +103,7 @@ def _shrink(s: torch.Tensor, n_obs: float) -> torch.Tensor:
     return (1.0 - r) * s + (r * mu) * torch.eye(d, dtype=s.dtype, device=s.device)
 
 
-def _gram(r: torch.Tensor, full: bool, max_cols: int, gen: torch.Generator) -> torch.Tensor:
+def _gram(r: torch.Tensor, full: bool, max_cols: int, gen: torch.Generator, tf32: bool = False) -> torch.Tensor:
     """``r r^T`` ``(d, d)`` (float32 GEMM, float64 result) or its diagonal ``(d,)``.
 
     ``r`` is scaled by the power of two above its largest ``|value|`` before the float32
@@ -119,8 +120,8 @@ def _gram(r: torch.Tensor, full: bool, max_cols: int, gen: torch.Generator) -> t
     if cols > max_cols:
         idx = torch.randperm(cols, generator=gen)[:max_cols].to(r32.device, non_blocking=True)
         sub = r32[:, idx]
-        return (sub @ sub.T).to(torch.float64) * (a2 * (cols / max_cols))
-    return (r32 @ r32.T).to(torch.float64) * a2
+        return matmul(sub, sub.T, tf32).to(torch.float64) * (a2 * (cols / max_cols))
+    return matmul(r32, r32.T, tf32).to(torch.float64) * a2
 
 
 class MatrixNormalEMA:
@@ -136,18 +137,23 @@ class MatrixNormalEMA:
         max_full_dim: int = MAX_FULL_DIM,
         device: torch.device | str | None = None,
         generator: torch.Generator | None = None,
+        tf32: bool = False,
     ) -> None:
         assert 0.0 < ema <= 1.0 and flip_flop >= 0
+        self.tf32 = bool(tf32)  # the moment estimators' two GEMMs on TF32 tensor cores (moments.matmul)
         self.max_full_dim = int(max_full_dim)
         self._gen = generator if generator is not None else torch.Generator().manual_seed(0)
         self.rows, self.cols, self.ema, self.flip_flop = int(rows), int(cols), float(ema), int(flip_flop)
         self.u_full = self.rows <= max_full_dim
         self.v_full = self.cols <= max_full_dim
         self.notes: dict[str, str] = {}  # statistic -> a fallback of the fit (reported by the probe)
-        self.count = 0  # collections seen
-        self.residuals = 0  # collections that moved the weight (fitted U, V)
         f32: dict[str, Any] = dict(dtype=torch.float32, device=device)
         f64: dict[str, Any] = dict(dtype=torch.float64, device=device)
+        i64: dict[str, Any] = dict(dtype=torch.int64, device=device)
+        # device counters (read at :attr:`count` / :attr:`residuals`): an update never syncs
+        self._count = torch.zeros((), **i64)  # collections folded in (finite weights)
+        self._residuals = torch.zeros((), **i64)  # those that moved the weight (fitted U, V)
+        self._calls = 0  # update() calls (host): none before means no residual can exist yet
         self.mean = torch.zeros(self.rows, self.cols, **f32)
         self.last = torch.zeros(self.rows, self.cols, **f32)
         # EMA states, before shrinkage: S_U, S_V (moments) or the scale-fixed U, V (flip-flop)
@@ -155,6 +161,16 @@ class MatrixNormalEMA:
         self._v_raw = torch.eye(self.cols, **f64) if self.v_full else torch.ones(self.cols, **f64)
 
     # ------------------------------------------------------------------ the factors
+    @property
+    def count(self) -> int:
+        """Collections folded in (reads a device counter: a host sync on a GPU)."""
+        return int(self._count)
+
+    @property
+    def residuals(self) -> int:
+        """Collections that moved the weight, i.e. fitted ``U`` and ``V`` (a host sync on a GPU)."""
+        return int(self._residuals)
+
     @property
     def _n_eff(self) -> float:
         return min(float(max(self.residuals, 1)), (2.0 - self.ema) / self.ema)
@@ -179,13 +195,44 @@ class MatrixNormalEMA:
         return _shrink(self._scaled()[1], self._n_eff * self.rows)
 
     # ------------------------------------------------------------------ the update
-    def update(self, w: torch.Tensor) -> None:
-        """Fold in the weight ``w (N, K)`` of one collection."""
+    def update(self, w: torch.Tensor, ok: torch.Tensor | None = None) -> None:
+        """Fold in the weight ``w (N, K)`` of one collection. ``ok`` (a 0-d bool device tensor,
+        e.g. ``isfinite(w).all()``): when False nothing changes, without reading the flag on the
+        host. With the moment estimators (``flip_flop=0``) an update never reads a value back
+        (the first-weight and moved-weight decisions are device masks, ``torch.where``: the
+        result is the one the branches would give, bit for bit); flip-flop steps read the
+        flags and invert factors on the host."""
         w = w.detach().to(device=self.mean.device, dtype=torch.float32)
         assert w.shape == (self.rows, self.cols), (w.shape, self.rows, self.cols)
+        calls, self._calls = self._calls, self._calls + 1
+        if self.flip_flop:
+            self._update_flip_flop(w, ok)
+            return
+        ok_t = torch.ones((), dtype=torch.bool, device=w.device) if ok is None else ok.to(w.device)
+        first = ok_t & (self._count == 0)  # the first finite weight: the mean starts there
+        a = self.ema
+        r = w - self.mean  # (N, K)
+        self.last = torch.where(ok_t, w, self.last)
+        self.mean = torch.where(first, w, torch.where(ok_t, (1.0 - a) * self.mean + a * w, self.mean))
+        self._count = self._count + ok_t.long()
+        if calls == 0:  # no weight was folded in before this one: there is no residual to fit
+            return
+        moved = ok_t & ~first & torch.any(r != 0)  # a weight that did not move says nothing of U, V
+        cap = self.max_full_dim
+        su = _gram(r, self.u_full, cap, self._gen, self.tf32)  # R R^T
+        sv = _gram(r.T, self.v_full, cap, self._gen, self.tf32)  # R^T R
+        first_res = self._residuals == 0
+        self._u_raw = torch.where(moved, torch.where(first_res, su, (1.0 - a) * self._u_raw + a * su), self._u_raw)
+        self._v_raw = torch.where(moved, torch.where(first_res, sv, (1.0 - a) * self._v_raw + a * sv), self._v_raw)
+        self._residuals = self._residuals + moved.long()
+
+    def _update_flip_flop(self, w: torch.Tensor, ok: torch.Tensor | None) -> None:
+        """The flip-flop fit's update (host decisions: it inverts factors anyway)."""
+        if ok is not None and not bool(ok):
+            return
         self.last = w.clone()
-        self.count += 1
-        if self.count == 1:
+        self._count += 1
+        if int(self._count) == 1:
             self.mean = w.clone()
             return
         a = self.ema
@@ -194,13 +241,7 @@ class MatrixNormalEMA:
         if not bool(torch.any(r != 0)):
             return  # the weight did not move: nothing to learn about U, V
         first = self.residuals == 0
-        self.residuals += 1
-        if self.flip_flop == 0:
-            cap = self.max_full_dim
-            su, sv = _gram(r, self.u_full, cap, self._gen), _gram(r.T, self.v_full, cap, self._gen)  # R R^T, R^T R
-            self._u_raw = su if first else (1.0 - a) * self._u_raw + a * su
-            self._v_raw = sv if first else (1.0 - a) * self._v_raw + a * sv
-            return
+        self._residuals += 1
         self._flip_flop(r.to(torch.float64), first)
 
     def _flip_flop(self, r: torch.Tensor, first: bool) -> None:
@@ -240,3 +281,66 @@ class MatrixNormalEMA:
         """``r inv r^T`` (full ``(d, d)``) or its diagonal, for a full or diagonal ``inv``."""
         ri = r @ inv if inv_full else r * inv[None, :]  # (d, e)
         return ri @ r.T if out_full else (ri * r).sum(1)
+
+
+def update_many(models: list[MatrixNormalEMA], w: torch.Tensor, ok: torch.Tensor) -> None:
+    """:meth:`MatrixNormalEMA.update` of ``S`` models of one shape at once (moment estimators):
+    ``w (S, N, K)``, ``ok (S,)``. The same masks and EMAs, batched along the first dim (one
+    kernel per operation for all S instead of S; R R^T and R^T R share one power-of-two scale
+    per residual), written back as views of the stacked state; each model ends where its own
+    ``update`` would, up to float rounding. No host sync."""
+    m0 = models[0]
+    s_, n, k = w.shape
+    assert s_ == len(models) and all((m.rows, m.cols, m.flip_flop, m.ema) == (n, k, 0, m0.ema) for m in models)
+    assert all(m.max_full_dim == m0.max_full_dim and m.tf32 == m0.tf32 for m in models)
+    calls = {m._calls for m in models}
+    assert len(calls) == 1, "models of one group are updated together"
+    dev = m0.mean.device
+    w = w.detach().to(device=dev, dtype=torch.float32)
+    ok = ok.to(dev, non_blocking=True)
+    okw = ok[:, None, None]
+    mean = stacked([m.mean for m in models])  # (S, N, K)
+    count = stacked([m._count for m in models])
+    first = ok & (count == 0)
+    a = m0.ema
+    r = w - mean
+    last = torch.where(okw, w, stacked([m.last for m in models]))
+    mean = torch.where(okw, torch.where(first[:, None, None], w, (1.0 - a) * mean + a * w), mean)
+    count = count + ok.long()
+    for i, m in enumerate(models):
+        m._calls += 1
+        m.last, m.mean, m._count = last[i], mean[i], count[i]
+    if calls == {0}:  # no weight was folded in before: there is no residual to fit
+        return
+    moved = ok & ~first & (r != 0).flatten(1).any(1)  # (S,)
+    scale = pow2_scale(r.abs().amax((1, 2)).to(torch.float64))  # (S,) a power of two: exact scaling
+    r32 = (r / scale[:, None, None].to(r.dtype)).to(torch.float32)
+    a2 = scale * scale
+    cap, gen = m0.max_full_dim, m0._gen
+    su = _gram_many(r32, a2, m0.u_full, cap, gen, m0.tf32)  # R R^T
+    sv = _gram_many(r32.transpose(1, 2), a2, m0.v_full, cap, gen, m0.tf32)  # R^T R
+    residuals = stacked([m._residuals for m in models])
+    first_res = residuals == 0
+    out = []
+    for new, raw in ((su, stacked([m._u_raw for m in models])), (sv, stacked([m._v_raw for m in models]))):
+        shape = (-1,) + (1,) * (new.dim() - 1)
+        blend = torch.where(first_res.view(shape), new, (1.0 - a) * raw + a * new)
+        out.append(torch.where(moved.view(shape), blend, raw))
+    residuals = residuals + moved.long()
+    for i, m in enumerate(models):
+        m._u_raw, m._v_raw, m._residuals = out[0][i], out[1][i], residuals[i]
+
+
+def _gram_many(r32: torch.Tensor, a2: torch.Tensor, full: bool, max_cols: int, gen: torch.Generator,
+               tf32: bool = False) -> torch.Tensor:
+    """:func:`_gram` of ``S`` scaled residuals ``r32 (S, d, cols)`` (``r / sqrt(a2)``) at once
+    -> ``(S, d, d)`` or ``(S, d)``; one random column subset shared by the S when a full product
+    is over more than ``max_cols`` columns (each estimate stays unbiased)."""
+    if not full:
+        return (r32 * r32).sum(2).to(torch.float64) * a2[:, None]
+    cols = r32.shape[2]
+    if cols > max_cols:
+        idx = torch.randperm(cols, generator=gen)[:max_cols].to(r32.device, non_blocking=True)
+        sub = r32[:, :, idx]
+        return matmul(sub, sub.transpose(1, 2), tf32).to(torch.float64) * (a2 * (cols / max_cols))[:, None, None]
+    return matmul(r32, r32.transpose(1, 2), tf32).to(torch.float64) * a2[:, None, None]

@@ -163,12 +163,13 @@ def run_baseline(cfg: StudyConfig, source: Any, device: str, *, force: bool = Fa
     ``on_run(seed, result)`` sees each baseline run's
     :class:`~loka_tune.objectives.trainer.TrainResult` (its per-step losses go to MLflow).
 
-    Every run is in the study's ``[regime]`` except the probed one, which runs eagerly when the
-    regime compiles or captures CUDA graphs (the probe's hooks, installed for its collection
-    steps only, would re-guard a compiled model and never fire in a replayed graph). The twins
-    (``[objective] noise_twins`` per seed) run in the regime, as trials do, and pair with their
-    seed's baseline as trials pair with seeds[0]'s. The bf16 step time is the median of the
-    runs in the regime, twins included.
+    Every run is in the study's ``[regime]``, the probed one included: on a compiled or
+    CUDA-graph regime the probe collects from a sub-batch of the step's batch on the uncompiled
+    module after the step (:func:`_probed_run`), so the compiled graph is never re-guarded. The
+    twins (``[objective] noise_twins`` per seed) run in the regime, as trials do, and pair with
+    their seed's baseline as trials pair with seeds[0]'s. The bf16 step time is the median of
+    every run's median step (the probed run's steps are timed without its collections, which
+    run outside the step's timing), twins included.
     """
     from loka_tune.applier import apply
     from loka_tune.objectives.metrics import relative_log_loss
@@ -187,17 +188,10 @@ def run_baseline(cfg: StudyConfig, source: Any, device: str, *, force: bool = Fa
         _log(f"[loka-tune] baseline seed {seed} (bf16, {what}{_regime_str(tcfg)}): {tcfg.steps} steps ...")
         say = _say_progress(f"baseline seed {seed}", tcfg.steps)
         if probed:
-            from loka_tune.probe import Probe
-
-            eager = replace(tcfg, compile=False, cuda_graphs=False)
-            with Probe(model, every=cfg.probe.every, step_on="manual") as probe:
-                res = _train(model, source, eager, seed=seed, config=bf16, after_step=lambda _n: probe.step(),
-                             progress=say)
-            stats = probe.stats
+            res, stats = _probed_run(cfg, model, source, tcfg, seed, say)
             if probe_out is not None:
                 stats.save(probe_out)
-            if eager == tcfg:
-                regime_times.append(float(res.step_time_s))
+            regime_times.append(float(res.step_time_s))  # in the regime; collections are outside its timing
         else:
             res = _train(model, source, tcfg, seed=seed, config=bf16, progress=say)
             regime_times.append(float(res.step_time_s))
@@ -236,6 +230,38 @@ def run_baseline(cfg: StudyConfig, source: Any, device: str, *, force: bool = Fa
          + ("" if spread is None else f"; seed to seed {spread:.3g}% (information only: trials are paired)"))
     assert first_model is not None
     return bl, stats, first_model
+
+
+def _probed_run(cfg: StudyConfig, model: nn.Module, source: Any, tcfg: Any, seed: int,
+                progress: Callable[[int, float], None]) -> tuple[Any, Any]:
+    """The probed baseline run, in the regime: ``(TrainResult, ProbeStats)``.
+
+    A compiled or CUDA-graph regime gets ``Probe(step_on="batch")``: after each step the
+    trainer hands it the step's batch (under the run's autocast), and a collection step runs
+    the probe's own forward and backward of a random sub-batch (2,048 examples on a GPU, the
+    whole batch on the CPU) on the uncompiled module, so the compiled graph never sees a hook
+    and is never re-guarded. An eager regime keeps the in-step probe (``step_on="manual"``: the
+    hooks of the collection's own training forward). Either way training is what it is
+    without the probe, and the collection runs outside the step's timing (``on_batch`` /
+    ``after_step`` come after the timed step), so the run's median step time is the regime's.
+    """
+    from loka_tune.data.base import model_inputs
+    from loka_tune.probe import Probe
+
+    every = cfg.probe.every
+    if tcfg.compile or tcfg.cuda_graphs:
+        probe = Probe(model, every=every, step_on="batch")
+
+        def side(_n: int, batch: Any) -> None:
+            probe.step(*model_inputs(model, batch), target=batch.labels)
+
+        with probe:
+            res = _train(model, source, tcfg, seed=seed, config=PrecisionConfig(), on_batch=side, progress=progress)
+        return res, probe.stats
+    with Probe(model, every=every, step_on="manual") as probe:
+        res = _train(model, source, tcfg, seed=seed, config=PrecisionConfig(), after_step=lambda _n: probe.step(),
+                     progress=progress)
+    return res, probe.stats
 
 
 def _noise_twin(cfg: StudyConfig, source: Any, tcfg: Any, seed: int, twin: int, base_logloss: float) -> Any:

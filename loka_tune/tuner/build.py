@@ -196,7 +196,8 @@ def _first_batch(source: Any, cfg: StudyConfig, device: str = "cpu", *, max_rows
 
 def _train(model: nn.Module, source: Any, tcfg: TrainConfig, *, seed: int | None, config: PrecisionConfig,
            on_step: OnStep | None = None, after_step: Callable[[int], None] | None = None,
-           progress: Callable[[int, float], None] | bool = False) -> TrainResult:
+           progress: Callable[[int, float], None] | bool = False,
+           on_batch: Callable[[int, Any], None] | None = None) -> TrainResult:
     """Every training run of the tuner: ``model`` is ``make_model(cfg, source, seed=seed)`` with
     ``config`` applied. In a study of ``[regime] nproc > 1`` rank 0 first announces the run, and
     the other ranks train it beside this one (:mod:`loka_tune.tuner.parallel`)."""
@@ -205,18 +206,22 @@ def _train(model: nn.Module, source: Any, tcfg: TrainConfig, *, seed: int | None
     if parallel.is_leading():
         parallel.announce(parallel.TrainJob(seed=seed, config=config, tcfg=tcfg, prune=on_step is not None))
         on_step = parallel.shared_on_step(on_step)
-    return run_train(model, source, tcfg, on_step=on_step, after_step=after_step, progress=progress)
+    return run_train(model, source, tcfg, on_step=on_step, after_step=after_step, progress=progress,
+                     on_batch=on_batch)
 
 
 def run_train(model: nn.Module, source: Any, tcfg: TrainConfig, on_step: OnStep | None = None,
               after_step: Callable[[int], None] | None = None,
-              progress: Callable[[int, float], None] | bool = False) -> TrainResult:
+              progress: Callable[[int, float], None] | bool = False,
+              on_batch: Callable[[int, Any], None] | None = None) -> TrainResult:
     """``train()`` of one run of this process (compiled runs: a fresh dynamo, strict)."""
     from loka_tune.objectives.trainer import train
 
     if not tcfg.compile:
-        return train(model, source, tcfg, on_step=on_step, progress=progress, after_step=after_step)
+        return train(model, source, tcfg, on_step=on_step, progress=progress, after_step=after_step,
+                     on_batch=on_batch)
     from loka_tune.objectives.compiled import strict_compile
 
     with strict_compile():  # a fresh dynamo per run (inductor's disk cache stays), no silent eager fallback
-        return train(model, source, tcfg, on_step=on_step, progress=progress, after_step=after_step)
+        return train(model, source, tcfg, on_step=on_step, progress=progress, after_step=after_step,
+                     on_batch=on_batch)
