@@ -48,7 +48,7 @@ import torch
 
 from loka_tune.config import SitePrecision
 from loka_tune.errors import ConfigError
-from loka_tune.kernels.timing import _versions_str, environment, gpu_activity_us, is_gpu_activity, require_cuda
+from loka_tune.kernels.timing import EnvironmentKeyed, gpu_activity_us, is_gpu_activity, require_cuda
 
 __all__ = ["SitePriceCache", "site_key", "time_site", "price_sites", "saving_s", "default_cache_path",
            "SHIPPED", "LAUNCH_S", "OPAQUE"]
@@ -83,7 +83,7 @@ def _read(path: Path) -> dict[str, dict[str, Any]]:
     return dict(obj["entries"])
 
 
-class SitePriceCache:
+class SitePriceCache(EnvironmentKeyed):
     """Cells ``{gpu_s, host_s, spread, iters, when}`` by :func:`site_key`, in a JSON file (atomic writes).
 
     ``shipped``: read-only files consulted after the file's own entries (default: the H200's
@@ -100,18 +100,6 @@ class SitePriceCache:
             if Path(p).is_file():
                 self._shipped.update(_read(Path(p)))
         self._device, self._versions = device, versions
-
-    @property
-    def device(self) -> str:
-        if self._device is None:
-            self._device = environment()["device"]
-        return self._device
-
-    @property
-    def versions(self) -> str:
-        if self._versions is None:
-            self._versions = _versions_str(environment())
-        return self._versions
 
     def key(self, m: int, k: int, n: int, prec: str) -> str:
         return site_key(self.device, self.versions, m, k, n, prec)

@@ -35,6 +35,7 @@ from loka_tune.errors import BackendError, ConfigError, UnsupportedChoiceError
 __all__ = [
     "TimingResult",
     "TimingCache",
+    "EnvironmentKeyed",
     "timing_key",
     "environment",
     "require_cuda",
@@ -89,7 +90,28 @@ def _versions_str(env: Mapping[str, str]) -> str:
     return ",".join(f"{k}={env[k]}" for k in sorted(env) if k != "device")
 
 
-class TimingCache:
+class EnvironmentKeyed:
+    """The environment part of a cache key, ``device`` (GPU name) and ``versions`` (libraries),
+    resolved lazily from :func:`environment` (which imports libraries) unless given; a cache
+    sets ``self._device`` and ``self._versions`` (None: resolve)."""
+
+    _device: str | None
+    _versions: str | None
+
+    @property
+    def device(self) -> str:
+        if self._device is None:
+            self._device = environment()["device"]
+        return self._device
+
+    @property
+    def versions(self) -> str:
+        if self._versions is None:
+            self._versions = _versions_str(environment())
+        return self._versions
+
+
+class TimingCache(EnvironmentKeyed):
     """A JSON file of timings, keyed by :func:`timing_key`. Writes are atomic.
 
     ``device`` / ``versions`` default to this process's :func:`environment`; pass them to
@@ -117,19 +139,6 @@ class TimingCache:
                     key="timing_cache",
                 )
             self._data = dict(obj.get("entries", {}))
-
-    # the environment part of the key, resolved lazily (environment() imports libraries)
-    @property
-    def device(self) -> str:
-        if self._device is None:
-            self._device = environment()["device"]
-        return self._device
-
-    @property
-    def versions(self) -> str:
-        if self._versions is None:
-            self._versions = _versions_str(environment())
-        return self._versions
 
     def key(self, choice: GemmChoice | str, m: int, k: int, n: int, role: GemmRole | str) -> str:
         return timing_key(choice, m, k, n, role, self.device, self.versions)
