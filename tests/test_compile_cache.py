@@ -14,32 +14,9 @@ from typing import Any
 import pytest
 
 from loka_tune.config import ModsConfig, PrecisionConfig
+from tests.tiny_measured import tiny_measured_study
 
-STUDY = """
-[study]
-name = "cache"
-[model]
-name = "dlrm"
-preset = "tiny"
-[data]
-source = "synthetic"
-[data.params]
-num_dense = 4
-cardinalities = [50, 50]
-eval_examples = 256
-[training]
-steps = 8
-batch_size = 32
-window = 4
-warmup_steps = 1
-seeds = [0, 1]
-device = "cpu"
-[objective]
-budget_pct = 1.0
-speed = "measured"
-[regime]
-compile = true
-"""
+STUDY = tiny_measured_study("cache", training={"steps": 8}, extra="[regime]\ncompile = true\n")
 
 
 def _ctx(tmp_path: Path, study: Any) -> Any:

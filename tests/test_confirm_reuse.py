@@ -18,32 +18,9 @@ from typing import Any
 import pytest
 
 from loka_tune.config import ModsConfig, PrecisionConfig
+from tests.tiny_measured import tiny_measured_study
 
-STUDY = """
-[study]
-name = "reuse"
-[model]
-name = "dlrm"
-preset = "tiny"
-[data]
-source = "synthetic"
-[data.params]
-num_dense = 4
-cardinalities = [50, 50]
-eval_examples = 256
-[training]
-steps = 12
-batch_size = 32
-window = 4
-warmup_steps = 1
-seeds = [0, 1]
-device = "cpu"
-[objective]
-budget_pct = 1.0
-speed = "measured"
-[confirm]
-n_best = 3
-"""
+STUDY = tiny_measured_study("reuse", extra="[confirm]\nn_best = 3\n")
 
 ROW = "e4m3.row.emulated"
 # (sites in FP8, Mods): four configs; their fake step times order them 3, 2, 1, 0 (fastest first)

@@ -24,6 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from loka_tune.errors import ProbeError
 from loka_tune.probe import Probe, ProbeStats
+from tests.tiny_measured import tiny_measured_study
 
 
 class Net(nn.Module):
@@ -268,34 +269,10 @@ def test_the_probed_baseline_of_a_compiled_regime_runs_compiled(tmp_path: Path,
     from loka_tune.tuner.study import load_study
 
     study = tmp_path / "s.toml"
-    study.write_text("""
-[study]
-name = "compiled_probe"
-[model]
-name = "dlrm"
-preset = "tiny"
-[data]
-source = "synthetic"
-[data.params]
-num_dense = 4
-cardinalities = [50, 50]
-eval_examples = 256
-[training]
-steps = 9
-batch_size = 32
-window = 3
-warmup_steps = 1
-seeds = [0]
-device = "cpu"
-cpu_threads = 1
-[objective]
-budget_pct = 5.0
-noise_twins = 1
-[probe]
-every = 4
-[regime]
-compile = true
-""")
+    study.write_text(tiny_measured_study(
+        "compiled_probe", training={"steps": 9, "window": 3, "seeds": "[0]", "cpu_threads": 1},
+        objective={"budget_pct": 5.0, "speed": None, "noise_twins": 1},
+        extra="[probe]\nevery = 4\n[regime]\ncompile = true\n"))
     cfg = load_study(study, cwd=tmp_path)
     runs: list[tuple[Any, dict[str, Any], bool]] = []
     real_train = baseline._train

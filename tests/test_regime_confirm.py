@@ -15,30 +15,9 @@ from torch import nn
 
 from loka_tune.config import ModsConfig, PrecisionConfig
 from loka_tune.errors import ConfigError, StudyError
+from tests.tiny_measured import tiny_measured_study
 
-STUDY = """
-[study]
-name = "regime"
-[model]
-name = "dlrm"
-preset = "tiny"
-[data]
-source = "synthetic"
-[data.params]
-num_dense = 4
-cardinalities = [50, 50]
-eval_examples = 256
-[training]
-steps = 12
-batch_size = 32
-window = 4
-warmup_steps = 1
-seeds = [0, 1]
-device = "cpu"
-[objective]
-budget_pct = 1.0
-speed = "measured"
-"""
+STUDY = tiny_measured_study("regime")
 
 
 def _cfg(tmp_path: Path, extra: str = "") -> Any:
