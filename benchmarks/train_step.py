@@ -291,6 +291,36 @@ def probe_precision(probe) -> str:
     return site.x.precision
 
 
+def probe_trace(after, step, batches, dev: torch.device, top: int = 25) -> dict:
+    """One side collection under torch.profiler (after a training step): its wall time, the GPU's
+    busy time in it, and the aten ops that cost the most host time and the most GPU time (a
+    collection is host-bound when the first is far above the second)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from loka_tune.kernels.timing import gpu_activity_us
+
+    cuda = dev.type == "cuda"
+    batch = next(batches)
+    step(batch)
+    if cuda:
+        torch.cuda.synchronize(dev)
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        t0 = time.perf_counter()
+        after(batch)
+        if cuda:
+            torch.cuda.synchronize(dev)
+        wall = (time.perf_counter() - t0) * 1e3
+    events = prof.key_averages()
+    gpu_us = gpu_activity_us(prof.events())
+    rows = [{"op": e.key, "calls": e.count, "self_cpu_ms": e.self_cpu_time_total / 1e3,
+             "self_gpu_ms": getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0)) / 1e3}
+            for e in events]
+    by_cpu = sorted(rows, key=lambda r: -r["self_cpu_ms"])[:top]
+    by_gpu = sorted(rows, key=lambda r: -r["self_gpu_ms"])[:top]
+    return {"wall_ms": wall, "gpu_busy_ms": gpu_us / 1e3, "self_cpu_ms_total": sum(r["self_cpu_ms"] for r in rows),
+            "top_by_cpu": by_cpu, "top_by_gpu": by_gpu}
+
+
 def probe_profile(model, step, batches, args, mode: str, dev: torch.device) -> dict:
     """Where a collection's time goes: ``--probe-profile`` collections with ``Probe(profile=True)``
     (device-synchronised per part, so slower than the overhead run's), after a training step
@@ -303,7 +333,7 @@ def probe_profile(model, step, batches, args, mode: str, dev: torch.device) -> d
     if mode == "forward":
         mode = "manual"  # the same collection, counted by hand here
     probe = Probe(model, every=1, step_on=mode, profile=True, sub_batch=args.probe_rows if mode == "batch" else None,
-                  precision=args.probe_precision)
+                  precision=args.probe_precision, weight_every=args.probe_weight_every)
     after = probe_after(probe, model, mode, dev)
     wall = []
     with probe:
@@ -365,8 +395,9 @@ def probe_profile(model, step, batches, args, mode: str, dev: torch.device) -> d
                 finally:
                     torch.cuda.set_sync_debug_mode("default")
             syncs = [str(w.message).splitlines()[0][:160] for w in caught if "synchroniz" in str(w.message)]
+        trace = probe_trace(after, step, batches, dev) if cuda and mode == "batch" else None
     top = sorted(sites.items(), key=lambda kv: -kv[1])[:8]
-    return {"collections": args.probe_profile, "rows": args.probe_rows, "mode": mode, "precision": probe_precision(probe),
+    return {"trace": trace, "collections": args.probe_profile, "rows": args.probe_rows, "mode": mode, "precision": probe_precision(probe),
             "wall_ms_per_collection": wall[1:],
             "wall_what": "the side collection alone" if mode == "batch" else "the collecting training step", "parts_ms_per_collection": dict(parts),
             "top_sites_ms": dict(top), "aten_ops_per_collection": Count.ops,
@@ -396,6 +427,9 @@ def main() -> int:
     ap.add_argument("--probe-precision", default="auto",
                     help="Probe(precision=...): auto (tf32 for the compiled side collection on a GPU, float32 in"
                          " step), float32, tf32, float64")
+    ap.add_argument("--probe-weight-every", type=int, default=None,
+                    help="Probe(weight_every=...): the weight statistics at every k-th collection (default: the"
+                         " probe's, 8 for a side collection on a GPU)")
     ap.add_argument("--probe-profile", type=int, default=3,
                     help="collections timed part by part after the overhead run (Probe(profile=True); 0: skip)")
     ap.add_argument("--variant", action="append", default=[],
@@ -493,7 +527,7 @@ def main() -> int:
 
             dyn = dynamo_report()
         probe = Probe(model, every=every, step_on=mode, sub_batch=args.probe_rows if mode == "batch" else None,
-                      precision=args.probe_precision)
+                      precision=args.probe_precision, weight_every=args.probe_weight_every)
         with probe:
             probed = timed_loop(step, batches, max(args.probe_steps, 2 * every),
                                 after=probe_after(probe, model, mode, dev), dev=dev)
@@ -507,6 +541,7 @@ def main() -> int:
         result["plain_after"] = summarize(plain2, args.warmup)
         result["probe_collections"] = probe.collections
         result["probe_sub_batch"] = args.probe_rows
+        result["probe_weight_every"] = args.probe_weight_every
         result["probe_precision"] = probe_precision(probe)
         base = (result["plain"]["mean_ms"] + result["plain_after"]["mean_ms"]) / 2
         result["probe_overhead_mean"] = result["probe"]["mean_ms"] / base - 1
@@ -521,6 +556,9 @@ def main() -> int:
         steady = extra[1:] or extra  # the first collection also allocates the accumulators
         result["probe_collection_extra_ms"] = [e * 1e3 for e in extra]
         result["probe_collection_ms_mean"] = statistics.fmean(extra) * 1e3
+        # the probe's one-off start (step_on="batch" on a GPU: a discarded warm-up collection at
+        # the first step; in the run's warm-up steps, as the plain runs' compilation is)
+        result["probe_first_step_extra_ms"] = (probed[0] - med) * 1e3
         result["probe_noncollection_median_ms"] = med * 1e3
         result["probe_overhead_steady"] = statistics.fmean(steady) / (every * med)
         result["probe_overhead_first"] = extra[0] / (every * med)
@@ -554,7 +592,8 @@ def main() -> int:
               + ", ".join(f"{e:+.1f}" for e in result["probe_collection_extra_ms"])
               + f" ms over the median other step ({result['probe_noncollection_median_ms']:.2f} ms);"
               f" overhead at every={args.probe_every}: steady {result['probe_overhead_steady']:+.3%},"
-              f" first collection {result['probe_overhead_first']:+.3%}", flush=True)
+              f" first collection {result['probe_overhead_first']:+.3%}; the probe's first step"
+              f" {result['probe_first_step_extra_ms']:+.1f} ms (one-off)", flush=True)
         if "probe_profile" in result:
             pp = result["probe_profile"]
             print("probe, profiled (ms per collection, synchronised): "
@@ -563,6 +602,14 @@ def main() -> int:
                   f" {pp['aten_ops_per_collection']} aten ops per collection"
                   + ("" if pp["host_syncs_per_collection"] is None else f", {pp['host_syncs_per_collection']} host syncs"),
                   flush=True)
+            if pp.get("trace"):
+                tr = pp["trace"]
+                print(f"probe, traced collection: wall {tr['wall_ms']:.1f} ms, GPU busy {tr['gpu_busy_ms']:.1f} ms,"
+                      f" host self time {tr['self_cpu_ms_total']:.1f} ms; top host ops: "
+                      + ", ".join(f"{r['op']} {r['calls']}x {r['self_cpu_ms']:.1f}" for r in tr["top_by_cpu"][:12])
+                      + "; top GPU ops: "
+                      + ", ".join(f"{r['op']} {r['calls']}x {r['self_gpu_ms']:.1f}" for r in tr["top_by_gpu"][:12]),
+                      flush=True)
     if args.variant:
         del model, optimizers, step
         if cuda:

@@ -400,6 +400,51 @@ def test_a_side_collection_on_cuda_never_syncs_and_never_recompiles() -> None:
     assert report["graph_breaks"] == 0 and report["frames_total"] == warm["frames_total"]
     assert probe.collections == 3
     st = probe.stats
-    assert st.sites["a"].x.count == 3 * 2048 and st.sites["a"].rows == 4096  # 2,048 of 4,096 rows
+    assert st.sites["a"].x.count == 3 * 1024 and st.sites["a"].rows == 4096  # 1,024 (CUDA_SIDE_ROWS) of 4,096 rows
     assert next(iter(probe._sites.values())).x.precision == "tf32"
     assert st.problems() == {}
+
+
+@pytest.mark.parametrize("step_on", ["batch", "manual"])
+def test_weight_every_folds_the_weights_in_at_every_kth_collection_only(step_on: str) -> None:
+    """``weight_every=3``: of 7 collections the 1st, 4th and 7th update the weight model (and
+    only those), the activation statistics still merge at every one; 0 and a bool are refused."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    probe = Probe(model, every=1, step_on=step_on, weight_every=3)
+    calls = []
+    with probe:
+        for x, seq, y in _batches(7, 64):
+            _step(model, opt, x, seq, y)
+            if step_on == "batch":
+                probe.step(x, seq, target=y)
+            else:
+                probe.step()
+            calls.append(probe._sites["a"].w._calls)
+    assert probe.collections == 7 and calls == [1, 1, 1, 2, 2, 2, 3]
+    assert probe.stats.sites["a"].x.batches == 7
+    for bad in (0, True, 1.5):
+        with pytest.raises(ProbeError, match="weight_every must be a positive integer"):
+            Probe(Net(), weight_every=bad)  # type: ignore[arg-type]
+
+
+def test_a_warm_up_collection_leaves_no_statistic_behind() -> None:
+    """The accelerator's warm-up (a side collection at the first step, then discarded; run
+    here by hand on the CPU, where ``step`` skips it): nothing of it stays, and the next
+    collections give exactly what a probe that never warmed up gives."""
+    torch.manual_seed(0)
+    batches = _batches(3, 256)
+    model = Net()
+    warmed, plain = Probe(model, every=1, step_on="batch"), Probe(model, every=1, step_on="batch")
+    x, seq, y = batches[0]
+    warmed._allocate()
+    warmed._warm_up_side((x, seq), y)
+    assert warmed.collections == 0 and warmed.stats.sites["a"].x.count == 0
+    for p in (warmed, plain):
+        for x, seq, y in batches[1:]:
+            p.step(x, seq, target=y)
+    a, b = warmed.stats.sites["a"], plain.stats.sites["a"]
+    assert warmed.collections == plain.collections == 2 and a.x.count == b.x.count == 2 * 256
+    np.testing.assert_array_equal(a.x.mean, b.x.mean)
+    np.testing.assert_array_equal(a.dy.var, b.dy.var)

@@ -96,6 +96,8 @@ QUANTILE_SAMPLE = 1 << 16  # elements of |x| subsampled per collection for the q
 REAL_ROWS = 256  # rows of the last batch kept per site for "real" replay (float32)
 MAX_ROWS = 1 << 16  # rows of X / dY merged per collection and site on the CPU (a random subset above)
 CUDA_MAX_ROWS = 2048  # the same on a GPU (issue 13: a collection's cost is its products; see Probe)
+CUDA_SIDE_ROWS = 1024  # examples of a side collection's sub-batch on a GPU (issue 22: its host and GPU time)
+SIDE_WEIGHT_EVERY = 8  # a side collection on a GPU folds the weights in at every 8th collection (issue 22)
 STEP_ON = ("forward", "manual", "batch")  # how the probe counts steps (see Probe)
 
 
@@ -291,6 +293,11 @@ class Probe:
             estimators (two GEMMs per collection); k >= 1 runs k flip-flop MLE steps per
             collection instead (inverts both factors: costly on wide layers). See
             :mod:`loka_tune.probe.weights`.
+        weight_every: fold the weights into the weight model at every ``weight_every``-th
+            collection (the first always): weights move slowly between collections ``every``
+            steps apart, while folding in large Wukong's weights costs ~35-50 ms on an H200 (a
+            compiled step is 37 ms). ``None`` (default): 8 for ``step_on="batch"`` on an
+            accelerator (:data:`SIDE_WEIGHT_EVERY`), else 1 (every collection).
         seed: seeds the subsampling (quantiles, real rows).
         profile: record the seconds each site's collection takes (device-synchronised) in
             :attr:`timings` (``"<site>.x"``, ``"<site>.dy"``, ``"<site>.w"``, and
@@ -298,8 +305,12 @@ class Probe:
             what ``benchmarks/probe_collect_cost.py`` reports.
         sub_batch: ``step_on="batch"``: examples of the step's batch a collection runs on, drawn
             at random without replacement (the whole batch when it is not larger); ``None``
-            (default): ``max_rows`` (2,048 on a GPU: the rows the in-step collection merges
-            there anyway; 65,536 on the CPU).
+            (default): ``max_rows`` when given, else 65,536 on the CPU and 1,024 on a GPU
+            (:data:`CUDA_SIDE_ROWS`; issue 22: a side collection of large Wukong then costs
+            ~0.8% of its compiled step at ``every=100`` on an H200). Its sampling error: below.
+        warm_up: ``step_on="batch"`` on an accelerator: the first :meth:`step` runs one side
+            collection and discards it (kernels load, buffers are allocated: a one-off ~0.2 s on
+            an H200), so that no real collection pays for it. No effect on the CPU.
         loss_fn: ``step_on="batch"``: ``loss_fn(output, target)``, the training loss as a mean
             over the batch's rows (default: binary cross-entropy on logits, the trainer's).
     """
@@ -319,9 +330,11 @@ class Probe:
         sketch_rank: int = DEFAULT_SKETCH_RANK,
         weight_ema: float = 0.5,
         weight_flip_flop: int = 0,
+        weight_every: int | None = None,
         seed: int = 0,
         profile: bool = False,
         sub_batch: int | None = None,
+        warm_up: bool = True,
         loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
@@ -348,6 +361,10 @@ class Probe:
             raise ProbeError(f"weight_ema must be in (0, 1], got {weight_ema=!r}")
         if isinstance(weight_flip_flop, bool) or not isinstance(weight_flip_flop, int) or weight_flip_flop < 0:
             raise ProbeError(f"weight_flip_flop must be an integer >= 0, got {weight_flip_flop=!r}")
+        if weight_every is not None and (isinstance(weight_every, bool) or not isinstance(weight_every, int)
+                                         or weight_every < 1):
+            raise ProbeError(f"weight_every must be a positive integer (weights at every k-th collection),"
+                             f" got {weight_every=!r}")
         if max_full_dim < 1 or sketch_rank < 1 or real_rows < 1 or (max_rows is not None and max_rows < 1):
             raise ProbeError(f"max_full_dim, sketch_rank, real_rows and max_rows must be >= 1 (max_rows: or None"
                              f" for the device's default), got {max_full_dim=}, {sketch_rank=}, {real_rows=}, {max_rows=}")
@@ -359,6 +376,7 @@ class Probe:
         self.max_rows, self.precision = (None if max_rows is None else int(max_rows)), precision
         self.max_full_dim, self.sketch_rank, self.weight_ema = int(max_full_dim), int(sketch_rank), weight_ema
         self.weight_flip_flop = weight_flip_flop
+        self.weight_every = None if weight_every is None else int(weight_every)
         found = find_sites(model)
         if sites is not None:
             found = _select(found, list(sites))
@@ -379,7 +397,7 @@ class Probe:
         self._site_handles: list[Any] = []
         self.profile = bool(profile)
         self.timings: dict[str, float] = {}
-        self.sub_batch, self.loss_fn = sub_batch, loss_fn
+        self.sub_batch, self.loss_fn, self.warm_up = sub_batch, loss_fn, bool(warm_up)
         self._segs: dict[tuple[Any, ...], torch.Tensor] = {}  # side collections' column layouts
         self._norms = [m for m in model.modules()
                        if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats]
@@ -446,6 +464,8 @@ class Probe:
         self.steps += 1
         if self.steps == 1:
             self._allocate()
+            if self.step_on == "batch" and self.warm_up and self._device().type != "cpu":
+                self._warm_up_side(inputs, target)
         if self.step_on == "batch":
             if self._due or self.steps % self.every == 0:
                 self._due = False
@@ -461,8 +481,39 @@ class Probe:
         if self._attached and self.step_on != "batch":
             self._arm()
 
+    def _on_device_rng(self) -> None:
+        """Draw the collections' random rows and elements on the sites' accelerator: a CUDA
+        generator seeded with ``seed`` replaces the CPU one before anything is allocated. On a
+        GPU, drawing ~10^7 indices a collection on the host and copying them over cost ~70 ms
+        of host time, twice the H200's compiled large-Wukong step (issue 22); on the device they
+        are a few kernels. A CPU probe keeps its CPU generator (and its draws)."""
+        dev = self._device()
+        if dev.type != "cpu" and self._gen.device != dev:
+            self._gen = torch.Generator(device=dev).manual_seed(self._seed)
+
+    def _weights_due(self) -> bool:
+        """Whether this collection (already counted) folds in the weights (``weight_every``)."""
+        k = self.weight_every
+        if k is None:
+            k = SIDE_WEIGHT_EVERY if self.step_on == "batch" and self._device().type != "cpu" else 1
+        return (self.collections - 1) % k == 0
+
+    def _warm_up_side(self, inputs: tuple[Any, ...], target: Any) -> None:
+        """``step_on="batch"`` on an accelerator, at the first step: one side collection whose
+        statistics are then discarded (every site's accumulators made anew, the generator
+        re-seeded). The first forward and backward of the uncompiled module loads its CUDA
+        kernels and the collection's buffers come from the driver (~0.2 s once on an H200, six
+        times a steady collection): paid here, the first real collection costs what the others
+        do."""
+        self._collect_side(inputs, target)
+        self.collections = 0
+        self._sites = {name: _Site(name, site.mod, self) for name, site in self._sites.items()}
+        self._gen.manual_seed(self._seed)
+        self._allocate()
+
     def _allocate(self) -> None:
         """Every site's accumulators, on its weight's device (see the module docstring)."""
+        self._on_device_rng()
         for site in self._sites.values():
             dev = site.mod.weight.device
             site.x.allocate(dev, self._gen)
@@ -495,7 +546,9 @@ class Probe:
             return
         self._due = False
         self.collections += 1
-        self._collect_weights()
+        self._on_device_rng()
+        if self._weights_due():
+            self._collect_weights()
         for site in self._sites.values():
             self._site_handles.append(site.mod.register_forward_hook(self._make_hook(site)))
 
@@ -560,8 +613,9 @@ class Probe:
           (one standard deviation) and a Gaussian covariance by a relative Frobenius error of
           ``sqrt((tr(C)^2 + ||C||_F^2)(1/r - 1/B)) / ||C||_F``; over ``c`` collections ``r`` and
           ``B`` become ``c r`` and ``c B`` (``tests/test_probe_compiled.py`` checks both). At the
-          GPU default (2,048 of 8,192 rows) that is what the in-step collection's 2,048 random
-          rows per batch give.
+          GPU default (1,024 of 8,192 rows) a mean is off by ``0.029 sigma`` after one
+          collection and ``0.009 sigma`` after ten; the sites whose calls see more rows than
+          the batch (a 3-D input: batch x tokens) merge ``max_rows`` of them as in-step.
         - Training is untouched: the global RNG (CPU, and the batch's CUDA device) is
           restored afterwards (a dropout draws the same masks next step as without the probe),
           BatchNorm running statistics are restored, no optimizer sees anything. Nothing reads
@@ -571,13 +625,16 @@ class Probe:
           guards do not change once they are removed (``tests/test_probe_compiled.py``).
         """
         self.collections += 1
-        self._collect_weights_grouped()
+        self._on_device_rng()
+        if self._weights_due():
+            self._collect_weights_grouped()
         full = _batch_size(inputs)
         if full is None:
             raise ProbeError(f"Probe.step(*inputs) of step_on='batch' needs at least one tensor input with a"
                              f" batch dim, got {[type(a).__name__ for a in inputs]!r}")
         dev = self._device()
-        r = self.sub_batch if self.sub_batch is not None else _resolve(dev, self.max_rows, self.precision)[0]
+        r = self.sub_batch if self.sub_batch is not None else (
+            CUDA_SIDE_ROWS if self.max_rows is None and dev.type != "cpu" else _resolve(dev, self.max_rows, self.precision)[0])
         idx = None
         if r < full:
             first = _first_tensor(inputs)
@@ -722,10 +779,11 @@ class Probe:
         qs = on_device(QUANTILES, x, dtype)
         big = [j for j, d in enumerate(sizes) if m * d > QUANTILE_SAMPLE]
         if big:  # element (row, column) pairs drawn per stream, gathered from x in one go
-            rows = torch.randint(m, (len(big), QUANTILE_SAMPLE), generator=gen)
-            cols = (torch.rand(len(big), QUANTILE_SAMPLE, generator=gen, dtype=torch.float64)
-                    * torch.tensor([float(sizes[j]) for j in big])[:, None]).long()
-            cols = cols + torch.tensor([offs[j] for j in big])[:, None]
+            g = gen.device  # the draws on the generator's device (the accelerator's on a GPU)
+            rows = torch.randint(m, (len(big), QUANTILE_SAMPLE), generator=gen, device=g)
+            cols = (torch.rand(len(big), QUANTILE_SAMPLE, generator=gen, dtype=torch.float64, device=g)
+                    * on_device([float(sizes[j]) for j in big], rows, torch.float64)[:, None]).long()
+            cols = cols + on_device([offs[j] for j in big], rows)[:, None]
             flat = x.reshape(-1)[(rows * x.shape[1] + cols).to(dev, non_blocking=True)]  # (S_b, Q)
             ax = torch.where(pick(okg, big)[:, None], flat.abs().to(dtype), 0.0)
             for j, q in zip(big, torch.quantile(ax, qs, dim=1).T.double().unbind(0)):
@@ -909,7 +967,11 @@ def _weight_factors(w: MatrixNormalEMA) -> tuple[np.ndarray | None, np.ndarray |
 
 
 def _row_subset(m: int, k: int, gen: torch.Generator) -> torch.Tensor:
-    """Up to ``k`` distinct random row indices of ``m``, sorted (no O(m) permutation when m >> k)."""
+    """Up to ``k`` distinct random row indices of ``m``, sorted, on ``gen``'s device (on the CPU no
+    O(m) permutation when m >> k; on an accelerator one permutation, which needs no host sync
+    where ``unique`` would)."""
+    if gen.device.type != "cpu":
+        return torch.randperm(m, generator=gen, device=gen.device)[:k].sort().values
     if m <= 8 * k:
         return torch.randperm(m, generator=gen)[:k].sort().values
     u = torch.randint(m, (k + k // 8,), generator=gen).unique()  # collisions are rare when m >> k

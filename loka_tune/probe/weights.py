@@ -118,7 +118,7 @@ def _gram(r: torch.Tensor, full: bool, max_cols: int, gen: torch.Generator, tf32
         return (r32 * r32).sum(1).to(torch.float64) * a2
     cols = r32.shape[1]
     if cols > max_cols:
-        idx = torch.randperm(cols, generator=gen)[:max_cols].to(r32.device, non_blocking=True)
+        idx = torch.randperm(cols, generator=gen, device=gen.device)[:max_cols].to(r32.device, non_blocking=True)
         sub = r32[:, idx]
         return matmul(sub, sub.T, tf32).to(torch.float64) * (a2 * (cols / max_cols))
     return matmul(r32, r32.T, tf32).to(torch.float64) * a2
@@ -340,7 +340,7 @@ def _gram_many(r32: torch.Tensor, a2: torch.Tensor, full: bool, max_cols: int, g
         return (r32 * r32).sum(2).to(torch.float64) * a2[:, None]
     cols = r32.shape[2]
     if cols > max_cols:
-        idx = torch.randperm(cols, generator=gen)[:max_cols].to(r32.device, non_blocking=True)
+        idx = torch.randperm(cols, generator=gen, device=gen.device)[:max_cols].to(r32.device, non_blocking=True)
         sub = r32[:, :, idx]
         return matmul(sub, sub.transpose(1, 2), tf32).to(torch.float64) * (a2 * (cols / max_cols))[:, None, None]
     return matmul(r32, r32.transpose(1, 2), tf32).to(torch.float64) * a2[:, None, None]
