@@ -400,7 +400,7 @@ def test_a_side_collection_on_cuda_never_syncs_and_never_recompiles() -> None:
     assert report["graph_breaks"] == 0 and report["frames_total"] == warm["frames_total"]
     assert probe.collections == 3
     st = probe.stats
-    assert st.sites["a"].x.count == 3 * 1024 and st.sites["a"].rows == 4096  # 1,024 (CUDA_SIDE_ROWS) of 4,096 rows
+    assert st.sites["a"].x.count == 3 * 2048 and st.sites["a"].rows == 4096  # 2,048 of 4,096 rows
     assert next(iter(probe._sites.values())).x.precision == "tf32"
     assert st.problems() == {}
 

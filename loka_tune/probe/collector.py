@@ -96,7 +96,6 @@ QUANTILE_SAMPLE = 1 << 16  # elements of |x| subsampled per collection for the q
 REAL_ROWS = 256  # rows of the last batch kept per site for "real" replay (float32)
 MAX_ROWS = 1 << 16  # rows of X / dY merged per collection and site on the CPU (a random subset above)
 CUDA_MAX_ROWS = 2048  # the same on a GPU (issue 13: a collection's cost is its products; see Probe)
-CUDA_SIDE_ROWS = 1024  # examples of a side collection's sub-batch on a GPU (issue 22: its host and GPU time)
 SIDE_WEIGHT_EVERY = 8  # a side collection on a GPU folds the weights in at every 8th collection (issue 22)
 STEP_ON = ("forward", "manual", "batch")  # how the probe counts steps (see Probe)
 
@@ -305,9 +304,10 @@ class Probe:
             what ``benchmarks/probe_collect_cost.py`` reports.
         sub_batch: ``step_on="batch"``: examples of the step's batch a collection runs on, drawn
             at random without replacement (the whole batch when it is not larger); ``None``
-            (default): ``max_rows`` when given, else 65,536 on the CPU and 1,024 on a GPU
-            (:data:`CUDA_SIDE_ROWS`; issue 22: a side collection of large Wukong then costs
-            ~0.8% of its compiled step at ``every=100`` on an H200). Its sampling error: below.
+            (default): ``max_rows`` (2,048 on a GPU: the rows the in-step collection merges
+            there anyway; 65,536 on the CPU). Fewer rows cost less but move the verdicts: at
+            1,024 of 8,192 rows a tensorwise wgrad MERE on replay moved by 5.3% on average over
+            three probe seeds (the bar is 5%; ``tests/test_probe_cheap.py`` at 2,048: within).
         warm_up: ``step_on="batch"`` on an accelerator: the first :meth:`step` runs one side
             collection and discards it (kernels load, buffers are allocated: a one-off ~0.2 s on
             an H200), so that no real collection pays for it. No effect on the CPU.
@@ -613,9 +613,9 @@ class Probe:
           (one standard deviation) and a Gaussian covariance by a relative Frobenius error of
           ``sqrt((tr(C)^2 + ||C||_F^2)(1/r - 1/B)) / ||C||_F``; over ``c`` collections ``r`` and
           ``B`` become ``c r`` and ``c B`` (``tests/test_probe_compiled.py`` checks both). At the
-          GPU default (1,024 of 8,192 rows) a mean is off by ``0.029 sigma`` after one
-          collection and ``0.009 sigma`` after ten; the sites whose calls see more rows than
-          the batch (a 3-D input: batch x tokens) merge ``max_rows`` of them as in-step.
+          GPU default (2,048 of 8,192 rows) that is what the in-step collection's 2,048 random
+          rows per batch give: a mean off by ``0.019 sigma`` after one collection, ``0.006
+          sigma`` after ten.
         - Training is untouched: the global RNG (CPU, and the batch's CUDA device) is
           restored afterwards (a dropout draws the same masks next step as without the probe),
           BatchNorm running statistics are restored, no optimizer sees anything. Nothing reads
@@ -633,8 +633,7 @@ class Probe:
             raise ProbeError(f"Probe.step(*inputs) of step_on='batch' needs at least one tensor input with a"
                              f" batch dim, got {[type(a).__name__ for a in inputs]!r}")
         dev = self._device()
-        r = self.sub_batch if self.sub_batch is not None else (
-            CUDA_SIDE_ROWS if self.max_rows is None and dev.type != "cpu" else _resolve(dev, self.max_rows, self.precision)[0])
+        r = self.sub_batch if self.sub_batch is not None else _resolve(dev, self.max_rows, self.precision)[0]
         idx = None
         if r < full:
             first = _first_tensor(inputs)

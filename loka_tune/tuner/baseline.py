@@ -238,7 +238,7 @@ def _probed_run(cfg: StudyConfig, model: nn.Module, source: Any, tcfg: Any, seed
 
     A compiled or CUDA-graph regime gets ``Probe(step_on="batch")``: after each step the
     trainer hands it the step's batch (under the run's autocast), and a collection step runs
-    the probe's own forward and backward of a random sub-batch (1,024 examples on a GPU, the
+    the probe's own forward and backward of a random sub-batch (2,048 examples on a GPU, the
     whole batch on the CPU) on the uncompiled module, so the compiled graph never sees a hook
     and is never re-guarded. An eager regime keeps the in-step probe (``step_on="manual"``: the
     hooks of the collection's own training forward). Either way training is what it is
