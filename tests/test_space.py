@@ -236,3 +236,15 @@ def test_real_model_space_builds() -> None:
     assert "head" in names and sp.site("head").choices["fwd"] == ("bf16",)  # N = 1
     assert any(len(sc.choices["fwd"]) > 1 for sc in sp.sites)
     assert all(re.match(r"^[\w.]+$", n) for n in names)
+
+
+@pytest.mark.parametrize("per_role", [True, False])
+def test_size_is_the_product_of_the_parameters_optuna_sees(per_role: bool) -> None:
+    """``SearchSpace.size()`` (computed in ``space.candidates``, which imports nothing of
+    ``space.encode``) counts exactly the configurations of ``encode.distributions``."""
+    import math
+
+    sp = _space(per_role=per_role, mods=mods_dims(["no_bias", "blocknorm"], blocknorm_sizes=(64, 128)))
+    want = math.prod(len(d.choices) for d in distributions(sp).values())
+    assert sp.size() == want and want > 3 * 2  # the sites' choices and the two Mods dims
+    assert _space(per_role=per_role).size() == math.prod(len(d.choices) for d in distributions(_space(per_role=per_role)).values())

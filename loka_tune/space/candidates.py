@@ -127,12 +127,19 @@ class SearchSpace:
         return sum(max(len(s.values) - 1, 0) for s in self.sites)
 
     def size(self) -> float:
-        """Number of distinct configurations (a float: it can be astronomically large)."""
-        from loka_tune.space.encode import distributions
-
+        """Number of distinct configurations (a float: it can be astronomically large): the
+        product of the choices of every parameter Optuna sees (``space.encode``'s dims)."""
         n = 1.0
-        for d in distributions(self).values():
-            n *= len(d.choices)
+        for sc in self.sites:
+            if not self.per_gemm:
+                n *= max(len(sc.values), 1)
+            elif self.per_role:
+                for r in ROLES:
+                    n *= max(len(sc.choices[r.value]), 1)
+            else:
+                n *= max(len(tied_choices(sc)), 1)
+        for v in self.mods.values():
+            n *= max(len(v), 1)
         return n
 
     def to_dict(self) -> dict[str, Any]:
@@ -301,3 +308,12 @@ def prune_by_probe(space: SearchSpace, results: Iterable[Any], *, max_error: flo
             choices[role] = tuple(keep)
         out.append(SiteChoices(sc.site, choices, dropped, errors, speeds))
     return replace(space, sites=tuple(out))
+
+
+def tied_choices(sc: SiteChoices) -> tuple[str, ...]:
+    """The choices a per-GEMM site of a tied space (one parameter for its three GEMMs) offers:
+    those every role allows, in the forward's order."""
+    common = set(sc.choices[ROLES[0].value])
+    for r in ROLES[1:]:
+        common &= set(sc.choices[r.value])
+    return tuple(c for c in sc.choices[ROLES[0].value] if c in common)

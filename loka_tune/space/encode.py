@@ -20,7 +20,7 @@ from dataclasses import replace
 from typing import Any, Callable, Mapping, Sequence
 
 from loka_tune.config import ROLES, GemmChoice, ModsConfig, PrecisionConfig, SitePrecision
-from loka_tune.space.candidates import BF16_ID, SearchSpace, SiteChoices
+from loka_tune.space.candidates import BF16_ID, SearchSpace, SiteChoices, tied_choices
 
 __all__ = [
     "param_name",
@@ -44,13 +44,6 @@ def param_name(site: str, role: str | None) -> str:
     return f"{site}@{role or ALL}"
 
 
-def _tied_choices(sc: SiteChoices) -> tuple[str, ...]:
-    common = set(sc.choices[ROLES[0].value])
-    for r in ROLES[1:]:
-        common &= set(sc.choices[r.value])
-    return tuple(c for c in sc.choices[ROLES[0].value] if c in common)
-
-
 def _dims(space: SearchSpace) -> dict[str, tuple[Any, ...]]:
     dims: dict[str, tuple[Any, ...]] = {}
     for sc in space.sites:
@@ -63,7 +56,7 @@ def _dims(space: SearchSpace) -> dict[str, tuple[Any, ...]]:
                 if len(ch) > 1:
                     dims[param_name(sc.name, r.value)] = tuple(ch)
         else:
-            ch = _tied_choices(sc)
+            ch = tied_choices(sc)
             if len(ch) > 1:
                 dims[param_name(sc.name, None)] = ch
     for k, v in space.mods.items():
