@@ -17,7 +17,9 @@
 #                                             # torchao's float8 inference under CUDA graphs -> serve_h200.json
 #   bash benchmarks/device.sh "$OUT" e2e      # benchmarks/e2e.py of $STUDY at its batch: CONFIG against
 #                                             # bf16 and uniform FP8, compiled, with serving latency
-#                                             # -> $OUT/e2e/{results.json,table.md}, $OUT/e2e.log
+#                                             # -> $OUT/e2e/{results.json,table.md}, $OUT/e2e.log; e.g. large
+#                                             # Interformer with sequences: STUDY=studies/interformer_h200.toml
+#                                             # INFER_BATCHES=512,4096 E2E_VARIANTS=bf16,bf16_mods,config,scaled_mm_rowwise,torchao_rowwise
 #   bash benchmarks/device.sh "$OUT" scaling  # data parallel (kind nvidia-h200-x2): e2e.py of bf16 + Mods and
 #                                             # CONFIG at --nproc 1 and NPROC, merged by benchmarks/scaling.py
 #                                             # -> $OUT/e2e_scaling.json
@@ -46,7 +48,7 @@
 # (512,2048,8192; empty: no serving rows), INFER_VARIANTS (bf16_mods,config), E2E_CAP (560 s);
 # for scaling: CONFIG (as e2e), NPROC (2), E2E_WARMUP (20), COMPILE (1; 0 eager), E2E_CAP (250 s per run);
 # for probe: STEPS (400), PROBE_STEPS (600), PROBE_TESTS (three probe test files; empty: none),
-# TEST_TIMEOUT (200 s); for train-step: STEPS (200), VSTEPS (40); for kernels: QUICK (0; 1: --quick),
+# TEST_TIMEOUT (200 s), STEP_TIMEOUT (420 s); for train-step: STEPS (200), VSTEPS (40), STEP_TIMEOUT (190 s); for kernels: QUICK (0; 1: --quick),
 # SKIP_TESTS / SKIP_QUANT / SKIP_SUITE (0), TEST_TIMEOUT (200 s), QUANT_TIMEOUT (60 s), SUITE_TIMEOUT
 # (300 s); for linear-block: BLOCK_BUDGET (290 s); for tune: N_TRIALS (4), STUDY_TIMEOUT (420 s, then
 # SIGINT: tune keeps what it finished; 470 s for study); for baselines: BASELINE_STUDIES
