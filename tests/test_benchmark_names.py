@@ -4,11 +4,12 @@ No file under ``benchmarks/`` (its receipts in ``results/`` aside) is named afte
 part in device.sh's usage line is handled by one of its ``case`` branches (and nothing else is);
 every ``device.sh ... PART`` that README.md or BENCHMARKS.md names is a known part; and a dry run
 of each part, with ``python3`` replaced by a recorder, calls only scripts, CLI commands and test
-files that exist, with flags their ``--help`` lists.
+files that exist, with flags they define (``add_argument``, read with ``ast``; the CLI: its parser).
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
@@ -133,11 +134,25 @@ _HELP: dict[tuple[str, ...], str] = {}
 
 
 def _help(cmd: tuple[str, ...]) -> str:
+    """The flags ``cmd`` accepts, as text: a benchmark script's ``add_argument("--...")`` strings
+    read with ``ast`` (no torch import: each script's ``--help`` cost seconds), the CLI's from
+    its parser (``loka_tune.cli.build_parser``, in-process: light)."""
     if cmd not in _HELP:
-        r = subprocess.run([sys.executable, *cmd, "--help"], cwd=REPO, capture_output=True, text=True,
-                           timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
-        assert r.returncode == 0, f"{' '.join(cmd)} --help failed: {r.stderr[-2000:]}"
-        _HELP[cmd] = r.stdout
+        if cmd[:2] == ("-m", "loka_tune"):
+            import argparse
+
+            from loka_tune.cli import build_parser
+
+            parser = build_parser()
+            subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+            _HELP[cmd] = subs.choices[cmd[2]].format_help()
+        else:
+            tree = ast.parse((REPO / cmd[0]).read_text())
+            flags = [arg.value for node in ast.walk(tree) if isinstance(node, ast.Call)
+                     and isinstance(node.func, ast.Attribute) and node.func.attr == "add_argument"
+                     for arg in node.args if isinstance(arg, ast.Constant) and isinstance(arg.value, str)]
+            assert flags, f"{cmd[0]}: no add_argument flag found (not an argparse script?)"
+            _HELP[cmd] = " ".join(flags)
     return _HELP[cmd]
 
 
