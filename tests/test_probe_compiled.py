@@ -448,3 +448,25 @@ def test_a_warm_up_collection_leaves_no_statistic_behind() -> None:
     assert warmed.collections == plain.collections == 2 and a.x.count == b.x.count == 2 * 256
     np.testing.assert_array_equal(a.x.mean, b.x.mean)
     np.testing.assert_array_equal(a.dy.var, b.dy.var)
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_row_subsets_are_distinct_sorted_rows_of_each_count(batched: bool) -> None:
+    """The real rows of many sites at once (``batched``: the accelerator's draw, one top-k of
+    uniform keys per row count; here on the CPU): per site ``k`` distinct sorted rows of its
+    ``m`` (all of them when ``m <= k``), sites of one count drawn independently, uniform."""
+    from loka_tune.probe.collector import _row_subsets
+
+    gen = torch.Generator().manual_seed(0)
+    ms = [100, 5, 100, 37, 100]
+    subs = _row_subsets(ms, 8, gen, batched=batched)
+    assert [s.numel() for s in subs] == [8, 5, 8, 8, 8]
+    for m, s in zip(ms, subs):
+        assert s.dtype == torch.long and bool((s[1:] > s[:-1]).all()) and 0 <= int(s.min()) and int(s.max()) < m
+    assert subs[1].tolist() == list(range(5))
+    assert not torch.equal(subs[0], subs[2])  # one count, independent draws
+    counts = torch.zeros(100)
+    for _ in range(400):  # each row of 100 drawn with probability 8/100
+        for s in _row_subsets([100, 100], 8, gen, batched=batched):
+            counts[s] += 1
+    assert float(counts.min()) > 0.5 * 64 and float(counts.max()) < 1.6 * 64  # E = 800 x 8 / 100 = 64

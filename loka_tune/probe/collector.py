@@ -667,12 +667,18 @@ class Probe:
         with torch.no_grad(), self._timed("side.stats", _first_tensor(inputs)):
             items: list[tuple[_StreamAcc, torch.Tensor, torch.Tensor | None, int]] = []
             reals: list[torch.Tensor | None] = []
-            for site, x, _ in calls:  # X in forward order, as the in-step hooks merge it
-                x2 = x.reshape(-1, site.x.dim)  # (M, K)
-                real = None
-                if self.keep_real and site.real_at != self.collections:  # the first call pairs X and dY
+            xs = [x.reshape(-1, site.x.dim) for site, x, _ in calls]  # (M, K) per call
+            want = []  # the calls whose rows are kept for real replay: a site's first call pairs X and dY
+            for i, (site, _, _) in enumerate(calls):
+                if self.keep_real and site.real_at != self.collections:
                     site.real_at = self.collections
-                    real = _row_subset(x2.shape[0], self.real_rows, self._gen).to(x2.device, non_blocking=True)
+                    want.append(i)
+            drawn = dict(zip(want, _row_subsets([xs[i].shape[0] for i in want], self.real_rows, self._gen)))
+            for i, (site, _, _) in enumerate(calls):  # X in forward order, as the in-step hooks merge it
+                x2 = xs[i]
+                real = drawn.get(i)
+                if real is not None:
+                    real = real.to(x2.device, non_blocking=True)
                 items.append((site.x, x2, real, _full_rows(x2.shape[0], rows, full)))
                 reals.append(real)
             for i in reversed(range(len(calls))):  # dY in backward order
@@ -975,6 +981,29 @@ def _row_subset(m: int, k: int, gen: torch.Generator) -> torch.Tensor:
         return torch.randperm(m, generator=gen)[:k].sort().values
     u = torch.randint(m, (k + k // 8,), generator=gen).unique()  # collisions are rare when m >> k
     return u[torch.randperm(u.numel(), generator=gen)[:k]].sort().values
+
+
+def _row_subsets(ms: list[int], k: int, gen: torch.Generator, *, batched: bool | None = None) -> list[torch.Tensor]:
+    """:func:`_row_subset` of each of ``ms`` rows (``k`` each, or all when fewer), in that order.
+    On an accelerator (``batched``, default: ``gen`` is not on the CPU) the subsets of one row
+    count are drawn together, ``k`` distinct rows of each as the top ``k`` of uniform keys (one
+    ``rand``, one ``topk``, one ``sort`` for all of them, not a permutation per site: a side
+    collection's host cost is its launches); on the CPU one :func:`_row_subset` each, as ever."""
+    if not (gen.device.type != "cpu" if batched is None else batched):
+        return [_row_subset(m, k, gen) for m in ms]
+    out: list[torch.Tensor | None] = [None] * len(ms)
+    by_m: dict[int, list[int]] = {}
+    for j, m in enumerate(ms):
+        by_m.setdefault(m, []).append(j)
+    for m, js in by_m.items():
+        if m <= k:
+            rows = torch.arange(m, device=gen.device).expand(len(js), m)
+        else:
+            keys = torch.rand(len(js), m, generator=gen, device=gen.device)
+            rows = keys.topk(k, dim=1, sorted=False).indices.sort(dim=1).values
+        for j, r in zip(js, rows.unbind(0)):
+            out[j] = r
+    return out  # type: ignore[return-value]
 
 
 def _select(found: dict[str, nn.Linear], patterns: list[str]) -> dict[str, nn.Linear]:
