@@ -331,7 +331,7 @@ def run_arm(world: World, arm: str, seed: int, n_trials: int) -> dict[str, Any]:
     from loka_tune.space.encode import config_from_params, distributions
     from loka_tune.tuner.optuna_setup import set_constraint
     from loka_tune.tuner.proposals import enqueue_proposals
-    from loka_tune.tuner.results import constraint
+    from loka_tune.tuner.results import within_budget
     from loka_tune.tuner.starts import enqueue_mods_starts, enqueue_recipe_starts, recipe_starts
 
     space_kind, starts, proposals, sampler = ARMS[arm]
@@ -360,7 +360,7 @@ def run_arm(world: World, arm: str, seed: int, n_trials: int) -> dict[str, Any]:
         seen[key] = (step, rel)
         n_eval += int(not cached)
         copies = copies + 1 if cached else 0
-        feasible = constraint(rel, world.budget_pct) <= 0
+        feasible = within_budget(rel, world.budget_pct)
         for k, v in {"config_key": key, "rel_logloss_pct": rel, "budget_pct": world.budget_pct, "step_time_s": step,
                      "mods_step_time_s": world.base_s, "feasible": feasible, "cache_hit": cached}.items():
             trial.set_user_attr(k, v)
@@ -393,6 +393,8 @@ def summarize(runs: Sequence[Mapping[str, Any]], *, target: float = TARGET,
     """Per run the trials to ``target`` x the best feasible speed-up of all runs; per arm the mean.
     ``budget_pct``: also each run's best speed-up whose noise-free loss is within it (a measured
     loss can pass the budget by noise alone)."""
+    from loka_tune.tuner.results import within_budget
+
     best = max((r["speedup"] for run in runs for r in run["records"] if r["feasible"]), default=None)
     per_run = []
     for run in runs:
@@ -401,7 +403,7 @@ def summarize(runs: Sequence[Mapping[str, Any]], *, target: float = TARGET,
         feas = [r for r in recs if r["feasible"]]
         own = max(feas, key=lambda r: r["speedup"], default=None)
         hit = _first(recs, target * best) if best is not None else None
-        truly = [r for r in recs if r["true_rel_logloss_pct"] <= budget_pct] if budget_pct is not None else []
+        truly = [r for r in recs if within_budget(r["true_rel_logloss_pct"], budget_pct)] if budget_pct is not None else []
         per_run.append({"arm": run["arm"], "seed": run["seed"], "n_evaluated": n,
                         "best_speedup": None if own is None else own["speedup"],
                         "best_truly_feasible_speedup": max((r["speedup"] for r in truly), default=None),

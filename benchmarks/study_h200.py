@@ -69,6 +69,8 @@ def assemble(provenance: dict[str, Any], e2e: dict[str, Any], prepare_s: float |
     ``scaled_mm_tensorwise_filter`` trained in the same e2e run (``vs_best_recipe``), within the
     budget against bf16 on every seed (``e2e_rel_ll_pct_vs_bf16_per_seed``), and the study's claimed
     speed-up within 3% of e2e's."""
+    from loka_tune.tuner.results import within_budget
+
     rows = {r["variant"]: r for r in e2e.get("rows", [])}
     cfg_row = rows.get("config") or {}
     recipes = {v: rows[v].get("speedup_vs_bf16_mods") for v in RECIPE_VARIANTS if v in rows}
@@ -107,7 +109,7 @@ def assemble(provenance: dict[str, Any], e2e: dict[str, Any], prepare_s: float |
                  "study_vs_e2e": gap is not None and gap <= TARGET_GAP,
                  "vs_best_recipe": bool(e2e_speedup and best_recipe and e2e_speedup / best_recipe >= TARGET_VS_RECIPE),
                  "within_budget_every_seed": bool(per_seed) and budget_pct is not None
-                 and len(per_seed) >= 2 and all(v <= budget_pct for v in per_seed.values())},
+                 and len(per_seed) >= 2 and all(within_budget(v, budget_pct) for v in per_seed.values())},
         "device": meta.get("device"), "torch": meta.get("torch"), "date": time.strftime("%Y-%m-%d"),
         "commands": commands or [],
     }

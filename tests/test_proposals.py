@@ -54,7 +54,7 @@ def test_recipe_starts_take_each_sites_recipe_value() -> None:
 
 def _finish(study: optuna.Study, trial: optuna.trial.Trial) -> None:
     """A modeled world: step = bf16 + Mods - the prices, relLL = the Mods' 0.1% + ALPHA_TRUE x sum MERE."""
-    from loka_tune.tuner.results import constraint
+    from loka_tune.tuner.results import within_budget
 
     params = trial.params
     nobias = params.get("mods.no_bias", False)
@@ -68,7 +68,7 @@ def _finish(study: optuna.Study, trial: optuna.trial.Trial) -> None:
     step = ref - saved
     cfg = config_from_params(SPACE, params)
     for k, v in {"config_key": cfg.key(), "rel_logloss_pct": rel, "budget_pct": BUDGET, "step_time_s": step,
-                 "mods_step_time_s": ref, "feasible": constraint(rel, BUDGET) <= 0, "cache_hit": False}.items():
+                 "mods_step_time_s": ref, "feasible": within_budget(rel, BUDGET), "cache_hit": False}.items():
         trial.set_user_attr(k, v)
     study.tell(trial, step)
 

@@ -80,12 +80,11 @@ def run(args: argparse.Namespace) -> int:
         config.save(args.out)
     except OSError as e:
         raise write_error(args.out, "--out", e) from None
-    from loka_tune.tuner.results import noise_note
+    from loka_tune.tuner.results import noise_note, within_budget
 
     p = config.provenance
     floor = p.get("noise_floor_pct")
-    feasible = p["rel_logloss_pct"] is not None and p["budget_pct"] is not None \
-        and p["rel_logloss_pct"] <= p["budget_pct"]
+    feasible = within_budget(p["rel_logloss_pct"], p["budget_pct"])
     print(f"wrote {args.out}: trial {p['trial']} of {p['study']!r}, speed-up {_num(p['speedup'], '.3f')}x"
           f" ({p['speed_source']}), rel. log loss {_num(p['rel_logloss_pct'], '+.4f')}%"
           f"{noise_note(p['rel_logloss_pct'], floor)} (budget {p['budget_pct']}%)"

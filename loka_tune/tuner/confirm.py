@@ -41,7 +41,14 @@ from loka_tune.objectives.speed import measure_forward_seconds
 from loka_tune.tuner.baseline import modeled_seconds, time_reference
 from loka_tune.tuner.build import _first_batch, _log, _train, make_model, resolve_device, train_config
 from loka_tune.tuner.prepare import StudyContext
-from loka_tune.tuner.results import ATTR_COMPILE_CACHE, ATTR_CONFIRM, TrialRecord, compile_cache_summary, noise_note
+from loka_tune.tuner.results import (
+    ATTR_COMPILE_CACHE,
+    ATTR_CONFIRM,
+    TrialRecord,
+    compile_cache_summary,
+    noise_note,
+    within_budget,
+)
 from loka_tune.tuner.trial import _cache_counts, reference_seconds, run_description
 
 __all__ = ["confirm_best", "confirmation_candidates"]
@@ -205,7 +212,7 @@ def _confirm_one(ctx: StudyContext, trial: Any, seeds: tuple[int, ...]) -> dict[
     row.update(step_time_s=t, ref_step_time_s=ref, speedup_vs_mods=ref / t,
                speedup=ctx.baseline.step_time_s / t, rel_logloss_pct=mean,
                rel_logloss_sd_pct=statistics.stdev(rels) if len(rels) > 1 else None,
-               feasible=mean <= ctx.cfg.objective.budget_pct)
+               feasible=within_budget(mean, ctx.cfg.objective.budget_pct))
     _log(f"[loka-tune]   trial {trial.number}: {row['speedup_vs_mods']:.3f}x vs bf16 + same Mods (claimed"
          f" {r.speedup_vs_mods or math.nan:.3f}x), rel. LL {mean:+.4f}% over seeds {list(seeds)}"
          f"{noise_note(mean, ctx.baseline.noise_floor_pct)} ({'feasible' if row['feasible'] else 'over budget'})")

@@ -3,7 +3,9 @@ the best trial, the leaderboard and the exported config.
 
 A trial's record lives in its Optuna user attributes (a flat JSON dict); :class:`TrialRecord`
 is its typed form. The loop writes it; this module, ``loka-tune report``/``export`` and MLflow
-tracking read it. Feasibility is one rule, :func:`constraint`: relative log loss - budget <= 0.
+tracking read it. Feasibility is one rule, :func:`within_budget`: a known, finite relative log
+loss <= the budget (:func:`constraint` is the same rule as the number Optuna's sampler reads,
+feasible when <= 0); every module that decides feasibility calls one of them.
 "Within noise" is another, :func:`within_noise`: |relative log loss| <= the baseline's noise
 floor, a result neither better nor worse than bf16 (read from the stored baseline, never stored
 per trial).
@@ -24,7 +26,7 @@ from loka_tune.errors import LokaError, StudyError
 
 __all__ = ["ATTR_BASELINE", "ATTR_SPACE", "ATTR_STUDY", "ATTR_REFERENCE", "ATTR_CONFIRM", "ATTR_PREPARE_S",
            "ATTR_COMPILE_CACHE", "STATES_DONE",
-           "TrialRecord", "constraint", "within_noise", "noise_floor", "noise_note", "best_trial", "confirmation",
+           "TrialRecord", "constraint", "within_budget", "within_noise", "noise_floor", "noise_note", "best_trial", "confirmation",
            "exported_trial", "leaderboard", "export_best", "compile_cache_totals", "compile_cache_summary",
            "study_summary"]
 
@@ -40,11 +42,32 @@ INFEASIBLE = 1e9  # the constraint of an unknown (or non-finite) loss: Optuna wa
 
 
 def constraint(rel_logloss_pct: float | None, budget_pct: float | None) -> float:
-    """The loss constraint of a trial: relative log loss - budget (feasible when <= 0); an unknown
-    loss or budget is infeasible (:data:`INFEASIBLE`)."""
+    """The loss constraint of a trial, as Optuna's sampler reads it: relative log loss - budget
+    (feasible when <= 0, :func:`within_budget`); an unknown (None) or non-finite loss, or an
+    unknown budget, is infeasible (:data:`INFEASIBLE`)."""
     if budget_pct is None or rel_logloss_pct is None or not math.isfinite(rel_logloss_pct):
         return INFEASIBLE
     return float(rel_logloss_pct) - float(budget_pct)
+
+
+def within_budget(rel_logloss_pct: float | None, budget_pct: float | None) -> bool:
+    """The feasibility rule: whether a relative log loss (percent, vs bf16) is within the loss
+    budget (percent), ``rel <= budget`` (exactly at the budget is feasible). An unknown (None) or
+    non-finite loss (NaN, +-inf: a diverged or unmeasured run) and an unknown budget are not.
+
+    The same rule as ``constraint(rel, budget) <= 0`` (:func:`constraint`), and used wherever
+    feasibility is decided: a trial's outcome (:meth:`~loka_tune.tuner.trial.TrialOutcome.feasible`,
+    stored as its record's ``feasible``), a confirmation row (applied to the mean relative log loss
+    over its seeds, once every seed has run; :mod:`loka_tune.tuner.confirm`) and ``loka-tune
+    export``'s "NOT feasible" note. No noise margin: the budget itself must sit above the noise
+    floor (:func:`~loka_tune.tuner.baseline.check_budget`).
+
+    >>> within_budget(0.5, 0.5), within_budget(0.51, 0.5), within_budget(-0.2, 0.5)
+    (True, False, True)
+    >>> within_budget(None, 0.5), within_budget(float("nan"), 0.5), within_budget(0.1, None)
+    (False, False, False)
+    """
+    return constraint(rel_logloss_pct, budget_pct) <= 0.0
 
 
 def within_noise(rel_logloss_pct: float | None, noise_floor_pct: float | None) -> bool | None:

@@ -24,7 +24,7 @@ from loka_tune.objectives.speed import measure_forward_seconds
 from loka_tune.tuner.baseline import modeled_seconds, time_reference
 from loka_tune.tuner.build import _first_batch, _train, resolve_device, train_config, trial_model
 from loka_tune.tuner.prepare import StudyContext
-from loka_tune.tuner.results import ATTR_REFERENCE, constraint
+from loka_tune.tuner.results import ATTR_REFERENCE, within_budget
 from loka_tune.tuner.study import StudyConfig
 
 if TYPE_CHECKING:
@@ -55,7 +55,8 @@ class TrialOutcome:
     compile_cache: dict[str, int] | None = None  # a compiled run's cache counts (compile_cache_counts)
 
     def feasible(self, budget_pct: float) -> bool:
-        return self.status == "ok" and constraint(self.rel_logloss_pct, budget_pct) <= 0
+        """A completed ("ok") run within the loss budget (:func:`~loka_tune.tuner.results.within_budget`)."""
+        return self.status == "ok" and within_budget(self.rel_logloss_pct, budget_pct)
 
     def attrs(self) -> dict[str, Any]:
         """As trial attributes: non-finite floats become None; ``run`` and ``compile_cache`` only when set."""
