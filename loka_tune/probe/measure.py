@@ -44,7 +44,7 @@ import torch
 from loka_tune.config import ROLES, Format, GemmChoice, GemmRole, role_operands
 from loka_tune.errors import LokaError, ProbeError
 from loka_tune.kernels.quant import GUARD_FRAC, mere, sqnr_db
-from loka_tune.probe.report import CandidateResult, ProbeReport, SkippedCandidate, _check_thresholds, _fast, _safe
+from loka_tune.probe.report import CandidateResult, ProbeReport, SkippedCandidate, check_thresholds, is_fast, is_safe
 from loka_tune.probe.speed import SpeedModel, default_speed_model
 from loka_tune.probe.stats import ProbeStats, SiteStats
 from loka_tune.probe.synth import DISTS, MAX_ROWS, SiteSampler
@@ -296,7 +296,7 @@ def _check_args(
         raise ProbeError(f"unknown distribution(s) {bad or dists!r}: choose among {', '.join(DISTS)}")
     if not (guard_frac > 0 and math.isfinite(guard_frac)):
         raise ProbeError(f"guard_frac must be a small positive fraction, got {guard_frac=!r}")
-    _check_thresholds(max_error, min_speedup)
+    check_thresholds(max_error, min_speedup)
     try:
         role_list = [GemmRole(r) for r in roles]
     except ValueError:
@@ -361,7 +361,7 @@ def _fast_only(name: str, site: SiteStats, valid: dict[GemmRole, list[GemmChoice
         for c in cs:
             t = _time(speed, time_cache, c, m, k, n, role)[0]
             spd = t_bf16 / t if t > 0 and math.isfinite(t) else math.nan
-            if _fast(spd, min_speedup):
+            if is_fast(spd, min_speedup):
                 out[role].append(c)
             else:
                 skipped.append(SkippedCandidate(name, role.value, c.short_str(),
@@ -400,7 +400,7 @@ def _results(
                 mere=float(mm.mean()), mere_std=float(mm.std()),
                 sqnr_db=_mean_db(sq), sqnr_std=float(np.std(sq[np.isfinite(sq)])) if np.isfinite(sq).any() else 0.0,
                 time_s=t, bf16_time_s=t_bf16[0], speedup=spd, time_source=src,
-                safe=_safe(float(mm.mean()), max_error), fast=_fast(spd, min_speedup),
+                safe=is_safe(float(mm.mean()), max_error), fast=is_fast(spd, min_speedup),
                 dist=dist, samples=n_draws, rows=rows,
             ))
     return out

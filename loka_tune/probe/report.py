@@ -201,8 +201,8 @@ class ProbeReport:
         """A copy whose verdicts use new thresholds (no re-measurement)."""
         me = self.max_error if max_error is None else float(max_error)
         ms = self.min_speedup if min_speedup is None else float(min_speedup)
-        _check_thresholds(me, ms)
-        res = [replace(r, safe=_safe(r.mere, me), fast=_fast(r.speedup, ms)) for r in self.results]
+        check_thresholds(me, ms)
+        res = [replace(r, safe=is_safe(r.mere, me), fast=is_fast(r.speedup, ms)) for r in self.results]
         return ProbeReport(res, list(self.skipped), me, ms, dict(self.meta), self.stats)
 
     def summary(self) -> dict[str, Any]:
@@ -375,15 +375,18 @@ class ProbeReport:
         return path
 
 
-def _safe(mere: float, max_error: float) -> bool:
+def is_safe(mere: float, max_error: float) -> bool:
+    """A candidate's verdict on error: its MERE is finite and at most ``max_error``."""
     return math.isfinite(mere) and mere <= max_error
 
 
-def _fast(speedup: float, min_speedup: float) -> bool:
+def is_fast(speedup: float, min_speedup: float) -> bool:
+    """A candidate's verdict on speed: its speed-up is finite and at least ``min_speedup``."""
     return math.isfinite(speedup) and speedup >= min_speedup
 
 
-def _check_thresholds(max_error: float, min_speedup: float) -> None:
+def check_thresholds(max_error: float, min_speedup: float) -> None:
+    """Raise :class:`ProbeError` unless ``max_error > 0`` and ``min_speedup >= 0`` (both finite)."""
     if not (math.isfinite(max_error) and max_error > 0):
         raise ProbeError(f"max_error must be a positive MERE, got {max_error=!r}")
     if not (math.isfinite(min_speedup) and min_speedup >= 0):  # 0: every choice a backend runs is "fast"
