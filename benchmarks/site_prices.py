@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     from loka_tune.kernels.timing import environment
     from loka_tune.mods import apply_mods
     from loka_tune.space.sites import discover_sites
-    from loka_tune.tuner.build import _first_batch, make_model, make_source
+    from loka_tune.tuner.build import first_batch, make_model, make_source
     from loka_tune.tuner.study import load_study
 
     cfg = load_study(args.study)
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
                       blocknorm=cfg.space.blocknorm_sizes[0] if "blocknorm" in cfg.space.mods else None,
                       hardswish="hardswish" in cfg.space.mods)
     apply_mods(model, mods)
-    sites = discover_sites(model, *model_inputs(model, _first_batch(source, cfg, max_rows=64)))
+    sites = discover_sites(model, *model_inputs(model, first_batch(source, cfg, max_rows=64)))
     backends = tuple(b for b in (args.backends or ",".join(cfg.space.backends)).split(",") if b)
     if args.templates:
         names = {s.name: site_precs(s, batch, backends, "cuda") for s in sites}

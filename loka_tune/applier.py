@@ -222,7 +222,8 @@ def export(config: PrecisionConfig | Mapping[str, Any] | str | Path, path: str |
     return as_config(config).save(path)
 
 
-def _run_mods(model: nn.Module, cfg: PrecisionConfig) -> tuple[Any, str]:
+def run_mods(model: nn.Module, cfg: PrecisionConfig) -> tuple[Any, str]:
+    """Run ``cfg``'s Mods passes on ``model`` once (skipped if already applied); returns (report, note)."""
     mods = cfg.mods.passes  # fuse_epilogue is not a pass: apply fuses after the swap
     if not mods.any:
         return None, ""
@@ -285,7 +286,7 @@ def _check_site(
     return (replace(prec, **new) if new else prec), fallbacks
 
 
-def _parents(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
+def module_parents(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
     """id(child) -> every (parent, key) that holds it (Sequential, ModuleDict, attributes...)."""
     out: dict[int, list[tuple[nn.Module, str]]] = {}
     for parent in model.modules():
@@ -295,7 +296,7 @@ def _parents(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
     return out
 
 
-def _to_plain(lin: nn.Linear) -> nn.Linear:
+def to_plain_linear(lin: nn.Linear) -> nn.Linear:
     """A plain nn.Linear sharing ``lin``'s parameters and forward hooks."""
     plain = nn.Linear(lin.in_features, lin.out_features, bias=lin.bias is not None, device="meta")
     plain.weight = lin.weight
@@ -405,7 +406,7 @@ def _apply(model: nn.Module, cfg: PrecisionConfig, strict: bool) -> ApplySummary
     summary = ApplySummary(config_key=cfg.key(), fuse_epilogue=cfg.mods.fuse_epilogue)
     if any(isinstance(m, FusedLinearBlockNormHardswish) for m in model.modules()):
         unfuse_epilogues(model)  # a model applied before: back to plain chains, fused again below if asked
-    summary.mods, summary.mods_note = _run_mods(model, cfg)
+    summary.mods, summary.mods_note = run_mods(model, cfg)
 
     linears = find_linears(model)
     check_rules(cfg, list(linears), strict, summary)
@@ -417,7 +418,7 @@ def _apply(model: nn.Module, cfg: PrecisionConfig, strict: bool) -> ApplySummary
         if fb:
             summary.fallbacks[site] = fb
 
-    parents = _parents(model)
+    parents = module_parents(model)
     counts: Counter[str] = Counter()
     for site, lin in linears.items():
         prec = plan[site]
@@ -426,7 +427,7 @@ def _apply(model: nn.Module, cfg: PrecisionConfig, strict: bool) -> ApplySummary
             counts[prec[r].short_str()] += 1
         plain = all(prec[r] == BF16 for r in ROLES)
         if plain:
-            new: nn.Module = _to_plain(lin) if isinstance(lin, LokaLinear) else lin
+            new: nn.Module = to_plain_linear(lin) if isinstance(lin, LokaLinear) else lin
             summary.unchanged.append(site)
         elif isinstance(lin, LokaLinear):
             lin.precision = prec

@@ -25,7 +25,7 @@ from torch import nn
 
 from loka_tune.errors import ModError
 
-__all__ = ["SwishLayerNorm", "BlockNorm", "block_layout", "make_norm", "make_activation", "NORMS", "ACTIVATIONS"]
+__all__ = ["SwishLayerNorm", "BlockNorm", "block_layout", "check_block", "make_norm", "make_activation", "NORMS", "ACTIVATIONS"]
 
 NORMS = ("layernorm", "rmsnorm", "none")
 ACTIVATIONS = ("relu", "silu", "swish_layernorm", "hardswish")
@@ -74,7 +74,8 @@ def make_activation(kind: str, dim: int) -> nn.Module:
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
-def _check_block(block: object, what: str = "block") -> int:
+def check_block(block: object, what: str = "block") -> int:
+    """``block`` if it is a positive int (a BlockNorm block or width), else a ModError naming ``what``."""
     if isinstance(block, bool) or not isinstance(block, int) or block <= 0:
         raise ModError(f"BlockNorm {what} must be a positive integer (e.g. 64, 128, 256); got {block!r}")
     return block
@@ -127,12 +128,12 @@ class BlockNorm(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        self.block = _check_block(block)
+        self.block = check_block(block)
         if eps is not None and (isinstance(eps, bool) or not isinstance(eps, (int, float)) or eps < 0):
             raise ModError(f"BlockNorm eps must be a float >= 0 or None; got {eps!r}")
         self.eps = None if eps is None else float(eps)
         if weight_dim is not None:
-            _check_block(weight_dim, "weight_dim")
+            check_block(weight_dim, "weight_dim")
             self.weight = nn.Parameter(torch.ones(weight_dim, device=device, dtype=dtype))
         else:
             self.register_parameter("weight", None)

@@ -127,21 +127,21 @@ def _fwd_reason(site: str, lin: nn.Linear, choice: GemmChoice) -> str | None:
 
 def _to_serving(site: str, lin: nn.Linear, choice: GemmChoice) -> nn.Module:
     """The serving module of one site: ``ServingLinear`` for an FP8 choice, else a plain ``nn.Linear``."""
-    from loka_tune.applier import _to_plain
+    from loka_tune.applier import to_plain_linear
     from loka_tune.kernels.linear import LokaLinear
     from loka_tune.kernels.serving import ServingLinear
 
     if choice.is_bf16:
-        return _to_plain(lin) if isinstance(lin, LokaLinear) else lin
+        return to_plain_linear(lin) if isinstance(lin, LokaLinear) else lin
     return ServingLinear.from_linear(lin, choice, name=site)
 
 
 def _swap(model: nn.Module, old: nn.Module, new: nn.Module) -> None:
-    from loka_tune.applier import _parents
+    from loka_tune.applier import module_parents
 
     if new is old:
         return
-    for parent, key in _parents(model).get(id(old), []):
+    for parent, key in module_parents(model).get(id(old), []):
         parent._modules[key] = new
 
 
@@ -149,7 +149,7 @@ def _swap(model: nn.Module, old: nn.Module, new: nn.Module) -> None:
 def apply_serving(model: nn.Module, cfg: PrecisionConfig, *, strict: bool, batch: int | None) -> "ApplySummary":
     """The body of ``apply(model, cfg, serving=True, batch=...)`` (the caller restores the model
     on error; see the module docstring)."""
-    from loka_tune.applier import ApplySummary, _run_mods, check_rules
+    from loka_tune.applier import ApplySummary, check_rules, run_mods
     from loka_tune.kernels.linear import find_linears
     from loka_tune.mods.fuse import fuse_serving_epilogues
 
@@ -165,7 +165,7 @@ def apply_serving(model: nn.Module, cfg: PrecisionConfig, *, strict: bool, batch
         bucket = cfg.serving.bucket_for(batch)
         plan = cfg.serving.choices(bucket)
     summary = ApplySummary(config_key=cfg.key(), fuse_epilogue=cfg.mods.fuse_epilogue, serving=True, bucket=bucket)
-    summary.mods, summary.mods_note = _run_mods(model, cfg)
+    summary.mods, summary.mods_note = run_mods(model, cfg)
     linears = find_linears(model)
     check_rules(cfg, list(linears), strict, summary)
     missing = [s for s in plan if s not in linears]
@@ -300,14 +300,14 @@ def serve_buckets(model: nn.Module, config: PrecisionConfig | Mapping[str, Any] 
     """A :class:`ServingBuckets` of ``model`` under ``config``'s serving plan: the config's
     Mods run on ``model`` in place (once), then each bucket gets a copy sharing every tensor,
     applied with ``serving=True, batch=<bucket>`` (its own static weights)."""
-    from loka_tune.applier import _run_mods, apply, as_config
+    from loka_tune.applier import apply, as_config, run_mods
 
     cfg = as_config(config)
     if cfg.serving is None or not cfg.serving.buckets:
         raise ConfigError("the config has no serving plan with buckets: price one with"
                           " loka_tune.serving.plan_serving(model, config, inputs)", key="serving")
     refuse_served(model, serving=True)
-    _run_mods(model, cfg)
+    run_mods(model, cfg)
     models: dict[int, nn.Module] = {}
     for rows in cfg.serving.sizes:
         served = shared_copy(model)
@@ -371,7 +371,7 @@ def plan_serving(model: nn.Module, config: PrecisionConfig | Mapping[str, Any] |
     priced from the largest down, so a short budget times the largest batches.
     A choice the cost model cannot price is kept (recorded as unpriced).
     """
-    from loka_tune.applier import _run_mods, as_config
+    from loka_tune.applier import as_config, run_mods
     from loka_tune.kernels.costmodel import estimate_gemm_seconds
 
     cfg = as_config(config)
@@ -384,7 +384,7 @@ def plan_serving(model: nn.Module, config: PrecisionConfig | Mapping[str, Any] |
                           key="min_speedup")
     extra = [GemmChoice.parse(c, key="candidates") for c in candidates]
     probe = shared_copy(model)
-    _run_mods(probe, cfg)
+    run_mods(probe, cfg)
     shapes = site_rows(probe, inputs)
     del probe
     say = progress or (lambda _msg: None)

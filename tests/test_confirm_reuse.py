@@ -47,7 +47,7 @@ def _logloss(config: PrecisionConfig, seed: int) -> float:
 
 
 class Runs:
-    """The stand-in for ``_train``: deterministic numbers, calls counted by where they come from."""
+    """The stand-in for ``train_in_study``: deterministic numbers, calls counted by where they come from."""
 
     def __init__(self) -> None:
         self.calls: Counter[str] = Counter()
@@ -70,9 +70,9 @@ def runs(monkeypatch: pytest.MonkeyPatch) -> Runs:
     from loka_tune.tuner import baseline, confirm, trial
 
     r = Runs()
-    monkeypatch.setattr(trial, "_train", r.fake("trial"))
-    monkeypatch.setattr(confirm, "_train", r.fake("confirm"))
-    monkeypatch.setattr(baseline, "_train", r.fake("reference"))  # time_reference: bf16 + Mods timing runs
+    monkeypatch.setattr(trial, "train_in_study", r.fake("trial"))
+    monkeypatch.setattr(confirm, "train_in_study", r.fake("confirm"))
+    monkeypatch.setattr(baseline, "train_in_study", r.fake("reference"))  # time_reference: bf16 + Mods timing runs
     return r
 
 

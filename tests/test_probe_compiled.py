@@ -275,14 +275,14 @@ def test_the_probed_baseline_of_a_compiled_regime_runs_compiled(tmp_path: Path,
         extra="[probe]\nevery = 4\n[regime]\ncompile = true\n"))
     cfg = load_study(study, cwd=tmp_path)
     runs: list[tuple[Any, dict[str, Any], bool]] = []
-    real_train = baseline._train
+    real_train = baseline.train_in_study
 
     def spy(model: nn.Module, source: Any, tcfg: Any, **kw: Any) -> Any:
         res = real_train(model, source, tcfg, **kw)
         runs.append((tcfg, dynamo_report(), kw.get("on_batch") is not None))  # counters of this run
         return res
 
-    monkeypatch.setattr(baseline, "_train", spy)
+    monkeypatch.setattr(baseline, "train_in_study", spy)
     source = make_source(cfg)
     bl, stats, _model = baseline.run_baseline(cfg, source, "cpu")
     assert [(t.compile, probed) for t, _, probed in runs] == [(True, True), (True, False)]

@@ -90,10 +90,10 @@ def test_the_regime_reaches_the_trial_trainer(tmp_path: Path, monkeypatch: pytes
         seen.append(tcfg)
         return _fake_result(0.010 if len(seen) == 1 else 0.011)
 
-    monkeypatch.setattr(trial, "_train", fake_train)
+    monkeypatch.setattr(trial, "train_in_study", fake_train)
     from loka_tune.tuner import baseline
 
-    monkeypatch.setattr(baseline, "_train", fake_train)
+    monkeypatch.setattr(baseline, "train_in_study", fake_train)
     study = SimpleNamespace(user_attrs={}, set_user_attr=lambda k, v: study.user_attrs.__setitem__(k, v))
     ctx = _ctx(cfg, study=study)
     out = trial.evaluate_config(ctx, PrecisionConfig(mods=ModsConfig(no_bias=True)))

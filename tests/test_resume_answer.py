@@ -195,7 +195,7 @@ def test_a_trials_position_leaves_out_the_trials_interruptions_added(tmp_path: P
     import optuna
     from optuna.trial import TrialState
 
-    from loka_tune.tuner._workers import _position
+    from loka_tune.tuner._workers import trial_position
 
     study = _categorical_study(f"sqlite:///{tmp_path / 'p.db'}", optuna.samplers.RandomSampler(seed=0))
     d = {"x": optuna.distributions.CategoricalDistribution(["a", "b"])}
@@ -208,14 +208,14 @@ def test_a_trials_position_leaves_out_the_trials_interruptions_added(tmp_path: P
         states.append(state)
     trials = study.get_trials(deepcopy=False)
     # trial 1 failed without a reason (an interruption): no position; a config's failure keeps its own
-    assert [_position(trials, n) for n in range(5)] == [0, 1, 1, 2, 3]
+    assert [trial_position(trials, n) for n in range(5)] == [0, 1, 1, 2, 3]
 
 
 def test_cache_copies_do_not_spend_the_trial_budget(tmp_path: Path) -> None:
     import optuna
     from optuna.trial import TrialState
 
-    from loka_tune.tuner._workers import _copies_in_a_row, _n_counted
+    from loka_tune.tuner._workers import copies_in_a_row, n_counted
 
     study = _categorical_study(f"sqlite:///{tmp_path / 'c.db'}", optuna.samplers.RandomSampler(seed=0))
     d = {"x": optuna.distributions.CategoricalDistribution(["a", "b"])}
@@ -236,17 +236,17 @@ def test_cache_copies_do_not_spend_the_trial_budget(tmp_path: Path) -> None:
     trial("B", "PRUNED", cache_hit=True, cached_from=1)
     trial("E", None)  # running, a new config: will count
     trial("E", None)  # running, the same config: will be a copy
-    assert _n_counted(study.get_trials(deepcopy=False)) == (3, 1)
+    assert n_counted(study.get_trials(deepcopy=False)) == (3, 1)
     trial("B", "PRUNED", cache_hit=True, cached_from=1)
     # back to trial 3, the last evaluated one: the running and the re-queued trials are passed over
-    assert _copies_in_a_row(study.get_trials(deepcopy=False)) == 2
+    assert copies_in_a_row(study.get_trials(deepcopy=False)) == 2
     study2 = _categorical_study(f"sqlite:///{tmp_path / 'c2.db'}", optuna.samplers.RandomSampler(seed=0))
     study = study2
     trial("A", "COMPLETE")
     trial("A", "COMPLETE", cache_hit=True, cached_from=0)
     trial("X", "FAIL")  # an interruption between them does not break the run of copies
     trial("A", "COMPLETE", cache_hit=True, cached_from=0)
-    assert _copies_in_a_row(study.get_trials(deepcopy=False)) == 2
+    assert copies_in_a_row(study.get_trials(deepcopy=False)) == 2
 
 
 def test_the_queue_keeps_the_order_of_the_trials_it_stands_for(tmp_path: Path) -> None:
@@ -254,7 +254,7 @@ def test_the_queue_keeps_the_order_of_the_trials_it_stands_for(tmp_path: Path) -
     import optuna
     from optuna.trial import TrialState
 
-    from loka_tune.tuner._workers import ATTR_REQUEUED_FROM, _keep_queue_order
+    from loka_tune.tuner._workers import ATTR_REQUEUED_FROM, keep_queue_order
 
     study = _categorical_study(f"sqlite:///{tmp_path / 'q.db'}", optuna.samplers.RandomSampler(seed=0))
     d = {"x": optuna.distributions.CategoricalDistribution(["a", "b", "c"])}
@@ -263,7 +263,7 @@ def test_the_queue_keeps_the_order_of_the_trials_it_stands_for(tmp_path: Path) -
     t = study.ask(fixed_distributions=d)  # trial 0: "first", interrupted
     study.tell(t, state=TrialState.FAIL)
     study.enqueue_trial({"x": "a"}, user_attrs={"seeded": "first", ATTR_REQUEUED_FROM: 0})  # behind 1 and 2
-    _keep_queue_order(study)
+    keep_queue_order(study)
     waiting = [t for t in study.get_trials(deepcopy=False) if t.state == TrialState.WAITING]
     assert [(t.user_attrs["seeded"], t.system_attrs["fixed_params"]) for t in waiting] == [
         ("first", {"x": "a"}), ("second", {"x": "b"}), ("third", {"x": "c"})]
@@ -271,6 +271,6 @@ def test_the_queue_keeps_the_order_of_the_trials_it_stands_for(tmp_path: Path) -
     moved = [t for t in study.get_trials(deepcopy=False) if t.state == TrialState.FAIL][1:]
     assert len(moved) == 3 and all("fail_reason" not in t.user_attrs for t in moved)  # not counted
     before = [t.number for t in study.get_trials(deepcopy=False)]
-    _keep_queue_order(study)  # in order now: nothing to do
+    keep_queue_order(study)  # in order now: nothing to do
     assert [t.number for t in study.get_trials(deepcopy=False)] == before
     assert [study.ask(fixed_distributions=d).params["x"] for _ in range(3)] == ["a", "b", "c"]

@@ -74,13 +74,13 @@ def test_workers_and_nproc_do_not_combine(tmp_path: Path, capsys: pytest.Capture
 
 def test_every_run_is_announced_and_a_follower_rebuilds_the_same_model(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The funnel: rank 0's ``_train`` sends the job (then each pruning answer) before training;
+    """The funnel: rank 0's ``train_in_study`` sends the job (then each pruning answer) before training;
     the follower's model from that job has rank 0's weights and structure."""
     import torch
 
     from loka_tune.config import ModsConfig, PrecisionConfig
     from loka_tune.tuner import parallel
-    from loka_tune.tuner.build import _train, make_model, make_source, train_config
+    from loka_tune.tuner.build import make_model, make_source, train_config, train_in_study
     from loka_tune.tuner.study import load_study
 
     cfg = load_study(_study(tmp_path, "funnel", "nproc = 2"))
@@ -98,7 +98,7 @@ def test_every_run_is_announced_and_a_follower_rebuilds_the_same_model(
 
     tcfg = replace(tcfg, steps=10, window=5, eval_batches=1)
     with parallel.leading():
-        res = _train(model, source, tcfg, seed=1, config=config, on_step=lambda step, loss: step >= 10)
+        res = train_in_study(model, source, tcfg, seed=1, config=config, on_step=lambda step, loss: step >= 10)
     assert res.status == "pruned" and res.steps_run == 10
     job = sent[0]
     assert isinstance(job, parallel.TrainJob) and (job.seed, job.config, job.tcfg, job.prune) == (1, config, tcfg, True)
@@ -108,7 +108,7 @@ def test_every_run_is_announced_and_a_follower_rebuilds_the_same_model(
     assert sorted(again.state_dict()) == sorted(before)
     assert all(torch.equal(again.state_dict()[k], v) for k, v in before.items())
     sent.clear()
-    _train(model, source, tcfg, seed=1, config=config)  # not leading: one process, nothing sent
+    train_in_study(model, source, tcfg, seed=1, config=config)  # not leading: one process, nothing sent
     assert sent == []
 
 

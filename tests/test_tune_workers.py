@@ -166,12 +166,12 @@ def test_two_workers_on_the_documented_postgresql_url(tmp_path: Path, postgres_u
 
 def test_orphan_trial_without_heartbeat_is_failed_and_requeued(tmp_path: Path) -> None:
     """A worker killed between ask() and its first heartbeat leaves a RUNNING trial that
-    Optuna's heartbeat check never calls stale; _fail_stale fails and re-queues it."""
+    Optuna's heartbeat check never calls stale; fail_stale fails and re-queues it."""
     import optuna
     from optuna.storages import RDBStorage, RetryFailedTrialCallback
     from optuna.trial import TrialState
 
-    from loka_tune.tuner._workers import _fail_stale
+    from loka_tune.tuner._workers import fail_stale
 
     storage = RDBStorage(f"sqlite:///{tmp_path / 'o.db'}", heartbeat_interval=1, grace_period=2,
                          heartbeat_stale_trial_callback=RetryFailedTrialCallback(max_retry=2))
@@ -180,9 +180,9 @@ def test_orphan_trial_without_heartbeat_is_failed_and_requeued(tmp_path: Path) -
     orphan = study.ask(fixed_distributions=dist)  # RUNNING, no heartbeat, no "worker" attribute
     alive = study.ask(fixed_distributions=dist)
     alive.set_user_attr("worker", "w1")  # a live worker's trial is left alone
-    _fail_stale(study, grace_s=1e9)  # too young: nothing happens
+    fail_stale(study, grace_s=1e9)  # too young: nothing happens
     assert study.trials[orphan.number].state == TrialState.RUNNING
-    _fail_stale(study, grace_s=0.0)
+    fail_stale(study, grace_s=0.0)
     trials = study.get_trials(deepcopy=False)
     assert trials[orphan.number].state == TrialState.FAIL
     assert trials[alive.number].state == TrialState.RUNNING

@@ -1,4 +1,5 @@
-"""Numeric command-line options, checked when the command line is parsed: before any work.
+"""Command-line option types (numbers, ``KEY=VALUE`` model arguments), checked when the command
+line is parsed: before any work.
 
 Each function returns an argparse ``type=``: a bad value is a usage error (exit status 2) of one
 line that quotes the value and names the accepted range, e.g.
@@ -8,10 +9,12 @@ line that quotes the value and names the accepted range, e.g.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 from collections.abc import Callable
+from typing import Any
 
-__all__ = ["integer", "number"]
+__all__ = ["integer", "number", "model_arg"]
 
 
 def integer(what: str, *, minimum: int) -> Callable[[str], int]:
@@ -47,3 +50,17 @@ def number(what: str, *, minimum: float, strict: bool = False) -> Callable[[str]
 
     parse.__name__ = "number"
     return parse
+
+
+def model_arg(text: str) -> tuple[str, Any]:
+    """``--model-arg KEY=VALUE``: ``(key, value)``, the value read as JSON (a list becomes a tuple), else a string."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE (e.g. embedding_dim=16), got {text!r}")
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError:
+        parsed = value  # a bare string such as norm=layernorm
+    if isinstance(parsed, list):
+        parsed = tuple(parsed)
+    return key.strip(), parsed

@@ -33,14 +33,13 @@ examples:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from loka_tune.commands._args import integer, number
-    from loka_tune.commands.train import _model_arg
+    from loka_tune.commands._args import integer, model_arg, number
     from loka_tune.models.registry import MODEL_NAMES, PRESETS
 
     g = parser.add_argument_group("model and data")
     g.add_argument("--model", required=True, choices=MODEL_NAMES, help="reference model")
     g.add_argument("--preset", default="tiny", choices=PRESETS, help="model size (default: tiny)")
-    g.add_argument("--model-arg", action="append", default=[], type=_model_arg, metavar="KEY=VALUE",
+    g.add_argument("--model-arg", action="append", default=[], type=model_arg, metavar="KEY=VALUE",
                    help="override a preset hyperparameter (JSON value); repeatable")
     g.add_argument("--data", default="synthetic", metavar="SPEC",
                    help="synthetic | synthetic:seq_len=32 (with behaviour sequences) | criteo:PATH | "

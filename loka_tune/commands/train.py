@@ -57,21 +57,8 @@ predicting the click rate of the training rows.
 """
 
 
-def _model_arg(text: str) -> tuple[str, Any]:
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE (e.g. embedding_dim=16), got {text!r}")
-    try:
-        parsed = json.loads(value)
-    except json.JSONDecodeError:
-        parsed = value  # a bare string such as norm=layernorm
-    if isinstance(parsed, list):
-        parsed = tuple(parsed)
-    return key.strip(), parsed
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from loka_tune.commands._args import integer, number
+    from loka_tune.commands._args import integer, model_arg, number
     from loka_tune.models.registry import MODEL_NAMES, PRESETS
 
     g = parser.add_argument_group("model and data")
@@ -80,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--preset", default=None, choices=PRESETS,
                    help="model size (default: tiny, or the preset recorded in --config)")
     g.add_argument(
-        "--model-arg", action="append", default=[], type=_model_arg, metavar="KEY=VALUE",
+        "--model-arg", action="append", default=[], type=model_arg, metavar="KEY=VALUE",
         help="override a preset hyperparameter, JSON value (e.g. embedding_dim=16, "
         "top_mlp=[64,32], norm=layernorm); repeatable",
     )

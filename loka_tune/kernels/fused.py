@@ -53,6 +53,8 @@ __all__ = [
     "DEFAULT_CHOICE",
     "EPILOGUE_BACKENDS",
     "FusedLinearBlockNormHardswish",
+    "any_hooked",
+    "effective_block",
     "epilogue_supports",
     "fused_linear_blocknorm_hardswish",
     "reference_epilogue",
@@ -67,7 +69,8 @@ _TRITON_FORMATS = (Format.E4M3, Format.E5M2)
 
 
 # ----------------------------------------------------------------------------- support
-def _effective_block(n: int, block: int) -> int:
+def effective_block(n: int, block: int) -> int:
+    """The BlockNorm block the epilogue uses on an output of width ``n``: ``block``, at most ``n``."""
     return min(block, n)
 
 
@@ -75,7 +78,7 @@ def epilogue_supports(choice: GemmChoice | str, *, n: int, block: int, device: s
     """None when the fused epilogue runs ``choice`` for an output width ``n`` and BlockNorm
     block ``block`` on ``device``; otherwise the reason (a sentence naming the fix)."""
     c = GemmChoice.parse(choice) if isinstance(choice, str) else choice
-    b = _effective_block(n, block)
+    b = effective_block(n, block)
     if n % b:
         return (f"output width {n} is not a multiple of the BlockNorm block {block} (ragged last block):"
                 " the fused epilogue needs whole blocks; pad the layer or pick a block that divides it")
@@ -110,7 +113,7 @@ def reference_epilogue(y: torch.Tensor, block: int, eps: float | None) -> tuple[
     to ``y.dtype``) followed by ``F.hardswish``; ``rstd`` ``(M, N / b)`` in the statistics dtype.
     """
     m, n = y.shape
-    b = _effective_block(n, block)
+    b = effective_block(n, block)
     yb = y.unflatten(-1, (n // b, b))
     yf = yb.float() if yb.dtype in _LOW_PRECISION else yb
     e = torch.finfo(y.dtype).eps if eps is None else eps
@@ -123,7 +126,7 @@ def reference_epilogue_backward(dh: torch.Tensor, ypre: torch.Tensor, rstd: torc
     """``dy`` from ``dh``: Hard Swish' then BlockNorm's backward, in at least float32 (the
     math of the Triton backward kernel). Returned in ``ypre.dtype``."""
     m, n = ypre.shape
-    b = _effective_block(n, block)
+    b = effective_block(n, block)
     wd = torch.float32 if ypre.dtype in _LOW_PRECISION else ypre.dtype
     y = ypre.to(wd).unflatten(-1, (n // b, b))
     r = rstd.to(wd).unsqueeze(-1)  # (M, N/b, 1)
@@ -168,7 +171,7 @@ class _FusedFn(torch.autograd.Function):
         fwd = prec.fwd
         xc, wc = x.to(dtype), weight.to(dtype)
         n = wc.shape[0]
-        b = _effective_block(n, block)
+        b = effective_block(n, block)
         e = torch.finfo(dtype).eps if eps is None else float(eps)
         q, qs = xc.new_empty(0), xc.new_empty(0)
         if fwd.backend == "triton":
@@ -257,7 +260,7 @@ def fused_linear_blocknorm_hardswish(
 
 
 # ----------------------------------------------------------------------------- module
-def _hooked(*mods: nn.Module) -> bool:
+def any_hooked(*mods: nn.Module) -> bool:
     """Whether any of ``mods`` has forward (pre-)hooks or backward hooks (also used by the
     fuse pass, :mod:`loka_tune.mods.fuse`)."""
     return any(getattr(m, a, None) for m in mods for a in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks"))
@@ -352,7 +355,7 @@ class FusedLinearBlockNormHardswish(nn.Module):
         return self.norm.eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., K) -> (..., N)
-        if _hooked(self.linear):  # let hooks on the linear see its input and output
+        if any_hooked(self.linear):  # let hooks on the linear see its input and output
             return self.act(self.norm(self.linear(x)))
         h, _, _ = fused_linear_blocknorm_hardswish(x, self.linear.weight, self.linear.bias, block=self.block,
                                                     eps=self.eps, precision=self.precision)

@@ -61,6 +61,7 @@ from loka_tune.config import FP8_FORMATS, Format, Granularity, ScaleRounding
 
 __all__ = [
     "FMAX",
+    "F32_MAX",
     "FP8_DTYPE",
     "BLOCK",
     "WEIGHT_BLOCK",
@@ -94,7 +95,7 @@ BLOCK = 128  # 1x128 activation / gradient tiles and 128x128 weight tiles (DeepS
 WEIGHT_BLOCK = 128
 MX_BLOCK = 32  # OCP MX: 32 elements share one e8m0 scale
 _E8M0_MIN_EXP, _E8M0_MAX_EXP = -127, 127  # e8m0 exponent range (255 = NaN is not used)
-_F32_MAX = float(torch.finfo(torch.float32).max)
+F32_MAX = float(torch.finfo(torch.float32).max)  # the largest finite float32: scales are clamped to it
 _F32_TINY = float(torch.finfo(torch.float32).tiny)  # smallest normal float32
 
 
@@ -187,8 +188,8 @@ def compute_scale(amax: torch.Tensor, fmt: Format | str, rounding: ScaleRounding
     amax = amax.to(torch.float32)
     # Clamp amax below so the scale stays finite; zero tiles are set to scale 1 afterwards.
     # A true IEEE division (a Python scalar over a tensor may become reciprocal-times).
-    scale = torch.full_like(amax, fmax) / amax.clamp(min=fmax / _F32_MAX)
-    scale = scale.clamp(max=_F32_MAX)
+    scale = torch.full_like(amax, fmax) / amax.clamp(min=fmax / F32_MAX)
+    scale = scale.clamp(max=F32_MAX)
     if rounding == ScaleRounding.POW2 or fmt == Format.MXFP8:
         mant, exp = torch.frexp(scale)  # scale = mant * 2**exp, mant in [0.5, 1)
         exp = exp - 1  # 2**(exp-1) <= scale: round down

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from loka_tune.config import Format, GemmChoice, Granularity, ScaleRounding
-from loka_tune.kernels.quant import _F32_MAX, FMAX, FP8_DTYPE
+from loka_tune.kernels.quant import F32_MAX, FMAX, FP8_DTYPE
 
 __all__ = ["cast_to_fp8", "scaled_mm_gemm", "scaled_mm_static", "SCALED_MM_GRANULARITIES", "SharePlan", "share_plan", "mm_quantized",
            "transposed"]
@@ -42,7 +42,7 @@ def _scale(amax: torch.Tensor, fmt: Format, pow2: bool) -> torch.Tensor:
     fmax = FMAX[fmt]
     # a tensor over a tensor: a true IEEE division (a Python scalar over a tensor may become
     # reciprocal-times-scalar, one ulp off the reference)
-    scale = (torch.full_like(amax, fmax) / amax.clamp(min=fmax / _F32_MAX)).clamp(max=_F32_MAX)
+    scale = (torch.full_like(amax, fmax) / amax.clamp(min=fmax / F32_MAX)).clamp(max=F32_MAX)
     if pow2:
         rounded = (scale.view(torch.int32) & _EXP_MASK).view(torch.float32)
         # inf amax gives scale 0 and NaN amax NaN: the reference keeps those as they are

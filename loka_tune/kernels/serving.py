@@ -52,7 +52,7 @@ from torch import nn
 
 from loka_tune.config import FP8_FORMATS, GemmChoice, GemmRole, Granularity
 from loka_tune.errors import BackendError, LokaError, ServingError, UnsupportedChoiceError
-from loka_tune.kernels.fused import _effective_block, epilogue_supports, reference_epilogue
+from loka_tune.kernels.fused import effective_block, epilogue_supports, reference_epilogue
 from loka_tune.kernels.registry import Backend, get_backend
 from loka_tune.layers import BlockNorm
 
@@ -283,7 +283,7 @@ class ServingFusedBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., K) -> (..., N)
         lin = self.linear
         n = lin.out_features
-        b = _effective_block(n, self.block)
+        b = effective_block(n, self.block)
         dev = x.device.type
         dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
         eps = torch.finfo(dtype).eps if self.norm.eps is None else float(self.norm.eps)

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from loka_tune.config import Format, ScaleRounding
-from loka_tune.kernels.triton_quant import FMAX, TL_FP8, _cast, _row_cast_partials_kernel, _scale_from_amax
+from loka_tune.kernels.triton_quant import FMAX, TL_FP8, row_cast_partials_kernel, tl_cast, tl_scale_from_amax
 
 __all__ = ["fused_forward", "fused_backward", "pick_epilogue_config", "epilogue_reason"]
 
@@ -115,8 +115,8 @@ def _fused_fwd_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, ypre_ptr,
         hf = hb.to(tl.float32)
         amax = tl.max(tl.where(omask, tl.abs(hf), 0.0), axis=1)  # (BM,)
         if OUT_Q == 1:  # the tile spans the whole row
-            scale = _scale_from_amax(amax, QMAX, POW2)
-            qv = _cast(hf, scale[:, None], QMAX, Q_T)
+            scale = tl_scale_from_amax(amax, QMAX, POW2)
+            qv = tl_cast(hf, scale[:, None], QMAX, Q_T)
             tl.store(q_ptr + offs, qv, mask=omask)
             tl.store(qs_ptr + rm, tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale), mask=mmask)
         else:  # partial amax of this tile's columns; the cast kernel reduces them
@@ -231,7 +231,7 @@ def fused_forward(qx: torch.Tensor, sx: torch.Tensor, qw: torch.Tensor, sw: torc
         _fused_fwd_kernel[(triton.cdiv(M, 64) * n_tiles_n,)](*args, BM=64, BN=bn, **consts, num_warps=8, num_stages=2)
     if out_q == 2:
         br, bc = 64, 64
-        _row_cast_partials_kernel[(triton.cdiv(M, br), triton.cdiv(N, bc))](
+        row_cast_partials_kernel[(triton.cdiv(M, br), triton.cdiv(N, bc))](
             out, amax, q, qs, M, N, out.stride(0), out.stride(1), n_tiles_n, FMAX_=FMAX[fmt], POW2=pow2,
             OUT_T=TL_FP8[fmt], BR=br, BC=bc, BS=triton.next_power_of_2(n_tiles_n), num_warps=4)
     return res

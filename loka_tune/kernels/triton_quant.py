@@ -37,7 +37,7 @@ import triton.language as tl
 from loka_tune.config import Format, Granularity, ScaleRounding
 from loka_tune.errors import UnsupportedChoiceError
 
-__all__ = ["QuantOut", "quantize", "TL_FP8", "FMAX"]
+__all__ = ["QuantOut", "quantize", "TL_FP8", "FMAX", "tl_scale_from_amax", "tl_cast", "row_cast_partials_kernel"]
 
 FMAX = {Format.E4M3: 448.0, Format.E5M2: 57344.0}
 _TORCH_FP8 = {Format.E4M3: torch.float8_e4m3fn, Format.E5M2: torch.float8_e5m2}
@@ -61,7 +61,7 @@ class QuantOut:
 
 
 @triton.jit
-def _scale_from_amax(amax, FMAX_: tl.constexpr, POW2: tl.constexpr):
+def tl_scale_from_amax(amax, FMAX_: tl.constexpr, POW2: tl.constexpr):
     """Reference scale rule: fmax / amax clamped finite; pow2 rounds down; zero tiles -> 1."""
     # IEEE division (Triton's `/` on fp32 is the approximate div.full: 1 ulp off the reference)
     scale = tl.div_rn(tl.full(amax.shape, FMAX_, tl.float32), tl.maximum(amax, FMAX_ / 3.4028234663852886e38))
@@ -73,7 +73,8 @@ def _scale_from_amax(amax, FMAX_: tl.constexpr, POW2: tl.constexpr):
 
 
 @triton.jit
-def _cast(x, scale, FMAX_: tl.constexpr, OUT_T: tl.constexpr):
+def tl_cast(x, scale, FMAX_: tl.constexpr, OUT_T: tl.constexpr):
+    """``x * scale`` saturated to +-FMAX_ and cast to ``OUT_T`` (the reference cast)."""
     y = x * scale
     y = tl.minimum(tl.maximum(y, -FMAX_), FMAX_)
     return y.to(OUT_T)
@@ -92,8 +93,8 @@ def _row_kernel(x_ptr, y_ptr, s_ptr, R, C, sxr, sxc,
         m = rmask[:, None] & (cols[None, :] < C)
         x = tl.load(x_ptr + rows[:, None].to(tl.int64) * sxr + cols[None, :] * sxc, mask=m, other=0.0).to(tl.float32)
         amax = tl.max(tl.abs(x), axis=1)  # (BR,)
-        scale = _scale_from_amax(amax, FMAX_, POW2)
-        y = _cast(x, scale[:, None], FMAX_, OUT_T)
+        scale = tl_scale_from_amax(amax, FMAX_, POW2)
+        y = tl_cast(x, scale[:, None], FMAX_, OUT_T)
         tl.store(y_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], y, mask=m)
     else:
         amax = tl.zeros((BR,), dtype=tl.float32)
@@ -102,12 +103,12 @@ def _row_kernel(x_ptr, y_ptr, s_ptr, R, C, sxr, sxc,
             m = rmask[:, None] & (cc[None, :] < C)
             x = tl.load(x_ptr + rows[:, None].to(tl.int64) * sxr + cc[None, :] * sxc, mask=m, other=0.0)
             amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=1))
-        scale = _scale_from_amax(amax, FMAX_, POW2)
+        scale = tl_scale_from_amax(amax, FMAX_, POW2)
         for c0 in range(0, C, BC):
             cc = c0 + cols
             m = rmask[:, None] & (cc[None, :] < C)
             x = tl.load(x_ptr + rows[:, None].to(tl.int64) * sxr + cc[None, :] * sxc, mask=m, other=0.0)
-            y = _cast(x.to(tl.float32), scale[:, None], FMAX_, OUT_T)
+            y = tl_cast(x.to(tl.float32), scale[:, None], FMAX_, OUT_T)
             tl.store(y_ptr + rows[:, None].to(tl.int64) * C + cc[None, :], y, mask=m)
     tl.store(s_ptr + rows, tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale), mask=rmask)
 
@@ -131,9 +132,10 @@ def _row_amax_partial_kernel(x_ptr, p_ptr, R, C, sxr, sxc, C_PER_SPLIT,
 
 
 @triton.jit
-def _row_cast_partials_kernel(x_ptr, p_ptr, y_ptr, s_ptr, R, C, sxr, sxc, NSPLIT,
-                              FMAX_: tl.constexpr, POW2: tl.constexpr, OUT_T: tl.constexpr,
-                              BR: tl.constexpr, BC: tl.constexpr, BS: tl.constexpr):
+def row_cast_partials_kernel(x_ptr, p_ptr, y_ptr, s_ptr, R, C, sxr, sxc, NSPLIT,
+                             FMAX_: tl.constexpr, POW2: tl.constexpr, OUT_T: tl.constexpr,
+                             BR: tl.constexpr, BC: tl.constexpr, BS: tl.constexpr):
+    """Second stage of a rowwise cast: reduce the ``NSPLIT`` amax partials of each row, then scale and cast."""
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
     rows = pid_r * BR + tl.arange(0, BR)
@@ -141,11 +143,11 @@ def _row_cast_partials_kernel(x_ptr, p_ptr, y_ptr, s_ptr, R, C, sxr, sxc, NSPLIT
     sp = tl.arange(0, BS)
     part = tl.load(p_ptr + sp[:, None] * R + rows[None, :], mask=(sp[:, None] < NSPLIT) & rmask[None, :], other=0.0)
     amax = tl.max(part, axis=0)  # (BR,)
-    scale = _scale_from_amax(amax, FMAX_, POW2)
+    scale = tl_scale_from_amax(amax, FMAX_, POW2)
     cc = pid_c * BC + tl.arange(0, BC)
     m = rmask[:, None] & (cc[None, :] < C)
     x = tl.load(x_ptr + rows[:, None] * sxr + cc[None, :].to(tl.int64) * sxc, mask=m, other=0.0)
-    y = _cast(x.to(tl.float32), scale[:, None], FMAX_, OUT_T)
+    y = tl_cast(x.to(tl.float32), scale[:, None], FMAX_, OUT_T)
     tl.store(y_ptr + rows[:, None].to(tl.int64) * C + cc[None, :], y, mask=m)
     if pid_c == 0:
         tl.store(s_ptr + rows, tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale), mask=rmask)
@@ -174,14 +176,14 @@ def _tensor_cast_kernel(x_ptr, p_ptr, y_ptr, s_ptr, R, C, sxr, sxc, NPART, NPROG
     pid = tl.program_id(0)
     pp = tl.arange(0, BP)
     amax = tl.max(tl.load(p_ptr + pp, mask=pp < NPART, other=0.0), axis=0)
-    scale = _scale_from_amax(amax, FMAX_, POW2)
+    scale = tl_scale_from_amax(amax, FMAX_, POW2)
     for i in range(0, N_ITER):
         t = pid + i * NPROG  # tiles past the end are fully masked
         rows = (t // n_c) * BR + tl.arange(0, BR)
         cols = (t % n_c) * BC + tl.arange(0, BC)
         m = (rows[:, None] < R) & (cols[None, :] < C)
         x = tl.load(x_ptr + rows[:, None].to(tl.int64) * sxr + cols[None, :].to(tl.int64) * sxc, mask=m, other=0.0)
-        y = _cast(x.to(tl.float32), scale, FMAX_, OUT_T)
+        y = tl_cast(x.to(tl.float32), scale, FMAX_, OUT_T)
         tl.store(y_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], y, mask=m)
     if pid == 0:
         tl.store(s_ptr, tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale))
@@ -203,13 +205,13 @@ def _block_kernel(x_ptr, y_ptr, s_ptr, R, C, sxr, sxc, ssr, ssc,
     x = x.to(tl.float32)
     if WEIGHT:
         amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
-        scale = _scale_from_amax(amax, FMAX_, POW2)
-        y = _cast(x, scale, FMAX_, OUT_T)
+        scale = tl_scale_from_amax(amax, FMAX_, POW2)
+        y = tl_cast(x, scale, FMAX_, OUT_T)
         tl.store(s_ptr + pid_r * ssr + pid_c * ssc, tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale))
     else:
         amax = tl.max(tl.abs(x), axis=1)  # (BR,)
-        scale = _scale_from_amax(amax, FMAX_, POW2)
-        y = _cast(x, scale[:, None], FMAX_, OUT_T)
+        scale = tl_scale_from_amax(amax, FMAX_, POW2)
+        y = tl_cast(x, scale[:, None], FMAX_, OUT_T)
         tl.store(s_ptr + rows.to(tl.int64) * ssr + pid_c * ssc, tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale), mask=rows < R)
     tl.store(y_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], y, mask=m)
 
@@ -258,7 +260,7 @@ def quantize(x: torch.Tensor, fmt: Format | str, gran: Granularity | str,
             nsplit = triton.cdiv(C, per)
             part = torch.empty((nsplit, R), device=x.device, dtype=torch.float32)
             _row_amax_partial_kernel[(n_r, nsplit)](x, part, R, C, sxr, sxc, per, BR=br, BC=bc, num_warps=4)
-            _row_cast_partials_kernel[(n_r, triton.cdiv(C, bc))](
+            row_cast_partials_kernel[(n_r, triton.cdiv(C, bc))](
                 x, part, y, s, R, C, sxr, sxc, nsplit, FMAX_=fmax, POW2=pow2, OUT_T=out_t,
                 BR=br, BC=bc, BS=triton.next_power_of_2(nsplit), num_warps=4)
         return QuantOut(y, s)

@@ -27,7 +27,7 @@ from loka_tune.errors import UnsupportedChoiceError
 from loka_tune.kernels.fused import (
     DEFAULT_CHOICE,
     FusedLinearBlockNormHardswish,
-    _hooked,
+    any_hooked,
     epilogue_supports,
 )
 from loka_tune.kernels.linear import is_eligible
@@ -58,7 +58,7 @@ def _chain_reason(lin: nn.Module, norm: BlockNorm, act: nn.Module, fwd: GemmChoi
     assert isinstance(lin, nn.Linear)  # what is_eligible accepts (LokaLinear is one)
     if getattr(norm, "weight", None) is not None:
         return "BlockNorm has an affine weight: the fused epilogue is parameter-free"
-    if _hooked(lin, norm, act):
+    if any_hooked(lin, norm, act):
         return "a module of the chain has hooks attached: fuse before attaching hooks"
     if fwd is None:
         own = getattr(lin, "precision", None)
@@ -114,7 +114,7 @@ def fuse_epilogues(model: nn.Module, *, choice: GemmChoice | str | None = DEFAUL
                 report.skipped.append((name, "the model itself is the chain: wrap it in a container"))
                 continue
             reason = _chain_reason(lin, norm, act, fwd)
-            if reason is None and _hooked(m):
+            if reason is None and any_hooked(m):
                 reason = "the container has hooks attached"
             if reason is not None:
                 report.skipped.append((name, reason))
@@ -177,7 +177,7 @@ def unfuse_epilogues(model: nn.Module) -> list[str]:
                 out.append(name)
             elif (seq_keys is not None and isinstance(parent, nn.Sequential) and seq_keys[0] == key
                   and all(isinstance(parent._modules.get(k), nn.Identity) for k in seq_keys[1:])):
-                if _hooked(child):
+                if any_hooked(child):
                     raise UnsupportedChoiceError(
                         f"the fused chain {name!r} of an nn.Sequential has hooks attached, which cannot be moved"
                         " to the three unfused modules: remove them first")
@@ -209,7 +209,7 @@ def fuse_serving_epilogues(model: nn.Module, *, containers: tuple[str, ...] = ("
             reason = None
             if getattr(norm, "weight", None) is not None:
                 reason = "BlockNorm has an affine weight: the fused epilogue is parameter-free"
-            elif _hooked(lin, norm, act, m):
+            elif any_hooked(lin, norm, act, m):
                 reason = "a module of the chain has hooks attached: fuse before attaching hooks"
             else:
                 reason = epilogue_supports(lin.choice, n=lin.out_features, block=norm.block,

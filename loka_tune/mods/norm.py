@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from loka_tune.errors import ModError
-from loka_tune.layers import BlockNorm, _check_block, block_layout
+from loka_tune.layers import BlockNorm, block_layout, check_block
 from loka_tune.mods._walk import Walk, check_model, has_hooks, overrides_forward
 from loka_tune.mods.report import Change, PassReport, Skip
 
@@ -48,7 +48,7 @@ def blocknorm(model: nn.Module, block: int = 256, *, affine: bool = False) -> Pa
     Idempotent: BlockNorm modules are left as they are.
     """
     check_model(model)
-    _check_block(block)
+    check_block(block)
     if not isinstance(affine, bool):
         raise ModError(f"blocknorm affine must be True or False; got {affine!r}")
     report = PassReport("blocknorm", params={"block": block, "affine": affine})

@@ -3,9 +3,9 @@
     load_study("study.toml") -> StudyConfig -> run_study(cfg) -> Optuna study -> export_best(study, "best.json")
 
 One module per job: ``study`` (the study file's schema; ``sections`` holds its tables),
-``build`` (data source, model, trainer config), ``baseline`` (bf16 reference runs, their
-noise twins, the paired noise floor), ``optuna_setup`` (storage, sampler, pruner; ``_sampler``:
-TPE seeded per trial position),
+``build`` (data source, model, trainer config, the study's training run), ``log`` (progress
+lines), ``baseline`` (bf16 reference runs, their noise twins, the paired noise floor),
+``optuna_setup`` (storage, sampler, pruner; ``_sampler``: TPE seeded per trial position),
 ``prepare`` (baseline + probe + pruned space), ``starts`` (the enqueued first trials: bf16
 under each Mods set, then the named recipes under the best), ``trial`` (one configuration's evaluation), ``loop`` (ask/evaluate/tell,
 several workers; ``_workers`` holds heartbeats and duplicates), ``results`` (trial records,

@@ -6,9 +6,9 @@ resumed study proposes configurations it has already evaluated (cache copies) an
 and answers, differently than the same study run without a stop. Here every trial gets a fresh
 TPE whose generator is seeded by the study's seed and the trial's *position*: its number less
 the trials that an uninterrupted study would not have (failed by an interruption or a dead
-worker and re-queued, :func:`~loka_tune.tuner._workers._position`). TPE is otherwise a function
+worker and re-queued, :func:`~loka_tune.tuner._workers.trial_position`). TPE is otherwise a function
 of the study's trials, so a resumed study draws what the uninterrupted one drew at each
-position. (The queue's order is kept by :func:`~loka_tune.tuner._workers._keep_queue_order`:
+position. (The queue's order is kept by :func:`~loka_tune.tuner._workers.keep_queue_order`:
 TPE reads its history in trial order.)
 
 Imported by :func:`~loka_tune.tuner.optuna_setup.make_sampler` only: it imports Optuna.
@@ -24,7 +24,7 @@ import numpy as np
 import optuna
 from optuna.samplers import BaseSampler
 
-from loka_tune.tuner._workers import _position
+from loka_tune.tuner._workers import trial_position
 
 __all__ = ["TrialSeededSampler", "trial_seed"]
 
@@ -49,7 +49,7 @@ class TrialSeededSampler(BaseSampler):
 
     def before_trial(self, study: Any, trial: Any) -> None:
         trials = study.get_trials(deepcopy=False)
-        self._current = self._build(trial_seed(self.seed, _position(trials, trial.number)))
+        self._current = self._build(trial_seed(self.seed, trial_position(trials, trial.number)))
         self._current.before_trial(study, trial)
 
     def infer_relative_search_space(self, study: Any, trial: Any) -> dict[str, Any]:

@@ -3,10 +3,11 @@ configurations evaluated once (a repeated one waits for, or copies, the earlier 
 
 Interruptions and resumes: a trial failed by an interruption or a dead worker is re-queued and
 stands for nothing in an uninterrupted study (:func:`_requeued`); a trial's *position* is its
-number without those (:func:`_position`: what seeds the sampler's draws for it), and the queue
-keeps the order of the trials its entries stand for (:func:`_keep_queue_order`).
+number without those (:func:`trial_position`: what seeds the sampler's draws for it), and the queue
+keeps the order of the trials its entries stand for (:func:`keep_queue_order`).
 
-Private to the loop (:mod:`loka_tune.tuner.loop`). Optuna is imported inside the functions.
+Private to the tuner package: its public names serve the loop (:mod:`loka_tune.tuner.loop`) and
+the sampler (:mod:`loka_tune.tuner._sampler`). Optuna is imported inside the functions.
 """
 
 from __future__ import annotations
@@ -22,13 +23,16 @@ import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any, Self
 
-from loka_tune.tuner.build import _log
+from loka_tune.tuner.log import log
 from loka_tune.tuner.results import TrialRecord
+
+__all__ = ["ATTR_REQUEUED_FROM", "Heartbeat", "sigterm_as_interrupt", "fail_stale", "trial_position", "requeue_attrs",
+           "keep_queue_order", "n_counted", "copies_in_a_row", "find_duplicate", "wait_for"]
 
 ATTR_REQUEUED_FROM = "requeued_from"  # trial user attr: the number of the trial a re-queued one stands for
 
 
-class _Heartbeat:
+class Heartbeat:
     """Records the trial's heartbeat every ``interval`` seconds while a trial runs (``with``)."""
 
     def __init__(self, storage: Any, trial_id: int, interval: float) -> None:
@@ -61,7 +65,7 @@ class _Heartbeat:
 
 
 @contextlib.contextmanager
-def _sigterm_as_interrupt() -> Iterator[None]:
+def sigterm_as_interrupt() -> Iterator[None]:
     """Inside: SIGTERM raises ``KeyboardInterrupt`` as Ctrl-C does, so that both end a trial the
     same way (failed, re-queued, its MLflow run KILLED). The main thread only (signals are
     delivered there); the previous handler is restored on leaving."""
@@ -124,11 +128,11 @@ def _fail_and_requeue(study: Any, storage: Any, t: Any, why: str) -> None:
     if callback is not None:
         callback(study, storage.get_trial(t._trial_id))
     else:
-        study.enqueue_trial(t.params, user_attrs=_requeue_attrs(t))
-    _log(f"[loka-tune] trial {t.number}: {why}; failed and re-queued")
+        study.enqueue_trial(t.params, user_attrs=requeue_attrs(t))
+    log(f"[loka-tune] trial {t.number}: {why}; failed and re-queued")
 
 
-def _fail_stale(study: Any, grace_s: float | None = None) -> None:
+def fail_stale(study: Any, grace_s: float | None = None) -> None:
     """Fail (and re-queue) the trials of dead workers.
 
     Optuna fails RUNNING trials whose heartbeat is older than the grace period. A worker killed
@@ -152,7 +156,7 @@ def _fail_stale(study: Any, grace_s: float | None = None) -> None:
             if (now - t.datetime_start).total_seconds() <= grace_s:
                 continue
             _fail_and_requeue(study, study._storage, t, "its worker died before its first heartbeat")
-    _keep_queue_order(study)
+    keep_queue_order(study)
 
 
 def _requeued(t: Any) -> bool:
@@ -163,7 +167,7 @@ def _requeued(t: Any) -> bool:
     return t.state == TrialState.FAIL and not TrialRecord.of(t).counts
 
 
-def _position(trials: Iterable[Any], number: int) -> int:
+def trial_position(trials: Iterable[Any], number: int) -> int:
     """Trial ``number``'s position: the trials before it that an uninterrupted study has too."""
     return sum(1 for t in trials if t.number < number and not _requeued(t))
 
@@ -177,7 +181,7 @@ def _origin(t: Any) -> int:
     return t.number if o is None else int(o)
 
 
-def _requeue_attrs(t: Any) -> dict[str, Any]:
+def requeue_attrs(t: Any) -> dict[str, Any]:
     """The user attributes of ``t``'s configuration queued again: its start label and its origin."""
     attrs: dict[str, Any] = {ATTR_REQUEUED_FROM: _origin(t)}
     if t.user_attrs.get("seeded"):
@@ -185,7 +189,7 @@ def _requeue_attrs(t: Any) -> dict[str, Any]:
     return attrs
 
 
-def _keep_queue_order(study: Any) -> None:
+def keep_queue_order(study: Any) -> None:
     """Keep the queue in the order of the trials its entries stand for.
 
     Optuna runs waiting trials lowest number first, and a re-queued trial takes a new number: a
@@ -214,10 +218,10 @@ def _keep_queue_order(study: Any) -> None:
         storage.set_trial_state_values(t._trial_id, state=TrialState.FAIL)
     for t in taken:
         params = {**t.system_attrs.get("fixed_params", {}), **t.params}
-        study.enqueue_trial(params, user_attrs=_requeue_attrs(t))
+        study.enqueue_trial(params, user_attrs=requeue_attrs(t))
 
 
-def _n_counted(trials: Iterable[Any]) -> tuple[int, int]:
+def n_counted(trials: Iterable[Any]) -> tuple[int, int]:
     """(finished trials that count toward n_trials, running trials that will).
 
     ``n_trials`` counts distinct configurations evaluated: a cache copy (a repeated
@@ -243,7 +247,7 @@ def _n_counted(trials: Iterable[Any]) -> tuple[int, int]:
     return done, running
 
 
-def _copies_in_a_row(trials: Iterable[Any]) -> int:
+def copies_in_a_row(trials: Iterable[Any]) -> int:
     """How many of the last finished trials are cache copies, back to the last evaluated one."""
     n = 0
     for t in sorted(trials, key=lambda t: t.number, reverse=True):
@@ -255,7 +259,7 @@ def _copies_in_a_row(trials: Iterable[Any]) -> int:
     return n
 
 
-def _find_duplicate(study: Any, key: str, number: int) -> Any:
+def find_duplicate(study: Any, key: str, number: int) -> Any:
     """An earlier trial with the same config key: finished (copy it) or running (wait for it)."""
     from optuna.trial import TrialState
 
@@ -273,13 +277,13 @@ def _find_duplicate(study: Any, key: str, number: int) -> Any:
     return best
 
 
-def _wait_for(study: Any, trial_number: int, poll_s: float, limit_s: float, grace_s: float | None = None) -> Any:
+def wait_for(study: Any, trial_number: int, poll_s: float, limit_s: float, grace_s: float | None = None) -> Any:
     """Poll until the running trial ``trial_number`` finishes; its frozen trial, or None (it died)."""
     from optuna.trial import TrialState
 
     t_end = time.time() + limit_s
     while time.time() < t_end:
-        _fail_stale(study, grace_s=grace_s)
+        fail_stale(study, grace_s=grace_s)
         t = study.get_trials(deepcopy=False)[trial_number]
         if t.state in (TrialState.COMPLETE, TrialState.PRUNED):
             return t

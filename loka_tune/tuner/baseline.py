@@ -26,7 +26,8 @@ from torch import nn
 from loka_tune.config import ModsConfig, PrecisionConfig
 from loka_tune.errors import StudyError
 from loka_tune.objectives.speed import measure_forward_seconds, modeled_gemm_seconds
-from loka_tune.tuner.build import _first_batch, _log, _train, make_model, train_config
+from loka_tune.tuner.build import first_batch, make_model, train_config, train_in_study
+from loka_tune.tuner.log import log
 from loka_tune.tuner.study import StudyConfig
 
 __all__ = ["Baseline", "run_baseline", "check_budget", "price_baseline", "modeled_seconds", "time_reference",
@@ -148,7 +149,7 @@ def _say_progress(label: str, total: int) -> Callable[[int, float], None]:
         if marks and step >= marks[0] and step < total:
             while marks and step >= marks[0]:
                 marks.pop(0)
-            _log(f"[loka-tune]   {label}: step {step}/{total}, train loss {loss:.4f}"
+            log(f"[loka-tune]   {label}: step {step}/{total}, train loss {loss:.4f}"
                  f" ({time.perf_counter() - t0:.0f}s)")
 
     return say
@@ -185,7 +186,7 @@ def run_baseline(cfg: StudyConfig, source: Any, device: str, *, force: bool = Fa
         t0 = time.perf_counter()
         probed = i == 0 and cfg.probe.enabled
         what = f"probe every {cfg.probe.every} steps, " if probed else ""
-        _log(f"[loka-tune] baseline seed {seed} (bf16, {what}{_regime_str(tcfg)}): {tcfg.steps} steps ...")
+        log(f"[loka-tune] baseline seed {seed} (bf16, {what}{_regime_str(tcfg)}): {tcfg.steps} steps ...")
         say = _say_progress(f"baseline seed {seed}", tcfg.steps)
         if probed:
             res, stats = _probed_run(cfg, model, source, tcfg, seed, say)
@@ -193,14 +194,14 @@ def run_baseline(cfg: StudyConfig, source: Any, device: str, *, force: bool = Fa
                 stats.save(probe_out)
             regime_times.append(float(res.step_time_s))  # in the regime; collections are outside its timing
         else:
-            res = _train(model, source, tcfg, seed=seed, config=bf16, progress=say)
+            res = train_in_study(model, source, tcfg, seed=seed, config=bf16, progress=say)
             regime_times.append(float(res.step_time_s))
         if i == 0:
             first_model = model
         if res.status != "ok":
             raise StudyError(f"the bf16 baseline (seed {seed}) did not finish: status {res.status!r}"
                              f" (non-finite step {res.nonfinite_step}); lower training.lr_dense/lr_sparse")
-        _log(f"[loka-tune] baseline seed {seed}: eval log loss {res.eval_logloss:.5f}, NE {res.eval_ne:.4f},"
+        log(f"[loka-tune] baseline seed {seed}: eval log loss {res.eval_logloss:.5f}, NE {res.eval_ne:.4f},"
              f" AUC {res.eval_auc:.4f} ({time.perf_counter() - t0:.1f}s)")
         results.append(res)
         if on_run is not None:
@@ -225,7 +226,7 @@ def run_baseline(cfg: StudyConfig, source: Any, device: str, *, force: bool = Fa
     n = cfg.objective.noise_twins
     per_seed = ", ".join(f"seed {s}: " + " ".join(f"{x:+.3g}%" for x in paired[i * n:(i + 1) * n])
                          for i, s in enumerate(bl.seeds))
-    _log(f"[loka-tune] noise floor {floor:.3g}% (paired: the largest |rel. log loss| of a twin vs its seed's"
+    log(f"[loka-tune] noise floor {floor:.3g}% (paired: the largest |rel. log loss| of a twin vs its seed's"
          f" baseline; {per_seed})"
          + ("" if spread is None else f"; seed to seed {spread:.3g}% (information only: trials are paired)"))
     assert first_model is not None
@@ -256,10 +257,10 @@ def _probed_run(cfg: StudyConfig, model: nn.Module, source: Any, tcfg: Any, seed
             probe.step(*model_inputs(model, batch), target=batch.labels)
 
         with probe:
-            res = _train(model, source, tcfg, seed=seed, config=PrecisionConfig(), on_batch=side, progress=progress)
+            res = train_in_study(model, source, tcfg, seed=seed, config=PrecisionConfig(), on_batch=side, progress=progress)
         return res, probe.stats
     with Probe(model, every=every, step_on="manual") as probe:
-        res = _train(model, source, tcfg, seed=seed, config=PrecisionConfig(), after_step=lambda _n: probe.step(),
+        res = train_in_study(model, source, tcfg, seed=seed, config=PrecisionConfig(), after_step=lambda _n: probe.step(),
                      progress=progress)
     return res, probe.stats
 
@@ -277,13 +278,13 @@ def _noise_twin(cfg: StudyConfig, source: Any, tcfg: Any, seed: int, twin: int, 
     apply(model, bf16)
     t0 = time.perf_counter()
     what = f"noise twin {twin + 1} of seed {seed}"
-    _log(f"[loka-tune] {what} (bf16, {NOISE_PERTURBATION}, {_regime_str(tcfg)}): {tcfg.steps} steps ...")
-    res = _train(model, source, tcfg, seed=seed, config=bf16, progress=_say_progress(what, tcfg.steps))
+    log(f"[loka-tune] {what} (bf16, {NOISE_PERTURBATION}, {_regime_str(tcfg)}): {tcfg.steps} steps ...")
+    res = train_in_study(model, source, tcfg, seed=seed, config=bf16, progress=_say_progress(what, tcfg.steps))
     if res.status != "ok":
         raise StudyError(f"the {what} (its bf16 baseline from perturbed initial weights) did not finish: status"
                          f" {res.status!r} (non-finite step {res.nonfinite_step}): the runs are unstable; lower"
                          " training.lr_dense/lr_sparse")
-    _log(f"[loka-tune] {what}: eval log loss {res.eval_logloss:.5f}"
+    log(f"[loka-tune] {what}: eval log loss {res.eval_logloss:.5f}"
          f" ({relative_log_loss(res.eval_logloss, base_logloss) * 100:+.4f}% vs its baseline,"
          f" {time.perf_counter() - t0:.1f}s)")
     return res
@@ -305,7 +306,7 @@ def time_reference(cfg: StudyConfig, source: Any, device: str, mods: ModsConfig,
     tcfg = train_config(cfg, seed, device=device)
     steps = min(tcfg.steps, tcfg.warmup_steps + REFERENCE_TIMED_STEPS)
     tcfg = replace(tcfg, steps=steps, window=min(tcfg.window, steps), eval_batches=1)
-    res = _train(model, source, tcfg, seed=seed, config=config)
+    res = train_in_study(model, source, tcfg, seed=seed, config=config)
     return float(res.step_time_s)
 
 
@@ -348,7 +349,7 @@ def price_baseline(cfg: StudyConfig, baseline: Baseline, source: Any, batch: Any
     if cfg.objective.kind == "inference":
         m = make_model(cfg, source).to(device)
         apply(m, PrecisionConfig())
-        t = measure_forward_seconds(m, _first_batch(source, cfg, device), autocast=cfg.training.autocast)
+        t = measure_forward_seconds(m, first_batch(source, cfg, device), autocast=cfg.training.autocast)
         return replace(baseline, step_time_s=t)
     return baseline
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import sys
 import warnings
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -25,11 +24,7 @@ if TYPE_CHECKING:
     from loka_tune.objectives.trainer import OnStep, TrainConfig, TrainResult
 
 __all__ = ["import_function", "call_model_factory", "make_source", "make_model", "train_config", "resolve_device", "speed_source",
-           "trial_model", "run_train"]
-
-
-def _log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+           "trial_model", "first_batch", "train_in_study", "run_train"]
 
 
 def import_function(spec: str, *, key: str) -> Callable[..., Any]:
@@ -189,15 +184,16 @@ def trial_model(cfg: StudyConfig, source: Any, config: PrecisionConfig, *,
     return model, summary
 
 
-def _first_batch(source: Any, cfg: StudyConfig, device: str = "cpu", *, max_rows: int | None = None) -> Any:
+def first_batch(source: Any, cfg: StudyConfig, device: str = "cpu", *, max_rows: int | None = None) -> Any:
+    """The study's first training batch (its batch size, at most ``max_rows`` rows, its training seed)."""
     bs = cfg.batch_size if max_rows is None else min(max_rows, cfg.batch_size)
     return next(iter(source.batches("train", bs, seed=cfg.training.seed, device=device)))
 
 
-def _train(model: nn.Module, source: Any, tcfg: TrainConfig, *, seed: int | None, config: PrecisionConfig,
-           on_step: OnStep | None = None, after_step: Callable[[int], None] | None = None,
-           progress: Callable[[int, float], None] | bool = False,
-           on_batch: Callable[[int, Any], None] | None = None) -> TrainResult:
+def train_in_study(model: nn.Module, source: Any, tcfg: TrainConfig, *, seed: int | None, config: PrecisionConfig,
+                   on_step: OnStep | None = None, after_step: Callable[[int], None] | None = None,
+                   progress: Callable[[int, float], None] | bool = False,
+                   on_batch: Callable[[int, Any], None] | None = None) -> TrainResult:
     """Every training run of the tuner: ``model`` is ``make_model(cfg, source, seed=seed)`` with
     ``config`` applied. In a study of ``[regime] nproc > 1`` rank 0 first announces the run, and
     the other ranks train it beside this one (:mod:`loka_tune.tuner.parallel`)."""

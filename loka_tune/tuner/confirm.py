@@ -39,7 +39,8 @@ from loka_tune.config import PrecisionConfig
 from loka_tune.errors import BackendError, UnsupportedChoiceError
 from loka_tune.objectives.speed import measure_forward_seconds
 from loka_tune.tuner.baseline import modeled_seconds, time_reference
-from loka_tune.tuner.build import _first_batch, _log, _train, make_model, resolve_device, train_config
+from loka_tune.tuner.build import first_batch, make_model, resolve_device, train_config, train_in_study
+from loka_tune.tuner.log import log
 from loka_tune.tuner.prepare import StudyContext
 from loka_tune.tuner.results import (
     ATTR_COMPILE_CACHE,
@@ -49,7 +50,7 @@ from loka_tune.tuner.results import (
     noise_note,
     within_budget,
 )
-from loka_tune.tuner.trial import _cache_counts, reference_seconds, run_description
+from loka_tune.tuner.trial import reference_seconds, run_cache_counts, run_description
 
 __all__ = ["confirm_best", "confirmation_candidates"]
 
@@ -90,7 +91,7 @@ def confirm_best(ctx: StudyContext, *, n_best: int | None = None,
         _store_compile_cache(study)
         return dict(prior)
     t0 = time.perf_counter()
-    _log(f"[loka-tune] confirming the best {len(cands)} configs (trials {numbers}) on seeds {list(seeds)},"
+    log(f"[loka-tune] confirming the best {len(cands)} configs (trials {numbers}) on seeds {list(seeds)},"
          f" paired with bf16 + the same Mods ...")
     rows = [_confirm_one(ctx, t, seeds) for t in cands]
     budget = cfg.objective.budget_pct
@@ -107,7 +108,7 @@ def confirm_best(ctx: StudyContext, *, n_best: int | None = None,
             f" {chosen['claimed_speedup_vs_mods']:.3f}x), rel. LL {chosen['rel_logloss_pct']:+.4f}%"
             f" (sd {chosen['rel_logloss_sd_pct'] or 0:.4f} over the seeds)"
             + noise_note(chosen['rel_logloss_pct'], ctx.baseline.noise_floor_pct))
-    _log(f"[loka-tune] confirmed: {what} ({result['wall_s']:.0f}s)")
+    log(f"[loka-tune] confirmed: {what} ({result['wall_s']:.0f}s)")
     return result
 
 
@@ -128,7 +129,7 @@ def _bf16_logloss(ctx: StudyContext, seed: int) -> float:
         from loka_tune.applier import apply
 
         apply(model, PrecisionConfig())
-        res = _train(model, ctx.source, train_config(ctx.cfg, seed, device=ctx.device), seed=seed,
+        res = train_in_study(model, ctx.source, train_config(ctx.cfg, seed, device=ctx.device), seed=seed,
                      config=PrecisionConfig())
         ctx.references[key] = float(res.eval_logloss)
     return ctx.references[key]
@@ -144,18 +145,18 @@ def _run_seed(ctx: StudyContext, config: PrecisionConfig, seed: int) -> dict[str
     tcfg = train_config(cfg, seed, device=ctx.device)
     try:
         apply(model, config)
-        res = _train(model, ctx.source, tcfg, seed=seed, config=config)
+        res = train_in_study(model, ctx.source, tcfg, seed=seed, config=config)
     except (UnsupportedChoiceError, BackendError) as e:
         return {"seed": seed, "status": "failed", "reason": f"unsupported: {e}"}
-    cache = _cache_counts(tcfg)  # this run's, before the reference's run compiles
+    cache = run_cache_counts(tcfg)  # this run's, before the reference's run compiles
     if res.status != "ok":
         return {"seed": seed, "status": res.status, "reason": f"{res.status} at step {res.nonfinite_step}"}
     if ctx.speed == "modeled":
         on_cpu = resolve_device(ctx.device) == "cpu"
-        batch = ctx.batch if on_cpu else _first_batch(ctx.source, cfg, ctx.device, max_rows=64)
+        batch = ctx.batch if on_cpu else first_batch(ctx.source, cfg, ctx.device, max_rows=64)
         t, ref = modeled_seconds(model, batch, cfg, ctx.baseline), reference_seconds(ctx, config.mods)
     elif cfg.objective.kind == "inference":  # a measured forward pass (the reference: bf16 + Mods' own)
-        t = measure_forward_seconds(model, _first_batch(ctx.source, cfg, ctx.device), autocast=cfg.training.autocast)
+        t = measure_forward_seconds(model, first_batch(ctx.source, cfg, ctx.device), autocast=cfg.training.autocast)
         ref = reference_seconds(ctx, config.mods)
     else:  # paired: bf16 + the same Mods timed on the same seed, right beside the config's run
         t, ref = float(res.step_time_s), time_reference(cfg, ctx.source, ctx.device, config.mods, seed=seed)
@@ -186,7 +187,7 @@ def _reused_run(ctx: StudyContext, trial: Any, r: TrialRecord, config: Precision
     ref = r.mods_step_time_s if r.mods_step_time_s is not None else reference_seconds(ctx, config.mods)
     rel = relative_log_loss(r.eval_logloss, _bf16_logloss(ctx, seed)) * 100.0
     source = r.cached_from if r.cache_hit and r.cached_from is not None else trial.number
-    _log(f"[loka-tune] confirm: trial {source}'s own run stands for seed {seed}")
+    log(f"[loka-tune] confirm: trial {source}'s own run stands for seed {seed}")
     return {"seed": seed, "status": "ok", "rel_logloss_pct": float(rel), "eval_logloss": float(r.eval_logloss),
             "step_time_s": float(trial.value), "ref_step_time_s": float(ref),
             "measured_step_time_s": r.measured_step_time_s, "reused": f"trial {source}"}
@@ -213,7 +214,7 @@ def _confirm_one(ctx: StudyContext, trial: Any, seeds: tuple[int, ...]) -> dict[
                speedup=ctx.baseline.step_time_s / t, rel_logloss_pct=mean,
                rel_logloss_sd_pct=statistics.stdev(rels) if len(rels) > 1 else None,
                feasible=within_budget(mean, ctx.cfg.objective.budget_pct))
-    _log(f"[loka-tune]   trial {trial.number}: {row['speedup_vs_mods']:.3f}x vs bf16 + same Mods (claimed"
+    log(f"[loka-tune]   trial {trial.number}: {row['speedup_vs_mods']:.3f}x vs bf16 + same Mods (claimed"
          f" {r.speedup_vs_mods or math.nan:.3f}x), rel. LL {mean:+.4f}% over seeds {list(seeds)}"
          f"{noise_note(mean, ctx.baseline.noise_floor_pct)} ({'feasible' if row['feasible'] else 'over budget'})")
     return row

@@ -53,17 +53,18 @@ from loka_tune.config import PrecisionConfig
 from loka_tune.errors import StudyError
 from loka_tune.space.encode import config_from_params, distributions
 from loka_tune.tuner._workers import (
-    _copies_in_a_row,
-    _fail_stale,
-    _find_duplicate,
-    _Heartbeat,
-    _keep_queue_order,
-    _n_counted,
-    _requeue_attrs,
-    _sigterm_as_interrupt,
-    _wait_for,
+    Heartbeat,
+    copies_in_a_row,
+    fail_stale,
+    find_duplicate,
+    keep_queue_order,
+    n_counted,
+    requeue_attrs,
+    sigterm_as_interrupt,
+    wait_for,
 )
-from loka_tune.tuner.build import _log, resolve_device
+from loka_tune.tuner.build import resolve_device
+from loka_tune.tuner.log import log
 from loka_tune.tuner.optuna_setup import make_storage, open_study, set_constraint
 from loka_tune.tuner.prepare import StudyContext, prepare_study
 from loka_tune.tuner.proposals import enqueue_proposals
@@ -109,7 +110,7 @@ def run_study(cfg: StudyConfig, *, device: str | None = None, storage_url: str |
         # inductor's on-disk graph cache beside the study: every compiled run (and worker, and
         # resume) of this model reuses what an earlier one compiled (unless the user chose a dir)
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cfg.output_dir / "inductor_cache"))
-    with _sigterm_as_interrupt():
+    with sigterm_as_interrupt():
         try:
             ctx = prepare_study(cfg, study, device=dev, force=force, tracker=tracker, on_change=on_change)
             _trials(ctx, study, storage, tracker, n_total=n_total, timeout=timeout, worker_id=worker_id,
@@ -139,17 +140,17 @@ def _trials(ctx: StudyContext, study: Any, storage: Any, tracker: Tracker | None
     worker = worker_id or f"{platform.node()}:{os.getpid()}"
     n_configs = math.prod(len(d.choices) for d in dists.values())  # at most this many distinct ones
     if n_total is not None and n_total > n_configs:
-        _log(f"[loka-tune] the space has {n_configs} configuration(s): the study stops after evaluating them"
+        log(f"[loka-tune] the space has {n_configs} configuration(s): the study stops after evaluating them"
              f" (n_trials {n_total})")
         n_total = n_configs
     while True:
         if timeout is not None and time.time() - t_start > timeout:
             break
-        _fail_stale(study, grace_s=cfg.storage.grace_s)
+        fail_stale(study, grace_s=cfg.storage.grace_s)
         trials = study.get_trials(deepcopy=False)
-        done, running = _n_counted(trials)
-        if _copies_in_a_row(trials) >= MAX_COPIES_IN_A_ROW:
-            _log(f"[loka-tune] the sampler proposed only evaluated configurations in the last {MAX_COPIES_IN_A_ROW}"
+        done, running = n_counted(trials)
+        if copies_in_a_row(trials) >= MAX_COPIES_IN_A_ROW:
+            log(f"[loka-tune] the sampler proposed only evaluated configurations in the last {MAX_COPIES_IN_A_ROW}"
                  f" trials: the space looks exhausted after {done} distinct ones; stopping")
             break
         if n_total is not None and done + running >= n_total:
@@ -166,12 +167,12 @@ def _trials(ctx: StudyContext, study: Any, storage: Any, tracker: Tracker | None
             # the first proposals wait for the recipe starts (they calibrate the model)
             time.sleep(min(cfg.storage.heartbeat_s, 2.0))
             continue
-        with warnings.catch_warnings():  # heartbeats are recorded by _Heartbeat below, not by optimize()
+        with warnings.catch_warnings():  # heartbeats are recorded by Heartbeat below, not by optimize()
             warnings.filterwarnings("ignore", message="Heartbeat of storage")
             trial = study.ask(fixed_distributions=dists)
         try:
-            # the first beat is recorded on entering (see _fail_stale for the gap before it)
-            with _Heartbeat(storage, trial._trial_id, cfg.storage.heartbeat_s):
+            # the first beat is recorded on entering (see fail_stale for the gap before it)
+            with Heartbeat(storage, trial._trial_id, cfg.storage.heartbeat_s):
                 end = _one_trial(ctx, study, trial, worker, budget)
         except KeyboardInterrupt:
             _tell_interrupted(ctx, study, trial, tracker)
@@ -180,7 +181,7 @@ def _trials(ctx: StudyContext, study: Any, storage: Any, tracker: Tracker | None
             # another worker saw this trial's heartbeat go stale (this process was stalled for
             # longer than [storage] grace_s), failed it and re-queued its configuration: drop
             # our copy and go on with the next trial.
-            _log(f"trial {trial.number}: taken over by another worker after a stale heartbeat"
+            log(f"trial {trial.number}: taken over by another worker after a stale heartbeat"
                  f" (raise [storage] grace_s above {cfg.storage.grace_s}s if this machine stalls); skipped")
             continue
         if tracker is not None:
@@ -188,7 +189,7 @@ def _trials(ctx: StudyContext, study: Any, storage: Any, tracker: Tracker | None
             tracker.log_trial(trial.number, end.params, end.config, {**end.attrs, "seeded": seeded} if seeded
                               else end.attrs, end.state, ctx, step_losses=end.step_losses)
         if progress:
-            _log(_progress_line(ctx, trial.number, n_total, end.attrs, end.state))
+            log(_progress_line(ctx, trial.number, n_total, end.attrs, end.state))
 
 
 @dataclass(frozen=True)
@@ -214,9 +215,9 @@ def _one_trial(ctx: StudyContext, study: Any, trial: Any, worker: str, budget: f
                         worker=worker, speed_source=ctx.speed)
     for k, v in start.start_attrs().items():
         trial.set_user_attr(k, v)
-    dup = _find_duplicate(study, config.key(), trial.number)
+    dup = find_duplicate(study, config.key(), trial.number)
     if dup is not None and dup.state == TrialState.RUNNING:
-        dup = _wait_for(study, dup.number, poll_s=1.0, limit_s=max(60.0, 4 * grace + 600), grace_s=grace)
+        dup = wait_for(study, dup.number, poll_s=1.0, limit_s=max(60.0, 4 * grace + 600), grace_s=grace)
     if dup is not None:
         state, attrs = _tell_copy(study, trial, dup, budget, wall_s=time.perf_counter() - t0)
         return _TrialEnd(state, attrs, params, config)
@@ -233,18 +234,18 @@ def _tell_interrupted(ctx: StudyContext, study: Any, trial: Any, tracker: Tracke
     params = dict(trial.params)
     attrs = {"status": "failed", "reason": "interrupted (Ctrl-C or SIGTERM); re-queued"}
     try:
-        again = _requeue_attrs(study._storage.get_trial(trial._trial_id))  # the frozen trial: its system attrs
+        again = requeue_attrs(study._storage.get_trial(trial._trial_id))  # the frozen trial: its system attrs
         for k, v in attrs.items():
             trial.set_user_attr(k, v)
         study.tell(trial, state=TrialState.FAIL)
         study.enqueue_trial(params, user_attrs=again)
-        _keep_queue_order(study)  # it runs first on resuming, as it would have without the stop
-        _log(f"[loka-tune] trial {trial.number}: interrupted; marked failed, its configuration re-queued")
+        keep_queue_order(study)  # it runs first on resuming, as it would have without the stop
+        log(f"[loka-tune] trial {trial.number}: interrupted; marked failed, its configuration re-queued")
         if tracker is not None:
             tracker.log_trial(trial.number, params, config_from_params(ctx.space, params), attrs, "FAIL", ctx,
                               run_status="KILLED")
     except Exception as e:  # noqa: BLE001 - report and let the interrupt through
-        _log(f"[loka-tune] trial {trial.number}: interrupted; could not record it ({e})")
+        log(f"[loka-tune] trial {trial.number}: interrupted; could not record it ({e})")
 
 
 def _tell_copy(study: Any, trial: Any, dup: Any, budget: float, *, wall_s: float) -> tuple[str, dict[str, Any]]:
@@ -307,7 +308,7 @@ def _progress_line(ctx: StudyContext, number: int, n_total: int | None, attrs: M
     what = (f"rel.LL {rel:+.4f}%{noise}  speed-up {sp:.3f}x{vs_mods}"
             if state == "COMPLETE" and rel is not None and sp is not None
             else f"{state.lower()}: {r.fail_reason or r.reason or ''}")
-    counted = _n_counted(trials)[0]
+    counted = n_counted(trials)[0]
     of_total = f" ({counted}/{n_total} done)" if n_total else f" ({counted} done)"
     return (f"[loka-tune] trial {number}{of_total}  {what}{tag}  | best {best_s} ({ctx.speed})"
             f"  feasible {feasible}/{len(done)}")

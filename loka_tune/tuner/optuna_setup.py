@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from loka_tune.errors import StudyError
-from loka_tune.tuner.build import _log
+from loka_tune.tuner.log import log
 from loka_tune.tuner.results import ATTR_BASELINE, ATTR_SPACE, ATTR_STUDY, TrialRecord, constraint
 from loka_tune.tuner.storage import check_storage_url, open_rdb
 from loka_tune.tuner.study import StudyConfig, settings_changes, settings_of
@@ -160,7 +160,7 @@ def open_study(cfg: StudyConfig, storage: Any | None = None, *, study_name: str 
     name = study_name or cfg.name
     if on_change == "fresh" and name in {s.study_name for s in optuna.get_all_study_summaries(storage)}:
         optuna.delete_study(study_name=name, storage=storage)
-        _log(f"[loka-tune] study {name!r}: deleted its stored trials, baseline and space (--fresh)")
+        log(f"[loka-tune] study {name!r}: deleted its stored trials, baseline and space (--fresh)")
     sampler = make_sampler(cfg)
     study = _retry_db(lambda: optuna.create_study(storage=storage, study_name=name, direction="minimize",
                                                   sampler=sampler, pruner=make_pruner(cfg), load_if_exists=True))
@@ -185,7 +185,7 @@ def check_settings(study: Any, cfg: StudyConfig, on_change: str = "stop") -> Non
         return
     shown = "; ".join(changes[:6]) + (f"; and {len(changes) - 6} more" if len(changes) > 6 else "")
     if on_change == "resume":
-        _log(f"[loka-tune] study {study.study_name!r}: resuming despite changed settings ({shown}): its stored"
+        log(f"[loka-tune] study {study.study_name!r}: resuming despite changed settings ({shown}): its stored"
              " baseline, space and trials are from the old ones")
         return
     raise StudyError(

@@ -9,7 +9,7 @@ data-parallel over the N ranks at the same global batch (each rank keeps its ``1
 batch; DDP averages the gradients; the losses and eval outputs are gathered), so the run's
 losses and metrics are the one-process run's within float noise.
 
-Every training run of the tuner goes through :func:`loka_tune.tuner.build._train`, which
+Every training run of the tuner goes through :func:`loka_tune.tuner.build.train_in_study`, which
 announces the job first (:func:`announce`): which seed the model is built under
 (:func:`~loka_tune.tuner.build.make_model`), which :class:`~loka_tune.config.PrecisionConfig`
 is applied to it on the run's device, and the :class:`~loka_tune.objectives.trainer.TrainConfig`.
@@ -96,7 +96,7 @@ def is_leading() -> bool:
 
 @contextlib.contextmanager
 def leading() -> Iterator[None]:
-    """Rank 0 runs the study inside: every ``_train`` announces its job; at a normal end the
+    """Rank 0 runs the study inside: every ``train_in_study`` announces its job; at a normal end the
     followers get the stop (after an error torchrun ends them: a stop sent while they wait in a
     run's collective would not match)."""
     global _leading

@@ -38,7 +38,8 @@ from loka_tune.space.encode import distributions, mods_dims
 from loka_tune.space.recipe_space import recipe_candidates, select_recipes
 from loka_tune.space.sites import Site, discover_sites
 from loka_tune.tuner.baseline import Baseline, check_budget, price_baseline, run_baseline
-from loka_tune.tuner.build import _first_batch, _log, make_model, make_source, speed_source
+from loka_tune.tuner.build import first_batch, make_model, make_source, speed_source
+from loka_tune.tuner.log import log
 from loka_tune.tuner.optuna_setup import ATTR_SETTINGS, check_settings
 from loka_tune.tuner.results import ATTR_BASELINE, ATTR_PREPARE_S, ATTR_SPACE, ATTR_STUDY
 from loka_tune.tuner.starts import enqueue_mods_starts, recipe_starts
@@ -97,7 +98,7 @@ def _probe_report(cfg: StudyConfig, stats: Any, candidates: Mapping[str, list[Ge
     # speed at the batch the objective is priced at (cost_batch_size, default the training batch)
     scale = cfg.cost_batch_size / cfg.batch_size
     t0 = time.perf_counter()
-    _log(f"[loka-tune] probe: measuring {len(flat)} candidates x {len(stats.sites)} sites x 3 GEMMs"
+    log(f"[loka-tune] probe: measuring {len(flat)} candidates x {len(stats.sites)} sites x 3 GEMMs"
          f" ({cfg.probe.samples} draws each, {stats.collections} collections) ...")
     # the saved verdicts are the study's: its max_error and min_speedup; price_first: error only
     # for the candidates priced fast enough (the others: report.skipped)
@@ -107,8 +108,8 @@ def _probe_report(cfg: StudyConfig, stats: Any, candidates: Mapping[str, list[Ge
                      price_first=cfg.probe.price_first and _gemm_speed_prunes(cfg, speed_source(cfg, device)),
                      skip_bad_sites=True)
     report.save(out)
-    _log(f"[loka-tune] probe: {len(report.results)} results ({time.perf_counter() - t0:.1f}s)")
-    _log(f"[loka-tune] probe sites: {report.status_line()}")
+    log(f"[loka-tune] probe: {len(report.results)} results ({time.perf_counter() - t0:.1f}s)")
+    log(f"[loka-tune] probe sites: {report.status_line()}")
     return report
 
 
@@ -200,7 +201,7 @@ def _recipe_space(cfg: StudyConfig, space: SearchSpace, report: Any, device: str
     t0 = time.perf_counter()
     prices = _site_prices(cfg, cands, device)
     source = speed_source(cfg, device)
-    _log(f"[loka-tune] prices: {sum(len(d) for d in prices.values())} site recipes priced ({source},"
+    log(f"[loka-tune] prices: {sum(len(d) for d in prices.values())} site recipes priced ({source},"
          f" {time.perf_counter() - t0:.1f}s)")
     return select_recipes(cands, prices, source=source, keep_slow=cfg.probe.min_speedup < 1.0)
 
@@ -220,7 +221,7 @@ def _loaded(cfg: StudyConfig, study: Any, *, force: bool) -> tuple[Baseline, Sea
     attrs = study.user_attrs
     baseline = Baseline.from_dict(attrs[ATTR_BASELINE])
     space = SearchSpace.from_dict(attrs[ATTR_SPACE])
-    _log(f"[loka-tune] study {cfg.name!r}: reusing its baseline (log loss {baseline.logloss:.5f}, noise floor"
+    log(f"[loka-tune] study {cfg.name!r}: reusing its baseline (log loss {baseline.logloss:.5f}, noise floor"
          f" {baseline.noise_floor_pct:.3g}%) and space ({len(space.sites)} sites)")
     check_budget(cfg, baseline, force=force)
     return baseline, space
@@ -264,7 +265,7 @@ def _prepare(cfg: StudyConfig, study: Any, *, device: str, force: bool = False,
              tracker: Any = None, on_change: str = "stop") -> StudyContext:
     source = make_source(cfg)
     speed = speed_source(cfg, device)
-    batch = _first_batch(source, cfg, max_rows=64)  # shapes per example: a small CPU batch is enough
+    batch = first_batch(source, cfg, max_rows=64)  # shapes per example: a small CPU batch is enough
     if _prepared(study):
         baseline, space = _loaded(cfg, study, force=force)
         if tracker is not None:
@@ -301,10 +302,10 @@ def _prepare(cfg: StudyConfig, study: Any, *, device: str, force: bool = False,
     if not cfg.space.per_gemm:
         space = _recipe_space(cfg, space, report, device)
     values = f", {space.n_recipe_values()} FP8 site recipes" if not space.per_gemm else ""
-    _log(f"[loka-tune] space: {len(space.sites)} sites, {n_fp8} FP8 candidates after pruning{values},"
+    log(f"[loka-tune] space: {len(space.sites)} sites, {n_fp8} FP8 candidates after pruning{values},"
          f" {len(distributions(space))} parameters ({time.perf_counter() - t0:.1f}s to prepare)")
     if n_fp8 == 0:
-        _log("[loka-tune] " + no_fp8_reason(space, cfg))
+        log("[loka-tune] " + no_fp8_reason(space, cfg))
 
     # store, unless another worker was faster (then use theirs: every worker must share one space)
     if _prepared(study):

@@ -33,7 +33,7 @@ from typing import Any
 from loka_tune.space.candidates import BF16_ID, SearchSpace
 from loka_tune.space.encode import SITE, config_from_params, mods_from_params, param_name
 from loka_tune.space.model import AdditiveModel, Observation
-from loka_tune.tuner.build import _log
+from loka_tune.tuner.log import log
 from loka_tune.tuner.results import TrialRecord
 from loka_tune.tuner.starts import ATTR_STARTS
 
@@ -143,7 +143,7 @@ def enqueue_proposals(study: Any, space: SearchSpace, *, budget_pct: float, base
     study.set_user_attr(ATTR_MODEL, {**model.to_dict(), "proposed": proposed, "fits": int(state.get("fits", 0)) + 1,
                                      "under": under})
     if queued or not state:
-        _log(f"[loka-tune] model: alpha {model.alpha:.3g}%/MERE ({model.n_alpha} trials), beta {model.beta:.3g}"
+        log(f"[loka-tune] model: alpha {model.alpha:.3g}%/MERE ({model.n_alpha} trials), beta {model.beta:.3g}"
              f" ({model.n_beta} trials); " + ("queued " + ", ".join(queued) if queued
                                               else "no untried point predicted faster than the best trial"))
     return False

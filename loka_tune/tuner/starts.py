@@ -45,7 +45,7 @@ from loka_tune.recipes import DISPATCH, SIZE_FILTERS
 from loka_tune.space.candidates import BF16_ID, SearchSpace, SiteChoices
 from loka_tune.space.encode import mods_from_params, params_from_config, params_picking
 from loka_tune.space.recipe_space import recipe_gemm
-from loka_tune.tuner.build import _log
+from loka_tune.tuner.log import log
 from loka_tune.tuner.results import TrialRecord
 
 __all__ = ["ATTR_STARTS", "mods_sets", "recipe_starts", "enqueue_mods_starts", "enqueue_recipe_starts"]
@@ -174,5 +174,5 @@ def enqueue_recipe_starts(study: Any) -> bool:
     study.set_user_attr(ATTR_STARTS, {**info, "state": "done", "under": under, "mods": mods,
                                       "under_trial": None if best is None else best.number})
     why = f"trial {best.number}'s, the fastest feasible" if best is not None else "none: no bf16 + Mods start is feasible"
-    _log(f"[loka-tune] starts: {len(info['recipes'])} recipe(s) queued under Mods {under!r} ({why})")
+    log(f"[loka-tune] starts: {len(info['recipes'])} recipe(s) queued under Mods {under!r} ({why})")
     return False

@@ -22,7 +22,7 @@ from loka_tune.config import ModsConfig, PrecisionConfig
 from loka_tune.errors import BackendError, UnsupportedChoiceError
 from loka_tune.objectives.speed import measure_forward_seconds
 from loka_tune.tuner.baseline import modeled_seconds, time_reference
-from loka_tune.tuner.build import _first_batch, _train, resolve_device, train_config, trial_model
+from loka_tune.tuner.build import first_batch, resolve_device, train_config, train_in_study, trial_model
 from loka_tune.tuner.prepare import StudyContext
 from loka_tune.tuner.results import ATTR_REFERENCE, within_budget
 from loka_tune.tuner.study import StudyConfig
@@ -30,7 +30,7 @@ from loka_tune.tuner.study import StudyConfig
 if TYPE_CHECKING:
     from loka_tune.objectives.trainer import TrainConfig
 
-__all__ = ["TrialOutcome", "evaluate_config", "reference_seconds", "run_description"]
+__all__ = ["TrialOutcome", "evaluate_config", "reference_seconds", "run_description", "run_cache_counts"]
 
 
 @dataclass
@@ -71,8 +71,8 @@ def run_description(cfg: StudyConfig, tcfg: TrainConfig) -> dict[str, Any]:
     return {"seed": tcfg.seed, "steps": tcfg.steps, **cfg.regime.describe(tcfg), "nproc": cfg.regime.nproc}
 
 
-def _cache_counts(tcfg: TrainConfig) -> dict[str, int] | None:
-    """The cache counts of the run that just ended, if it was compiled."""
+def run_cache_counts(tcfg: TrainConfig) -> dict[str, int] | None:
+    """The compile cache counts of the run that just ended, if it was compiled (else None)."""
     if not tcfg.compile:
         return None
     from loka_tune.objectives.compiled import compile_cache_counts
@@ -103,10 +103,10 @@ def reference_seconds(ctx: StudyContext, mods: ModsConfig) -> float:
         model, _ = trial_model(cfg, ctx.source, PrecisionConfig(mods=mods), device=ctx.device)
         if ctx.speed == "modeled":
             on_cpu = resolve_device(ctx.device) == "cpu"
-            batch = ctx.batch if on_cpu else _first_batch(ctx.source, cfg, ctx.device, max_rows=64)
+            batch = ctx.batch if on_cpu else first_batch(ctx.source, cfg, ctx.device, max_rows=64)
             t = modeled_seconds(model, batch, cfg, bl)
         else:
-            t = measure_forward_seconds(model, _first_batch(ctx.source, cfg, ctx.device),
+            t = measure_forward_seconds(model, first_batch(ctx.source, cfg, ctx.device),
                                         autocast=cfg.training.autocast)
     else:
         t = time_reference(cfg, ctx.source, ctx.device, mods)
@@ -135,7 +135,7 @@ def evaluate_config(ctx: StudyContext, config: PrecisionConfig, *,
     modeled = None
     if ctx.speed == "modeled":
         on_cpu = resolve_device(ctx.device) == "cpu"
-        batch = ctx.batch if on_cpu else _first_batch(ctx.source, cfg, ctx.device, max_rows=64)
+        batch = ctx.batch if on_cpu else first_batch(ctx.source, cfg, ctx.device, max_rows=64)
         modeled = modeled_seconds(model, batch, cfg, bl)
     base_curve = dict(zip(bl.window_steps, bl.window_losses))
 
@@ -148,7 +148,7 @@ def evaluate_config(ctx: StudyContext, config: PrecisionConfig, *,
 
     tcfg = train_config(cfg, device=ctx.device)  # the pairing seed, training.seeds[0]
     try:
-        res = _train(model, ctx.source, tcfg, seed=None, config=config, on_step=on_step)
+        res = train_in_study(model, ctx.source, tcfg, seed=None, config=config, on_step=on_step)
     except (UnsupportedChoiceError, BackendError) as e:
         return TrialOutcome("failed", reason=f"unsupported: {e}", wall_s=time.perf_counter() - t0)
     except torch.cuda.OutOfMemoryError as e:  # a config may need more memory (e.g. fp32 copies)
@@ -157,7 +157,7 @@ def evaluate_config(ctx: StudyContext, config: PrecisionConfig, *,
         return TrialOutcome("failed", reason=f"out of memory: {str(e).splitlines()[0]}",
                             wall_s=time.perf_counter() - t0)
     wall = time.perf_counter() - t0
-    cache = _cache_counts(tcfg)  # read now: the reference's run below compiles too
+    cache = run_cache_counts(tcfg)  # read now: the reference's run below compiles too
     if res.status == "nonfinite":
         return TrialOutcome("failed", reason=f"non-finite loss at step {res.nonfinite_step}",
                             steps_run=res.steps_run, wall_s=wall, step_losses=tuple(res.step_losses),
@@ -172,7 +172,7 @@ def evaluate_config(ctx: StudyContext, config: PrecisionConfig, *,
     if modeled is not None:
         t = modeled
     elif cfg.objective.kind == "inference":
-        t = measure_forward_seconds(model, _first_batch(ctx.source, cfg, ctx.device), autocast=cfg.training.autocast)
+        t = measure_forward_seconds(model, first_batch(ctx.source, cfg, ctx.device), autocast=cfg.training.autocast)
     else:
         t = float(res.step_time_s)
     rel = relative_log_loss(res.eval_logloss, bl.logloss) * 100.0
