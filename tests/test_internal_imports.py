@@ -24,15 +24,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "loka_tune"
 
-#: offences in loka_tune/probe/, left to its owner (this change does not touch probe/); each
-#: must still exist, so that a fixed one is also removed from here
-KNOWN = {
-    ("loka_tune/probe/measure.py", "loka_tune.probe.report._check_thresholds"),
-    ("loka_tune/probe/measure.py", "loka_tune.probe.report._fast"),
-    ("loka_tune/probe/measure.py", "loka_tune.probe.report._safe"),
-}
-
-
 def _private(part: str) -> bool:
     return part.startswith("_") and not part.startswith("__")
 
@@ -172,8 +163,5 @@ def test_checker_finds_what_it_should() -> None:
 
 def test_no_cross_module_underscore_imports() -> None:
     found = _all_offences()
-    left = [o for o in found if (o[0].split(":")[0], o[1]) not in KNOWN]
-    assert not left, "modules reaching into other modules' internals:\n" + "\n".join(
-        f"  {where}: {name} ({why})" for where, name, why in left)
-    stale = KNOWN - {(o[0].split(":")[0], o[1]) for o in found}
-    assert not stale, f"fixed: remove from KNOWN in this test: {sorted(stale)}"
+    assert not found, "modules reaching into other modules' internals:\n" + "\n".join(
+        f"  {where}: {name} ({why})" for where, name, why in found)
