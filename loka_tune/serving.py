@@ -54,7 +54,7 @@ from loka_tune.config import BF16, GemmChoice, GemmRole, PrecisionConfig, Servin
 from loka_tune.errors import BackendError, ConfigError, ServingError, UnsupportedChoiceError
 
 if TYPE_CHECKING:
-    from loka_tune.applier import ApplySummary
+    from loka_tune.applying import ApplySummary
 
 __all__ = ["serving_form", "ServingBuckets", "serve_buckets", "plan_serving", "site_rows", "DEFAULT_BUCKETS"]
 
@@ -127,7 +127,7 @@ def _fwd_reason(site: str, lin: nn.Linear, choice: GemmChoice) -> str | None:
 
 def _to_serving(site: str, lin: nn.Linear, choice: GemmChoice) -> nn.Module:
     """The serving module of one site: ``ServingLinear`` for an FP8 choice, else a plain ``nn.Linear``."""
-    from loka_tune.applier import to_plain_linear
+    from loka_tune.applying import to_plain_linear
     from loka_tune.kernels.linear import LokaLinear
     from loka_tune.kernels.serving import ServingLinear
 
@@ -137,7 +137,7 @@ def _to_serving(site: str, lin: nn.Linear, choice: GemmChoice) -> nn.Module:
 
 
 def _swap(model: nn.Module, old: nn.Module, new: nn.Module) -> None:
-    from loka_tune.applier import module_parents
+    from loka_tune.applying import module_parents
 
     if new is old:
         return
@@ -149,7 +149,7 @@ def _swap(model: nn.Module, old: nn.Module, new: nn.Module) -> None:
 def apply_serving(model: nn.Module, cfg: PrecisionConfig, *, strict: bool, batch: int | None) -> "ApplySummary":
     """The body of ``apply(model, cfg, serving=True, batch=...)`` (the caller restores the model
     on error; see the module docstring)."""
-    from loka_tune.applier import ApplySummary, check_rules, run_mods
+    from loka_tune.applying import ApplySummary, check_rules, run_mods
     from loka_tune.kernels.linear import find_linears
     from loka_tune.mods.fuse import fuse_serving_epilogues
 
@@ -300,7 +300,7 @@ def serve_buckets(model: nn.Module, config: PrecisionConfig | Mapping[str, Any] 
     """A :class:`ServingBuckets` of ``model`` under ``config``'s serving plan: the config's
     Mods run on ``model`` in place (once), then each bucket gets a copy sharing every tensor,
     applied with ``serving=True, batch=<bucket>`` (its own static weights)."""
-    from loka_tune.applier import apply, as_config, run_mods
+    from loka_tune.applying import as_config, run_mods
 
     cfg = as_config(config)
     if cfg.serving is None or not cfg.serving.buckets:
@@ -311,7 +311,7 @@ def serve_buckets(model: nn.Module, config: PrecisionConfig | Mapping[str, Any] 
     models: dict[int, nn.Module] = {}
     for rows in cfg.serving.sizes:
         served = shared_copy(model)
-        apply(served, cfg, serving=True, batch=rows, strict=strict)
+        apply_serving(served, cfg, strict=strict, batch=rows)  # apply(..., serving=True)'s body: a fresh copy
         models[rows] = served.eval()
     return ServingBuckets(models)
 
@@ -371,7 +371,7 @@ def plan_serving(model: nn.Module, config: PrecisionConfig | Mapping[str, Any] |
     priced from the largest down, so a short budget times the largest batches.
     A choice the cost model cannot price is kept (recorded as unpriced).
     """
-    from loka_tune.applier import as_config, run_mods
+    from loka_tune.applying import as_config, run_mods
     from loka_tune.kernels.costmodel import estimate_gemm_seconds
 
     cfg = as_config(config)

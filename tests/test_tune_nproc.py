@@ -80,7 +80,8 @@ def test_every_run_is_announced_and_a_follower_rebuilds_the_same_model(
 
     from loka_tune.config import ModsConfig, PrecisionConfig
     from loka_tune.tuner import parallel
-    from loka_tune.tuner.build import make_model, make_source, train_config, train_in_study
+    from loka_tune.tuner.build import make_model, make_source, train_config
+    from loka_tune.tuner.parallel import train_in_study
     from loka_tune.tuner.study import load_study
 
     cfg = load_study(_study(tmp_path, "funnel", "nproc = 2"))

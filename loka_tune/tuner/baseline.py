@@ -26,8 +26,9 @@ from torch import nn
 from loka_tune.config import ModsConfig, PrecisionConfig
 from loka_tune.errors import StudyError
 from loka_tune.objectives.speed import measure_forward_seconds, modeled_gemm_seconds
-from loka_tune.tuner.build import first_batch, make_model, train_config, train_in_study
+from loka_tune.tuner.build import first_batch, make_model, train_config
 from loka_tune.tuner.log import log
+from loka_tune.tuner.parallel import train_in_study
 from loka_tune.tuner.study import StudyConfig
 
 __all__ = ["Baseline", "run_baseline", "check_budget", "price_baseline", "modeled_seconds", "time_reference",

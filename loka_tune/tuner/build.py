@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from loka_tune.objectives.trainer import OnStep, TrainConfig, TrainResult
 
 __all__ = ["import_function", "call_model_factory", "make_source", "make_model", "train_config", "resolve_device", "speed_source",
-           "trial_model", "first_batch", "train_in_study", "run_train"]
+           "trial_model", "first_batch", "run_train"]
 
 
 def import_function(spec: str, *, key: str) -> Callable[..., Any]:
@@ -188,22 +188,6 @@ def first_batch(source: Any, cfg: StudyConfig, device: str = "cpu", *, max_rows:
     """The study's first training batch (its batch size, at most ``max_rows`` rows, its training seed)."""
     bs = cfg.batch_size if max_rows is None else min(max_rows, cfg.batch_size)
     return next(iter(source.batches("train", bs, seed=cfg.training.seed, device=device)))
-
-
-def train_in_study(model: nn.Module, source: Any, tcfg: TrainConfig, *, seed: int | None, config: PrecisionConfig,
-                   on_step: OnStep | None = None, after_step: Callable[[int], None] | None = None,
-                   progress: Callable[[int, float], None] | bool = False,
-                   on_batch: Callable[[int, Any], None] | None = None) -> TrainResult:
-    """Every training run of the tuner: ``model`` is ``make_model(cfg, source, seed=seed)`` with
-    ``config`` applied. In a study of ``[regime] nproc > 1`` rank 0 first announces the run, and
-    the other ranks train it beside this one (:mod:`loka_tune.tuner.parallel`)."""
-    from loka_tune.tuner import parallel
-
-    if parallel.is_leading():
-        parallel.announce(parallel.TrainJob(seed=seed, config=config, tcfg=tcfg, prune=on_step is not None))
-        on_step = parallel.shared_on_step(on_step)
-    return run_train(model, source, tcfg, on_step=on_step, after_step=after_step, progress=progress,
-                     on_batch=on_batch)
 
 
 def run_train(model: nn.Module, source: Any, tcfg: TrainConfig, on_step: OnStep | None = None,

@@ -39,8 +39,9 @@ from loka_tune.config import PrecisionConfig
 from loka_tune.errors import BackendError, UnsupportedChoiceError
 from loka_tune.objectives.speed import measure_forward_seconds
 from loka_tune.tuner.baseline import modeled_seconds, time_reference
-from loka_tune.tuner.build import first_batch, make_model, resolve_device, train_config, train_in_study
+from loka_tune.tuner.build import first_batch, make_model, resolve_device, train_config
 from loka_tune.tuner.log import log
+from loka_tune.tuner.parallel import train_in_study
 from loka_tune.tuner.prepare import StudyContext
 from loka_tune.tuner.results import (
     ATTR_COMPILE_CACHE,

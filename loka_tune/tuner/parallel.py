@@ -9,7 +9,7 @@ data-parallel over the N ranks at the same global batch (each rank keeps its ``1
 batch; DDP averages the gradients; the losses and eval outputs are gathered), so the run's
 losses and metrics are the one-process run's within float noise.
 
-Every training run of the tuner goes through :func:`loka_tune.tuner.build.train_in_study`, which
+Every training run of the tuner goes through :func:`train_in_study` (below), which
 announces the job first (:func:`announce`): which seed the model is built under
 (:func:`~loka_tune.tuner.build.make_model`), which :class:`~loka_tune.config.PrecisionConfig`
 is applied to it on the run's device, and the :class:`~loka_tune.objectives.trainer.TrainConfig`.
@@ -24,19 +24,21 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from loka_tune.errors import BackendError, UnsupportedChoiceError
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from loka_tune.config import PrecisionConfig
     from loka_tune.objectives.distributed import DistEnv
-    from loka_tune.objectives.trainer import OnStep, TrainConfig
+    from loka_tune.objectives.trainer import OnStep, TrainConfig, TrainResult
     from loka_tune.tuner.study import StudyConfig
 
-__all__ = ["TrainJob", "ranks", "leading", "announce", "shared_on_step", "follow", "is_leading"]
+__all__ = ["TrainJob", "ranks", "leading", "announce", "shared_on_step", "follow", "is_leading", "train_in_study"]
 
 #: how long a follower waits for rank 0's next job (rank 0's bookkeeping between runs: Optuna,
 #: MLflow, plots, the probe's measurements): generous, a dead rank 0 ends the job through torchrun
@@ -152,3 +154,20 @@ def follow(cfg: StudyConfig) -> int:
             pass  # rank 0 met the same failure at the same point and records it
         n += 1
         del model
+
+
+def train_in_study(model: nn.Module, source: Any, tcfg: TrainConfig, *, seed: int | None, config: PrecisionConfig,
+                   on_step: OnStep | None = None, after_step: Callable[[int], None] | None = None,
+                   progress: Callable[[int, float], None] | bool = False,
+                   on_batch: Callable[[int, Any], None] | None = None) -> TrainResult:
+    """Every training run of the tuner: ``model`` is ``make_model(cfg, source, seed=seed)`` with
+    ``config`` applied. In a study of ``[regime] nproc > 1`` rank 0 first announces the run, and
+    the other ranks train it beside this one (this module). It lives here, above :mod:`~loka_tune.tuner.build`, whose
+    :func:`~loka_tune.tuner.build.run_train` it calls: build never imports parallel."""
+    from loka_tune.tuner.build import run_train
+
+    if is_leading():
+        announce(TrainJob(seed=seed, config=config, tcfg=tcfg, prune=on_step is not None))
+        on_step = shared_on_step(on_step)
+    return run_train(model, source, tcfg, on_step=on_step, after_step=after_step, progress=progress,
+                     on_batch=on_batch)

@@ -22,7 +22,8 @@ from loka_tune.config import ModsConfig, PrecisionConfig
 from loka_tune.errors import BackendError, UnsupportedChoiceError
 from loka_tune.objectives.speed import measure_forward_seconds
 from loka_tune.tuner.baseline import modeled_seconds, time_reference
-from loka_tune.tuner.build import first_batch, resolve_device, train_config, train_in_study, trial_model
+from loka_tune.tuner.build import first_batch, resolve_device, train_config, trial_model
+from loka_tune.tuner.parallel import train_in_study
 from loka_tune.tuner.prepare import StudyContext
 from loka_tune.tuner.results import ATTR_REFERENCE, within_budget
 from loka_tune.tuner.study import StudyConfig
