@@ -10,25 +10,7 @@ backend), :mod:`~loka_tune.kernels.ops` (the custom op), :mod:`~loka_tune.kernel
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from loka_tune._lazy import lazy_module
-
-if TYPE_CHECKING:  # the real objects behind the lazy names, for type checkers; never run
-    from loka_tune.kernels.linear import LokaLinear as LokaLinear
-    from loka_tune.kernels.linear import find_linears as find_linears
-    from loka_tune.kernels.quant import QTensor as QTensor
-    from loka_tune.kernels.quant import dequantize as dequantize
-    from loka_tune.kernels.quant import fake_quantize as fake_quantize
-    from loka_tune.kernels.quant import mere as mere
-    from loka_tune.kernels.quant import quantize as quantize
-    from loka_tune.kernels.quant import sqnr_db as sqnr_db
-    from loka_tune.kernels.registry import Backend as Backend
-    from loka_tune.kernels.registry import candidate_choices as candidate_choices
-    from loka_tune.kernels.registry import check_supported as check_supported
-    from loka_tune.kernels.registry import get_backend as get_backend
-    from loka_tune.kernels.registry import list_backends as list_backends
-    from loka_tune.kernels.registry import register_backend as register_backend
 
 # public name -> module that defines it
 _LAZY = {
