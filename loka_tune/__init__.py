@@ -19,8 +19,49 @@ sub-packages' ``__all__`` lists say what a user of each one calls.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from loka_tune._lazy import lazy_module
-from loka_tune.version import __version__
+from loka_tune.version import __version__ as __version__
+
+if TYPE_CHECKING:
+    # What a type checker reads: the real objects behind the lazy names below (the ``as``
+    # form marks each as re-exported). Never run, so ``import loka_tune`` stays light.
+    from loka_tune.applier import apply as apply
+    from loka_tune.applier import export as export
+    from loka_tune.applier import load_config as load_config
+    from loka_tune.config import Format as Format
+    from loka_tune.config import GemmChoice as GemmChoice
+    from loka_tune.config import GemmRole as GemmRole
+    from loka_tune.config import Granularity as Granularity
+    from loka_tune.config import ModsConfig as ModsConfig
+    from loka_tune.config import PrecisionConfig as PrecisionConfig
+    from loka_tune.config import ServingPlan as ServingPlan
+    from loka_tune.config import SitePrecision as SitePrecision
+    from loka_tune.dispatch import build_plan as build_plan
+    from loka_tune.dispatch import recipe_config as recipe_config
+    from loka_tune.errors import BackendError as BackendError
+    from loka_tune.errors import ConfigError as ConfigError
+    from loka_tune.errors import DataError as DataError
+    from loka_tune.errors import LokaError as LokaError
+    from loka_tune.errors import ModError as ModError
+    from loka_tune.errors import ProbeError as ProbeError
+    from loka_tune.errors import ServingError as ServingError
+    from loka_tune.errors import StudyError as StudyError
+    from loka_tune.errors import UnsupportedChoiceError as UnsupportedChoiceError
+    from loka_tune.kernels.linear import LokaLinear as LokaLinear
+    from loka_tune.kernels.serving import ServingLinear as ServingLinear
+    from loka_tune.models.registry import build_model as build_model
+    from loka_tune.objectives.trainer import TrainConfig as TrainConfig
+    from loka_tune.objectives.trainer import train as train
+    from loka_tune.probe.collector import Probe as Probe
+    from loka_tune.probe.measure import measure as measure
+    from loka_tune.serving import plan_serving as plan_serving
+    from loka_tune.serving import serve_buckets as serve_buckets
+    from loka_tune.tuner.loop import run_study as run_study
+    from loka_tune.tuner.results import export_best as export_best
+    from loka_tune.tuner.study import StudyConfig as StudyConfig
+    from loka_tune.tuner.study import load_study as load_study
 
 # public name -> module that defines it
 _LAZY = {

@@ -123,7 +123,7 @@ class GemmRole(str, Enum):
     WGRAD = "wgrad"  # dW = dY^T X
 
     def __str__(self) -> str:  # pragma: no cover - trivial
-        return self.value
+        return str(self.value)
 
     @overload
     def shape(self, m: int, k: int, n: int) -> tuple[int, int, int]: ...
@@ -373,7 +373,8 @@ class SitePrecision:
             object.__setattr__(self, role.value, _choice(getattr(self, role.value), role.value))
 
     def __getitem__(self, role: GemmRole | str) -> GemmChoice:
-        return getattr(self, GemmRole(role).value)
+        choice: GemmChoice = getattr(self, GemmRole(role).value)
+        return choice
 
     @property
     def is_bf16(self) -> bool:

@@ -14,6 +14,8 @@ Importing this package is cheap: the model modules load on first use.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from loka_tune._lazy import lazy_module
 from loka_tune.models.registry import (
     MODEL_NAMES,
@@ -24,6 +26,13 @@ from loka_tune.models.registry import (
     preset_config,
     register_model,
 )
+
+if TYPE_CHECKING:  # the real objects behind the lazy names, for type checkers; never run
+    from loka_tune.models.base import RecModel as RecModel
+    from loka_tune.models.dcnv2 import DCNv2 as DCNv2
+    from loka_tune.models.dlrm import DLRM as DLRM
+    from loka_tune.models.interformer import Interformer as Interformer
+    from loka_tune.models.wukong import Wukong as Wukong
 
 __all__ = [
     "MODEL_NAMES",

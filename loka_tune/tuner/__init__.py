@@ -17,7 +17,25 @@ The names below are imported lazily, so ``import loka_tune.tuner`` stays light.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from loka_tune._lazy import lazy_module
+
+if TYPE_CHECKING:  # the real objects behind the lazy names, for type checkers; never run
+    from loka_tune.tuner.baseline import Baseline as Baseline
+    from loka_tune.tuner.loop import run_study as run_study
+    from loka_tune.tuner.optuna_setup import open_study as open_study
+    from loka_tune.tuner.prepare import StudyContext as StudyContext
+    from loka_tune.tuner.prepare import prepare_study as prepare_study
+    from loka_tune.tuner.results import TrialRecord as TrialRecord
+    from loka_tune.tuner.results import best_trial as best_trial
+    from loka_tune.tuner.results import export_best as export_best
+    from loka_tune.tuner.results import leaderboard as leaderboard
+    from loka_tune.tuner.study import StudyConfig as StudyConfig
+    from loka_tune.tuner.study import load_study as load_study
+    from loka_tune.tuner.study import parse_study as parse_study
+    from loka_tune.tuner.trial import TrialOutcome as TrialOutcome
+    from loka_tune.tuner.trial import evaluate_config as evaluate_config
 
 # public name -> module that defines it
 _LAZY = {

@@ -37,7 +37,7 @@ def import_function(spec: str, *, key: str) -> Callable[..., Any]:
     except ImportError as e:
         raise ConfigError(f"cannot import module {mod_name!r} of {spec!r} ({e}); run from the folder that holds"
                           " it or put that folder on PYTHONPATH", key=key) from None
-    fn = getattr(mod, fn_name, None)
+    fn: object = getattr(mod, fn_name, None)
     if not callable(fn):
         raise ConfigError(f"module {mod_name!r} has no function {fn_name!r} (from {spec!r})", key=key)
     return fn

@@ -273,7 +273,8 @@ def _tell_evaluated(ctx: StudyContext, study: Any, trial: Any, config: Precision
 
     def report(step: int, rel: float) -> bool:
         trial.report(rel if math.isfinite(rel) else 1e9, step)  # a non-finite gap: hopeless
-        return trial.should_prune()
+        prune: bool = trial.should_prune()
+        return prune
 
     outcome = evaluate_config(ctx, config, report=report)
     record = TrialRecord(**outcome.attrs(), feasible=outcome.feasible(budget), cache_hit=False,

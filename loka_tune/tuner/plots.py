@@ -211,7 +211,11 @@ def _draw_labels(fig: Any, ax: Any, pts: Sequence[tuple[int, float, float, bool]
     of each other, of ``marks`` ((x, y, radius in points) of every marker) and of ``lines``
     (polylines in data coordinates, e.g. the Pareto front)."""
     renderer = fig.canvas.get_renderer()
-    to_px = lambda x, y: tuple(ax.transData.transform((x, y)))  # noqa: E731
+
+    def to_px(x: float, y: float) -> tuple[float, float]:
+        px_x, px_y = ax.transData.transform((x, y))
+        return px_x, px_y
+
     groups = _label_groups(pts, to_px)
     sizes = []
     for label, _, _ in groups:

@@ -234,7 +234,7 @@ def leaderboard(study: Any, *, limit: int | None = None) -> list[dict[str, Any]]
                      "reason": r.fail_reason or "", "seeded": "" if r.seeded is None else r.seeded,
                      "cached_from": r.cached_from})
 
-    def order(r: dict[str, Any]) -> tuple:
+    def order(r: dict[str, Any]) -> tuple[int, float]:
         if r["feasible"]:
             return (0, r["step_time_s"])
         rel = r["rel_logloss_pct"]

@@ -227,7 +227,8 @@ def settings_of(summary: Mapping[str, Any]) -> dict[str, Any]:
 
     flat = {f"{sec}.{k}": v for sec in SETTINGS_SECTIONS
             for k, v in {**(_SUMMARY_DEFAULTS.get(sec, {}) if sec in summary else {}), **(summary.get(sec) or {})}.items()}
-    return json.loads(json.dumps(flat, sort_keys=True, default=str))
+    settings: dict[str, Any] = json.loads(json.dumps(flat, sort_keys=True, default=str))
+    return settings
 
 
 def settings_changes(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:

@@ -148,7 +148,7 @@ class Tracker:
 
     def attach_parent(self, study: Any, cfg: Any) -> str:
         """Reuse the study's parent run, or create it (first worker)."""
-        run_id = study.user_attrs.get(ATTR_PARENT)
+        run_id: str | None = study.user_attrs.get(ATTR_PARENT)
         if run_id is None:
             run = retry(self.client.create_run, self.experiment_id, run_name=f"study-{cfg.name}",
                         tags={"loka.study": cfg.name, "loka.kind": "study",
@@ -247,7 +247,7 @@ class Tracker:
                                          else "")
         run = retry(self.client.create_run, self.experiment_id, run_name=name, start_time=start_ms,
                     tags={k: str(v) for k, v in tags.items() if v is not None})
-        rid = run.info.run_id
+        rid: str = run.info.run_id
         p: dict[str, Any] = dict(site_params(config, names))
         p["mods"] = config.mods.short_str()
         p["n_fp8_gemms"] = sum(1 for n in names for r in ROLES if not config.resolve(n)[r].is_bf16)
