@@ -23,7 +23,8 @@ if TYPE_CHECKING:
     from loka_tune.objectives.trainer import TrainConfig
 
 __all__ = ["StudySection", "ModelSection", "DataSection", "TrainingSection", "ObjectiveSection", "SpaceSection",
-           "ProbeSection", "TrialsSection", "StorageSection", "TrackingSection", "MOD_NAMES", "SHORT_RUN"]
+           "ProbeSection", "TrialsSection", "StorageSection", "TrackingSection", "ConfirmSection",
+           "MOD_NAMES", "SHORT_RUN"]
 
 MOD_NAMES = ("no_bias", "blocknorm", "hardswish", "pad", "fuse_epilogue")  # the Mods the sampler may switch on
 OBJECTIVES = ("train_step", "inference")
@@ -469,6 +470,41 @@ class TrackingSection:
         tracking = cls(enabled=enabled, uri=uri, experiment=experiment, plots=t.boolean("plots", d.plots))
         t.done()
         return tracking
+
+
+@dataclass(frozen=True)
+class ConfirmSection:
+    """The confirmation stage: after the search, the best ``n_best`` feasible configs are run
+    again in the ``[regime]`` on ``seeds`` (at least two), each paired against bf16 with the same
+    Mods, and the export takes the fastest one whose mean relative log loss is within the budget
+    (:mod:`loka_tune.tuner.confirm`)."""
+
+    enabled: bool = True
+    n_best: int = 3
+    seeds: tuple[int, ...] = ()
+
+    @classmethod
+    def from_table(cls, t: Table, where: Where) -> ConfirmSection:
+        d = cls()
+        seeds = t.get("seeds", list(d.seeds))
+        if (not isinstance(seeds, list)
+                or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in seeds)):
+            raise ConfigError(f"got {seeds!r}; expected a list of integer seeds >= 0, e.g. [0, 1]", key="confirm.seeds")
+        if len(seeds) == 1 or len(set(seeds)) != len(seeds):
+            raise ConfigError(f"got {seeds!r}; give at least two distinct seeds (or [] for training.seeds)",
+                              key="confirm.seeds")
+        confirm = cls(enabled=t.boolean("enabled", d.enabled), n_best=t.integer("n_best", d.n_best, minimum=1),
+                      seeds=tuple(seeds))
+        t.done()
+        return confirm
+
+    def seeds_for(self, training_seeds: tuple[int, ...]) -> tuple[int, ...]:
+        """The confirmation's seeds: its own, else the training seeds (one seed s: s and s + 1)."""
+        if self.seeds:
+            return self.seeds
+        if len(training_seeds) >= 2:
+            return tuple(training_seeds)
+        return (training_seeds[0], training_seeds[0] + 1)
 
 
 # names users reach for that are not backend names: the backend that runs that library's kernels

@@ -109,9 +109,10 @@ from typing import Any
 
 from loka_tune._toml import Table
 from loka_tune.errors import ConfigError
-from loka_tune.tuner.regime import ConfirmSection, RegimeSection
+from loka_tune.tuner.regime import RegimeSection
 from loka_tune.tuner.sections import (
     MOD_NAMES,
+    ConfirmSection,
     DataSection,
     ModelSection,
     ObjectiveSection,
