@@ -21,7 +21,7 @@ The other study-file tables, ``[confirm]`` among them, are in :mod:`loka_tune.tu
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from loka_tune._toml import Table
@@ -38,13 +38,22 @@ _AUTOCASTS = ("auto", "bf16", "off")
 
 @dataclass(frozen=True)
 class RegimeSection:
-    """How the config will train in production (see the module docstring)."""
+    """How the exported config will train in production: every timed run of the study (baselines,
+    trials, the confirmation) times its steps this way, so that a trial's speed-up is the one the
+    user will get. Its keys override ``[training]``'s."""
 
-    compile: bool | str = "auto"
-    cuda_graphs: bool = False
-    batch_size: int = 0
-    autocast: str = ""
-    nproc: int = 1
+    compile: bool | str = field(default="auto", metadata={
+        "doc": "`\"auto\"`: `torch.compile` on CUDA, eager on a CPU; or true / false (compilation is never timed:"
+               f" a compiled run keeps at least {COMPILE_WARMUP} warm-up steps out of the step-time median)"})
+    cuda_graphs: bool = field(default=False, metadata={
+        "doc": "capture each whole step in one CUDA graph (CUDA only, one process only)"})
+    batch_size: int = field(default=0, metadata={
+        "doc": "the production batch size, the global one with `nproc` > 1 (0: `training.batch_size`)"})
+    autocast: str = field(default="", metadata={
+        "doc": "`\"auto\"`, `\"bf16\"` or `\"off\"` (`\"\"`: `training.autocast`)", "choices": ("",) + _AUTOCASTS})
+    nproc: int = field(default=1, metadata={
+        "doc": "processes (GPUs) per training run: every run trains data-parallel over this many processes of"
+               " this host at the same global batch, which must split evenly (not with `--workers`)"})
 
     @classmethod
     def from_table(cls, t: Table, where: Any) -> RegimeSection:
