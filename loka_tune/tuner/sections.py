@@ -466,7 +466,7 @@ class TrialsSection:
                " `timeout_s`",
         "default": "`20` (none when `timeout_s` is set)"})
     timeout_s: float | None = field(default=None, metadata={
-        "doc": "stop starting trials after this many seconds", "default": "none"})
+        "doc": "stop starting trials after this many seconds", "default": "none (no time limit)"})
     pruner: str = field(default="hopeless", metadata={
         "doc": "`\"hopeless\"`: prune a trial whose windowed training loss is `hopeless_factor` x the budget above"
                " the baseline's at the same step; `\"median\"`: Optuna's median pruner; `\"none\"`",
@@ -543,7 +543,7 @@ class StorageSection:
 
 @dataclass(frozen=True)
 class TrackingSection:
-    """MLflow tracking: ``enabled`` is True, False or "auto" (on when mlflow can be imported)."""
+    """MLflow tracking: one run per study, a nested run per trial, the plots."""
 
     enabled: bool | str = field(default="auto", metadata={
         "doc": "true, false or `\"auto\"` (on when mlflow can be imported)"})
