@@ -20,6 +20,7 @@ import inspect
 import json
 import re
 import sys
+import textwrap
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -27,8 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Key", "tables", "section_keys", "schema_markdown", "readme_table", "README_BEGIN", "README_END",
-           "SCHEMA_DOC", "main"]
+__all__ = ["Key", "tables", "section_keys", "schema_markdown", "readme_table", "replace_readme_block", "toml_literal",
+           "README_BEGIN", "README_END", "SCHEMA_DOC", "REGENERATE", "main"]
 
 #: the generated file, relative to the repository root
 SCHEMA_DOC = "docs/study-schema.md"
@@ -44,10 +45,9 @@ value stops the study when the file is read, with an error that names the dotted
 (`training.steps`), quotes the value and names the fix. Examples: `studies/quickstart.toml`
 (a CPU study in minutes) and the other files in `studies/`.
 
-A study remembers the settings it was made with: after an edit of `[model]`, `[data]`,
-`[training]`, `[objective]`, `[space]`, `[probe]` or `[regime]`, `loka-tune tune` stops and
-says what changed (`--fresh` starts over, `--resume-anyway` goes on); `[study]`, `[trials]`,
-`[confirm]`, `[storage]` and `[tracking]` may change freely."""
+A study remembers the settings it was made with: after an edit of {settings}, `loka-tune tune`
+stops and says what changed (`--fresh` starts over, `--resume-anyway` goes on); {free} may
+change freely."""
 
 
 @dataclass(frozen=True)
@@ -147,18 +147,19 @@ def _type_words(tp: Any) -> str:
 def _toml_value(v: Any) -> str:
     if v is None:
         return "unset"
-    return f"`{_toml(v)}`"
+    return f"`{toml_literal(v)}`"
 
 
-def _toml(v: Any) -> str:
+def toml_literal(v: Any) -> str:
+    """``v`` written as a TOML value (tuples as arrays)."""
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, str):
         return json.dumps(v)
     if isinstance(v, (list, tuple)):
-        return "[" + ", ".join(_toml(x) for x in v) + "]"
+        return "[" + ", ".join(toml_literal(x) for x in v) + "]"
     if isinstance(v, Mapping):
-        return "{" + ", ".join(f"{k} = {_toml(x)}" for k, x in v.items()) + "}"
+        return "{" + ", ".join(f"{k} = {toml_literal(x)}" for k, x in v.items()) + "}"
     return repr(v)
 
 
@@ -167,16 +168,28 @@ def _summary(cls: type) -> str:
     return _markdown(inspect.cleandoc(cls.__doc__ or "").split("\n\n")[0])
 
 
+def _intro() -> str:
+    from loka_tune.tuner.study import SETTINGS_SECTIONS
+
+    def listed(names: list[str]) -> str:
+        return ", ".join(f"`[{n}]`" for n in names[:-1]) + f" or `[{names[-1]}]`"
+
+    settings = [t for t in tables() if t in SETTINGS_SECTIONS]
+    free = [t for t in tables() if t not in SETTINGS_SECTIONS]
+    text = _INTRO.format(settings=listed(settings), free=listed(free).replace(" or ", " and "))
+    return "\n\n".join(textwrap.fill(" ".join(p.split()), 96) for p in text.split("\n\n"))
+
+
 def schema_markdown() -> str:
     """Every table of a study file and every key, its type, default and meaning, as markdown
     (``docs/study-schema.md``; ``loka-tune tune --help-schema`` prints it)."""
     out = ["# The study file", "",
            f"<!-- generated from loka_tune/tuner/sections.py and regime.py by `{REGENERATE}`: edit the"
-           " fields' docs there, not this file -->", "", _INTRO]
+           " fields' docs there, not this file -->", "", _intro()]
     for table, cls in tables().items():
         out += ["", f"## `[{table}]`", "", _summary(cls), ""]
         for k in section_keys(table):
-            choices = f" Choices: {', '.join(f'`{_toml(c)}`' for c in k.choices)}." if k.choices else ""
+            choices = f" Choices: {', '.join(f'`{toml_literal(c)}`' for c in k.choices)}." if k.choices else ""
             doc = k.doc if k.doc.endswith(".") else k.doc + "."
             default = "required" if k.default == "required" else f"default {k.default}"
             out.append(f"- `{k.name}` ({k.type}, {default}): {doc}{choices}")
