@@ -79,6 +79,13 @@ def test_every_field_has_a_doc() -> None:
             assert "None" not in k.type and "Mapping" not in k.type, k  # TOML's words, not Python's
 
 
+def test_the_model_doc_names_every_built_in_model() -> None:
+    from loka_tune.models import model_names
+
+    doc = next(k.doc for k in section_keys("model") if k.name == "name")
+    assert set(re.findall(r'`"(\w+)"`', doc)) == set(model_names())
+
+
 @pytest.mark.parametrize("table", list(tables()))
 def test_documented_keys_are_the_keys_the_parser_accepts(table: str, tmp_path: Path) -> None:
     doc = {**MINIMAL, table: {**MINIMAL.get(table, {}), "zz_not_a_key": 1}}

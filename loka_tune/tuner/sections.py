@@ -4,7 +4,8 @@ its own table (``from_table``), next to its fields and their defaults.
 Each field is a key of its table and carries its documentation as data
 (``field(metadata={"doc": ...})``; optional ``"default"``: the default in words where the field
 has none or it is computed, ``"choices"``: the allowed values, a tuple or a function returning
-one). :mod:`loka_tune.tuner.schema` renders them into ``docs/study-schema.md`` and
+one; ``"keys_of"`` on ``TrainingSection.trainer``: not a key itself, its config's plain fields but
+those named are the table's keys). :mod:`loka_tune.tuner.schema` renders them into ``docs/study-schema.md`` and
 ``loka-tune tune --help-schema``; ``[training]``'s keys are the plain fields of
 :class:`~loka_tune.objectives.trainer.TrainConfig`, documented in its docstring. ``[regime]``
 is in :mod:`loka_tune.tuner.regime`.
@@ -83,7 +84,6 @@ def _backends() -> tuple[str, ...]:
     from loka_tune.kernels.registry import list_backends
 
     return tuple(list_backends())
-
 
 
 # ---------------------------------------------------------------------------------------------
