@@ -80,12 +80,6 @@ def _cost_devices() -> tuple[str, ...]:
     return tuple(sorted(DEVICES))
 
 
-def _backends() -> tuple[str, ...]:
-    from loka_tune.kernels.registry import list_backends
-
-    return tuple(list_backends())
-
-
 # ---------------------------------------------------------------------------------------------
 # the sections
 
@@ -354,9 +348,10 @@ class SpaceSection:
         "doc": "the scaling granularities: tensorwise, rowwise (along each operand's reduction dim), blockwise,"
                " mx (mxfp8 only)", "choices": GRANULARITIES})
     backends: tuple[str, ...] = field(default=("emulated",), metadata={
-        "doc": "the GEMM backends (on a GPU e.g. `\"torch_scaled_mm\"`, `\"triton\"`, `\"fbgemm\"`,"
-               " `\"torchao\"`); one whose package is missing here is left out of the space, with a warning",
-        "choices": _backends})
+        "doc": "the GEMM backends, by their registry names (an unknown one's error lists those this install"
+               " knows): `\"emulated\"` (FP8 emulated, any device), on a GPU e.g. `\"torch_scaled_mm\"`,"
+               " `\"triton\"`, `\"fbgemm\"`, `\"torchao\"`; one whose package is missing here is left out of the"
+               " space, with a warning"})
     roundings: tuple[str, ...] = field(default=("exact",), metadata={
         "doc": "scale rounding: exact and/or to a power of 2", "choices": ROUNDINGS})
     mods: tuple[str, ...] = field(default=(), metadata={
