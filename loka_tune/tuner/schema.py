@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import inspect
 import json
 import re
@@ -82,11 +83,20 @@ def section_keys(table: str) -> list[Key]:
         if "keys_of" in meta:  # a nested config whose plain fields are this table's keys
             keys += _nested_keys(table, _default_of(f), tuple(meta["keys_of"]))
             continue
-        choices = meta.get("choices", ())
         keys.append(Key(table, f.name, _type_words(hints[f.name]),
                         meta.get("default") or _toml_value(_default_of(f)),
-                        meta.get("doc", ""), tuple(choices() if callable(choices) else choices)))
+                        meta.get("doc", ""), _choices(meta.get("choices", ()))))
     return keys
+
+
+def _choices(spec: Any) -> tuple[str, ...]:
+    """A field's ``choices``: the values, or ``"module:name"`` of them (a mapping: its sorted keys)."""
+    if isinstance(spec, str):
+        module, _, name = spec.partition(":")
+        spec = getattr(importlib.import_module(module), name)
+        if isinstance(spec, Mapping):
+            spec = sorted(spec)
+    return tuple(spec)
 
 
 def _nested_keys(table: str, value: Any, exclude: tuple[str, ...]) -> list[Key]:

@@ -1,14 +1,10 @@
 """The sections of a study file: one frozen dataclass per TOML table, each reading and checking
 its own table (``from_table``), next to its fields and their defaults.
 
-Each field is a key of its table and carries its documentation as data
-(``field(metadata={"doc": ...})``; optional ``"default"``: the default in words where the field
-has none or it is computed, ``"choices"``: the allowed values, a tuple or a function returning
-one; ``"keys_of"`` on ``TrainingSection.trainer``: not a key itself, its config's plain fields but
-those named are the table's keys). :mod:`loka_tune.tuner.schema` renders them into ``docs/study-schema.md`` and
-``loka-tune tune --help-schema``; ``[training]``'s keys are the plain fields of
-:class:`~loka_tune.objectives.trainer.TrainConfig`, documented in its docstring. ``[regime]``
-is in :mod:`loka_tune.tuner.regime`.
+Each field is a key and carries its doc as data (:func:`_doc`: ``doc``; ``default`` in words
+where there is none or it is computed; ``choices``, or ``"module:name"`` of them in a lower
+layer; ``keys_of`` on ``TrainingSection.trainer``: its config's plain fields are the keys).
+:mod:`loka_tune.tuner.schema` renders them (``docs/study-schema.md``). ``[regime]``: regime.py.
 """
 
 from __future__ import annotations
@@ -67,17 +63,9 @@ def _default(cls: type, name: str) -> Any:
     return f.default_factory() if f.default_factory is not MISSING else f.default
 
 
-# the allowed values of keys whose choices live in a lower layer (read when documented)
-def _presets() -> tuple[str, ...]:
-    from loka_tune.models import PRESETS
-
-    return tuple(PRESETS)
-
-
-def _cost_devices() -> tuple[str, ...]:
-    from loka_tune.kernels.costmodel import DEVICES
-
-    return tuple(sorted(DEVICES))
+def _doc(text: str, **more: Any) -> dict[str, Any]:
+    """A section field's metadata: its doc, and optionally ``default`` (in words) and ``choices``."""
+    return {"doc": text, **more}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -88,15 +76,12 @@ def _cost_devices() -> tuple[str, ...]:
 class StudySection:
     """Identity of the study and where its files go."""
 
-    name: str = field(metadata={
-        "doc": "the Optuna study's name and the MLflow run's name: letters, digits, `_`, `-` and `.`",
-        "default": "the study file's name without `.toml`"})
-    output_dir: Path = field(metadata={
-        "doc": "the folder of the study's files (`optuna.db`, `mlflow.db`, plots, `inductor_cache`), relative to"
-               " the working directory",
-        "default": "`runs/<name>`"})
-    seed: int = field(default=0, metadata={
-        "doc": "the sampler's seed (each trial position draws from a seed derived from it and the position)"})
+    name: str = field(metadata=_doc("the Optuna study's name and the MLflow run's name: letters, digits, `_`, `-` and"
+        " `.`", default="the study file's name without `.toml`"))
+    output_dir: Path = field(metadata=_doc("the folder of the study's files (`optuna.db`, `mlflow.db`, plots,"
+        " `inductor_cache`), relative to the working directory", default="`runs/<name>`"))
+    seed: int = field(default=0, metadata=_doc("the sampler's seed (each trial position draws from a seed derived from"
+        " it and the position)"))
 
     @classmethod
     def from_table(cls, t: Table, where: Where) -> StudySection:
@@ -119,23 +104,17 @@ class StudySection:
 class ModelSection:
     """A built-in model (``name`` + ``preset`` + ``overrides``) or a user's ``module:function``.
 
-    A user function is called as ``function(num_dense=..., cardinalities=..., **overrides)``
-    (its own names for the first two are recognised, e.g. ``n_dense``, ``table_sizes``) and
+    A user function is called as ``function(num_dense=..., cardinalities=..., **overrides)`` and
     returns an ``nn.Module`` with ``forward(dense, sparse) -> (B,) logits``
-    (:func:`loka_tune.tuner.build.call_model_factory`; a module that sets
-    ``takes_sequence = True`` is called ``forward(dense, sparse, seq, seq_mask)`` on data with
-    behaviour sequences: :func:`loka_tune.data.base.model_inputs`).
+    (:func:`loka_tune.tuner.build.call_model_factory`, :func:`loka_tune.data.base.model_inputs`).
     """
 
-    name: str = field(metadata={
-        "doc": "a built-in model (`\"dlrm\"`, `\"dcnv2\"`, `\"wukong\"`, `\"interformer\"`) or your own factory"
-               " `\"package.module:function\"`",
-        "default": "required"})
-    preset: str = field(default="tiny", metadata={
-        "doc": "the built-in model's size (built-in models only)", "choices": _presets})
-    overrides: Mapping[str, Any] = field(default_factory=dict, metadata={
-        "doc": "the table `[model.overrides]`: preset entries to replace (e.g. `top_mlp = [256, 256]`), or the"
-               " keyword arguments of your factory"})
+    name: str = field(metadata=_doc("a built-in model (`\"dlrm\"`, `\"dcnv2\"`, `\"wukong\"`, `\"interformer\"`) or"
+        " your own factory `\"package.module:function\"`", default="required"))
+    preset: str = field(default="tiny", metadata=_doc("the built-in model's size (built-in models only)",
+        choices="loka_tune.models:PRESETS"))
+    overrides: Mapping[str, Any] = field(default_factory=dict, metadata=_doc("the table `[model.overrides]`: preset"
+        " entries to replace (e.g. `top_mlp = [256, 256]`), or the keyword arguments of your factory"))
 
     @property
     def is_function(self) -> bool:
@@ -169,14 +148,11 @@ class DataSection:
     """The data source spec (``synthetic``, ``criteo:PATH``, ``avazu:PATH``, ``module:function``)
     and its keyword parameters. Relative paths are resolved against the study file's folder."""
 
-    source: str = field(metadata={
-        "doc": "`\"synthetic\"`, `\"criteo:PATH\"` (the raw Kaggle / 1TB layout), `\"avazu:PATH\"` (the CSV with"
-               " header) or `\"package.module:function\"` returning a DataSource; a relative PATH is relative to"
-               " the study file's folder",
-        "default": "required"})
-    params: Mapping[str, Any] = field(default_factory=dict, metadata={
-        "doc": "the table `[data.params]`: keyword arguments of the source (synthetic: `num_dense`, `cardinalities`,"
-               " `eval_examples`, `seq_len`, ...)"})
+    source: str = field(metadata=_doc("`\"synthetic\"`, `\"criteo:PATH\"` (the raw Kaggle / 1TB layout),"
+        " `\"avazu:PATH\"` (the CSV with header) or `\"package.module:function\"` returning a DataSource; a relative"
+        " PATH is relative to the study file's folder", default="required"))
+    params: Mapping[str, Any] = field(default_factory=dict, metadata=_doc("the table `[data.params]`: keyword arguments"
+        " of the source (synthetic: `num_dense`, `cardinalities`, `eval_examples`, `seq_len`, ...)"))
 
     @property
     def kind(self) -> str:
@@ -221,13 +197,11 @@ class TrainingSection:
     (:data:`SHORT_RUN`). ``seeds[0]`` is the seed every trial pairs with.
     """
 
-    seeds: tuple[int, ...] = field(default=(0, 1, 2), metadata={
-        "doc": "the bf16 baseline seeds, 1 to 5 distinct (2-3 are usual): every trial pairs with `seeds[0]`,"
-               " the confirmation runs each"})
-    trainer: TrainConfig = field(default_factory=_short_run, metadata={
-        "doc": "not a key: every plain field of TrainConfig but `seed` is a key of [training], with"
-               " TrainConfig's default except the run's length (`steps`, `eval_batches`, `window`)",
-        "keys_of": TRAINER_EXCLUDED})
+    seeds: tuple[int, ...] = field(default=(0, 1, 2), metadata=_doc("the bf16 baseline seeds, 1 to 5 distinct (2-3 are"
+        " usual): every trial pairs with `seeds[0]`, the confirmation runs each"))
+    trainer: TrainConfig = field(default_factory=_short_run, metadata=_doc("not a key: every plain field of TrainConfig"
+        " but `seed` is a key of [training], with TrainConfig's default except the run's length (`steps`,"
+        " `eval_batches`, `window`)", keys_of=TRAINER_EXCLUDED))
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_") or name == "trainer":  # copy/pickle probe these before __init__
@@ -292,26 +266,21 @@ def _read_seeds(t: Table, default: tuple[int, ...]) -> tuple[int, ...]:
 class ObjectiveSection:
     """What is minimized (step time) and the constraint (relative log loss <= budget)."""
 
-    kind: str = field(default="train_step", metadata={
-        "doc": "what is timed: the training step (forward, backward, optimizers) or inference (the forward"
-               " only)", "choices": OBJECTIVES})
-    budget_pct: float = field(default=0.5, metadata={
-        "doc": "the loss budget: the largest relative log loss vs the paired bf16 baseline, in percent (> 0);"
-               " it must exceed the baseline's noise floor"})
-    speed: str = field(default="auto", metadata={
-        "doc": "`\"measured\"` (timed on CUDA), `\"modeled\"` (the cost model) or `\"auto\"` (measured on CUDA,"
-               " modeled on a CPU)", "choices": SPEED_SOURCES})
-    cost_device: str = field(default="h200", metadata={
-        "doc": "the cost model's target device", "choices": _cost_devices})
-    cost_batch_size: int | None = field(default=None, metadata={
-        "doc": "the batch size the modeled step time is computed at",
-        "default": "`[regime] batch_size`, else `training.batch_size`"})
-    non_gemm_fraction: float = field(default=0.3, metadata={
-        "doc": "the modeled share of non-GEMM work in the bf16 step (0 to 0.95)"})
-    noise_twins: int = field(default=1, metadata={
-        "doc": "noise twins per baseline seed: bf16 runs from perturbed initial weights"
-               " (`loka_tune.tuner.baseline`), whose paired relative log loss is the noise floor the budget must"
-               " exceed; more give a steadier floor, each costs one baseline run"})
+    kind: str = field(default="train_step", metadata=_doc("what is timed: the training step (forward, backward,"
+        " optimizers) or inference (the forward only)", choices=OBJECTIVES))
+    budget_pct: float = field(default=0.5, metadata=_doc("the loss budget: the largest relative log loss vs the paired"
+        " bf16 baseline, in percent (> 0); it must exceed the baseline's noise floor"))
+    speed: str = field(default="auto", metadata=_doc("`\"measured\"` (timed on CUDA), `\"modeled\"` (the cost model) or"
+        " `\"auto\"` (measured on CUDA, modeled on a CPU)", choices=SPEED_SOURCES))
+    cost_device: str = field(default="h200", metadata=_doc("the cost model's target device",
+        choices="loka_tune.kernels.costmodel:DEVICES"))
+    cost_batch_size: int | None = field(default=None, metadata=_doc("the batch size the modeled step time is computed"
+        " at", default="`[regime] batch_size`, else `training.batch_size`"))
+    non_gemm_fraction: float = field(default=0.3, metadata=_doc("the modeled share of non-GEMM work in the bf16 step (0"
+        " to 0.95)"))
+    noise_twins: int = field(default=1, metadata=_doc("noise twins per baseline seed: bf16 runs from perturbed initial"
+        " weights (`loka_tune.tuner.baseline`), whose paired relative log loss is the noise floor the budget must"
+        " exceed; more give a steadier floor, each costs one baseline run"))
 
     @classmethod
     def from_table(cls, t: Table, where: Where) -> ObjectiveSection:
@@ -342,36 +311,31 @@ class SpaceSection:
     else the per-GEMM space.
     """
 
-    formats: tuple[str, ...] = field(default=("e4m3", "e5m2"), metadata={
-        "doc": "the FP8 formats (`\"mxfp8\"` needs the granularity `\"mx\"`)", "choices": FORMATS})
-    granularities: tuple[str, ...] = field(default=("tensor", "row", "block"), metadata={
-        "doc": "the scaling granularities: tensorwise, rowwise (along each operand's reduction dim), blockwise,"
-               " mx (mxfp8 only)", "choices": GRANULARITIES})
-    backends: tuple[str, ...] = field(default=("emulated",), metadata={
-        "doc": "the GEMM backends, by their registry names (an unknown one's error lists those this install"
-               " knows): `\"emulated\"` (FP8 emulated, any device), on a GPU e.g. `\"torch_scaled_mm\"`,"
-               " `\"triton\"`, `\"fbgemm\"`, `\"torchao\"`; one whose package is missing here is left out of the"
-               " space, with a warning"})
-    roundings: tuple[str, ...] = field(default=("exact",), metadata={
-        "doc": "scale rounding: exact and/or to a power of 2", "choices": ROUNDINGS})
-    mods: tuple[str, ...] = field(default=(), metadata={
-        "doc": "the Mods the sampler may switch on (`\"fuse_epilogue\"` needs `\"blocknorm\"` and"
-               " `\"hardswish\"`)", "choices": MOD_NAMES})
-    per_role: bool = field(default=True, metadata={
-        "doc": "`per_gemm = true` only: choose fwd / dgrad / wgrad separately (true) or tie them (false); a file"
-               " that sets `per_role` but not `per_gemm` (written before the recipe space) gets the per-GEMM"
-               " space it had, and `per_gemm = false` with `per_role` set is an error"})
-    per_gemm: bool = field(default=False, metadata={
-        "doc": "false: per site one of a few whole-site recipes (bf16, tensorwise, rowwise, rowwise with a bf16"
-               " wgrad, Dispatch's per-GEMM choice), priced per site; true: per site x GEMM every choice the probe"
-               " kept (for experts)",
-        "default": "`false` (`true` where `per_role` is set)"})
-    align: int = field(default=16, metadata={"doc": "FP8 only where K and N are multiples of this"})
-    min_dim: int = field(default=16, metadata={"doc": "FP8 only where K and N are at least this"})
-    blocknorm_sizes: tuple[int, ...] = field(default=(128,), metadata={
-        "doc": "the BlockNorm Mod's block sizes the sampler chooses from"})
-    pad_multiples: tuple[int, ...] = field(default=(16,), metadata={
-        "doc": "the padding Mod's multiples the sampler chooses from"})
+    formats: tuple[str, ...] = field(default=("e4m3", "e5m2"), metadata=_doc("the FP8 formats (`\"mxfp8\"` needs the"
+        " granularity `\"mx\"`)", choices=FORMATS))
+    granularities: tuple[str, ...] = field(default=("tensor", "row", "block"), metadata=_doc("the scaling"
+        " granularities: tensorwise, rowwise (along each operand's reduction dim), blockwise, mx (mxfp8 only)",
+        choices=GRANULARITIES))
+    backends: tuple[str, ...] = field(default=("emulated",), metadata=_doc("the GEMM backends, by their registry names"
+        " (an unknown one's error lists those this install knows): `\"emulated\"` (FP8 emulated, any device), on a GPU"
+        " e.g. `\"torch_scaled_mm\"`, `\"triton\"`, `\"fbgemm\"`, `\"torchao\"`; one whose package is missing here is"
+        " left out of the space, with a warning"))
+    roundings: tuple[str, ...] = field(default=("exact",), metadata=_doc("scale rounding: exact and/or to a power of 2",
+        choices=ROUNDINGS))
+    mods: tuple[str, ...] = field(default=(), metadata=_doc("the Mods the sampler may switch on (`\"fuse_epilogue\"`"
+        " needs `\"blocknorm\"` and `\"hardswish\"`)", choices=MOD_NAMES))
+    per_role: bool = field(default=True, metadata=_doc("`per_gemm = true` only: choose fwd / dgrad / wgrad separately"
+        " (true) or tie them (false); a file that sets `per_role` but not `per_gemm` (written before the recipe space)"
+        " gets the per-GEMM space it had, and `per_gemm = false` with `per_role` set is an error"))
+    per_gemm: bool = field(default=False, metadata=_doc("false: per site one of a few whole-site recipes (bf16,"
+        " tensorwise, rowwise, rowwise with a bf16 wgrad, Dispatch's per-GEMM choice), priced per site; true: per site"
+        " x GEMM every choice the probe kept (for experts)", default="`false` (`true` where `per_role` is set)"))
+    align: int = field(default=16, metadata=_doc("FP8 only where K and N are multiples of this"))
+    min_dim: int = field(default=16, metadata=_doc("FP8 only where K and N are at least this"))
+    blocknorm_sizes: tuple[int, ...] = field(default=(128,), metadata=_doc("the BlockNorm Mod's block sizes the sampler"
+        " chooses from"))
+    pad_multiples: tuple[int, ...] = field(default=(16,), metadata=_doc("the padding Mod's multiples the sampler"
+        " chooses from"))
 
     @classmethod
     def from_table(cls, t: Table, where: Where) -> SpaceSection:
@@ -421,19 +385,17 @@ class SpaceSection:
 class ProbeSection:
     """The probe during the first baseline run, and its thresholds: which candidates survive pruning."""
 
-    enabled: bool = field(default=True, metadata={
-        "doc": "false: no probe run, no pruning, no Dispatch plan (the unpruned space)"})
-    max_error: float = field(default=0.2, metadata={
-        "doc": "a candidate whose MERE (mean relative error of its GEMM outputs) is above this is unsafe and"
-               " dropped"})
-    min_speedup: float = field(default=1.0, metadata={
-        "doc": "candidates not faster than bf16 by this factor are dropped (0: keep every speed)"})
-    samples: int = field(default=32, metadata={
-        "doc": "synthetic draws `(X, dY, W)` per site from the collected statistics, on which each candidate's"
-               " error is measured"})
-    every: int = field(default=10, metadata={"doc": "collect the probe's statistics every this many steps"})
-    price_first: bool = field(default=False, metadata={
-        "doc": "true: price every candidate's speed first, measure the error of the fast ones only"})
+    enabled: bool = field(default=True, metadata=_doc("false: no probe run, no pruning, no Dispatch plan (the unpruned"
+        " space)"))
+    max_error: float = field(default=0.2, metadata=_doc("a candidate whose MERE (mean relative error of its GEMM"
+        " outputs) is above this is unsafe and dropped"))
+    min_speedup: float = field(default=1.0, metadata=_doc("candidates not faster than bf16 by this factor are dropped"
+        " (0: keep every speed)"))
+    samples: int = field(default=32, metadata=_doc("synthetic draws `(X, dY, W)` per site from the collected"
+        " statistics, on which each candidate's error is measured"))
+    every: int = field(default=10, metadata=_doc("collect the probe's statistics every this many steps"))
+    price_first: bool = field(default=False, metadata=_doc("true: price every candidate's speed first, measure the"
+        " error of the fast ones only"))
 
     @classmethod
     def from_table(cls, t: Table, where: Where) -> ProbeSection:
@@ -456,27 +418,21 @@ class TrialsSection:
     trial the sampler gives an already evaluated configuration copies its result (a cache copy,
     recorded) and does not spend the budget."""
 
-    n_trials: int | None = field(default=20, metadata={
-        "doc": "distinct configurations evaluated (a cache copy of an evaluated one is not counted); and/or"
-               " `timeout_s`",
-        "default": "`20` (none when `timeout_s` is set)"})
-    timeout_s: float | None = field(default=None, metadata={
-        "doc": "stop starting trials after this many seconds", "default": "none (no time limit)"})
-    pruner: str = field(default="hopeless", metadata={
-        "doc": "`\"hopeless\"`: prune a trial whose windowed training loss is `hopeless_factor` x the budget above"
-               " the baseline's at the same step; `\"median\"`: Optuna's median pruner; `\"none\"`",
-        "choices": PRUNERS})
-    hopeless_factor: float = field(default=10.0, metadata={
-        "doc": "the hopeless pruner's threshold, in budgets (>= 1)"})
-    prune_warmup_steps: int = field(default=0, metadata={
-        "doc": "training steps of a trial before the pruner may prune it"})
-    n_startup_trials: int = field(default=8, metadata={
-        "doc": "random trials before TPE models the results"})
-    enqueue_starts: bool = field(default=True, metadata={
-        "doc": "first trials: bf16 with no Mods and with all of `[space] mods`, then under the faster feasible of"
-               " the two the recipes tensorwise / rowwise on torchao's size-filter Linears (per GEMM also"
-               " torchao's own with the torchao backend) and the Dispatch plan, then (recipe space) the additive"
-               " model's proposals; false leaves every trial to the sampler"})
+    n_trials: int | None = field(default=20, metadata=_doc("distinct configurations evaluated (a cache copy of an"
+        " evaluated one is not counted); and/or `timeout_s`", default="`20` (none when `timeout_s` is set)"))
+    timeout_s: float | None = field(default=None, metadata=_doc("stop starting trials after this many seconds",
+        default="none (no time limit)"))
+    pruner: str = field(default="hopeless", metadata=_doc("`\"hopeless\"`: prune a trial whose windowed training loss"
+        " is `hopeless_factor` x the budget above the baseline's at the same step; `\"median\"`: Optuna's median"
+        " pruner; `\"none\"`", choices=PRUNERS))
+    hopeless_factor: float = field(default=10.0, metadata=_doc("the hopeless pruner's threshold, in budgets (>= 1)"))
+    prune_warmup_steps: int = field(default=0, metadata=_doc(
+        "training steps of a trial before the pruner may prune it"))
+    n_startup_trials: int = field(default=8, metadata=_doc("random trials before TPE models the results"))
+    enqueue_starts: bool = field(default=True, metadata=_doc("first trials: bf16 with no Mods and with all of `[space]"
+        " mods`, then under the faster feasible of the two the recipes tensorwise / rowwise on torchao's size-filter"
+        " Linears (per GEMM also torchao's own with the torchao backend) and the Dispatch plan, then (recipe space) the"
+        " additive model's proposals; false leaves every trial to the sampler"))
 
     @classmethod
     def from_table(cls, t: Table, where: Where) -> TrialsSection:
@@ -503,15 +459,12 @@ class TrialsSection:
 class StorageSection:
     """Optuna storage (``url``: ``sqlite:///...`` or ``postgresql://...``) and worker heartbeats."""
 
-    url: str = field(metadata={
-        "doc": "the Optuna storage: `sqlite:///PATH`, or `postgresql://USER:PW@HOST:PORT/DB` for workers on many"
-               " machines",
-        "default": "`sqlite:///<output_dir>/optuna.db`"})
-    heartbeat_s: int = field(default=10, metadata={"doc": "seconds between a running trial's heartbeats"})
-    grace_s: int = field(default=30, metadata={
-        "doc": "a trial without a heartbeat for this many seconds is marked failed and re-queued (more than"
-               " `heartbeat_s`, e.g. 3x)"})
-    max_retry: int = field(default=2, metadata={"doc": "how many times a failed trial is re-queued"})
+    url: str = field(metadata=_doc("the Optuna storage: `sqlite:///PATH`, or `postgresql://USER:PW@HOST:PORT/DB` for"
+        " workers on many machines", default="`sqlite:///<output_dir>/optuna.db`"))
+    heartbeat_s: int = field(default=10, metadata=_doc("seconds between a running trial's heartbeats"))
+    grace_s: int = field(default=30, metadata=_doc("a trial without a heartbeat for this many seconds is marked failed"
+        " and re-queued (more than `heartbeat_s`, e.g. 3x)"))
+    max_retry: int = field(default=2, metadata=_doc("how many times a failed trial is re-queued"))
 
     @staticmethod
     def default_url(output_dir: Path) -> str:
@@ -540,15 +493,13 @@ class StorageSection:
 class TrackingSection:
     """MLflow tracking: one run per study, a nested run per trial, the plots."""
 
-    enabled: bool | str = field(default="auto", metadata={
-        "doc": "true, false or `\"auto\"` (on when mlflow can be imported)"})
-    uri: str = field(default="", metadata={
-        "doc": "the MLflow tracking URI: `sqlite:///PATH`, `http(s)://HOST:PORT`, `postgresql://...` or"
-               " `file:///PATH`",
-        "default": "`sqlite:///<output_dir>/mlflow.db`"})
-    experiment: str = field(default="loka-tune", metadata={"doc": "the MLflow experiment's name"})
-    plots: bool = field(default=True, metadata={
-        "doc": "write the study's plots (speed vs loss, the choice map) and log them to MLflow"})
+    enabled: bool | str = field(default="auto", metadata=_doc("true, false or `\"auto\"` (on when mlflow can be"
+        " imported)"))
+    uri: str = field(default="", metadata=_doc("the MLflow tracking URI: `sqlite:///PATH`, `http(s)://HOST:PORT`,"
+        " `postgresql://...` or `file:///PATH`", default="`sqlite:///<output_dir>/mlflow.db`"))
+    experiment: str = field(default="loka-tune", metadata=_doc("the MLflow experiment's name"))
+    plots: bool = field(default=True, metadata=_doc("write the study's plots (speed vs loss, the choice map) and log"
+        " them to MLflow"))
 
     @staticmethod
     def default_uri(output_dir: Path) -> str:
@@ -580,12 +531,11 @@ class ConfirmSection:
     Mods, and the export takes the fastest one whose mean relative log loss is within the budget
     (:mod:`loka_tune.tuner.confirm`)."""
 
-    enabled: bool = field(default=True, metadata={
-        "doc": "false: no confirmation stage (the export takes the search's best feasible trial)"})
-    n_best: int = field(default=3, metadata={"doc": "how many of the best feasible configs are confirmed"})
-    seeds: tuple[int, ...] = field(default=(), metadata={
-        "doc": "the confirmation's seeds, at least two distinct (`[]`: `training.seeds`; one training seed `s`"
-               " gives `[s, s + 1]`)"})
+    enabled: bool = field(default=True, metadata=_doc("false: no confirmation stage (the export takes the search's best"
+        " feasible trial)"))
+    n_best: int = field(default=3, metadata=_doc("how many of the best feasible configs are confirmed"))
+    seeds: tuple[int, ...] = field(default=(), metadata=_doc("the confirmation's seeds, at least two distinct (`[]`:"
+        " `training.seeds`; one training seed `s` gives `[s, s + 1]`)"))
 
     @classmethod
     def from_table(cls, t: Table, where: Where) -> ConfirmSection:
