@@ -12,9 +12,10 @@ from typing import Any
 HELP = "search the fastest FP8 precision config under a loss budget (an Optuna study)"
 
 DESCRIPTION = """\
-Run a study file (see studies/quickstart.toml): bf16 baseline runs on 2-3 seeds, each with
-its noise twins (the same run from initial weights perturbed at bf16 rounding: their paired
-relative log loss is the noise floor, which objective.budget_pct must exceed), the Probe
+Run a study file (see studies/quickstart.toml; every table and key of one: --help-schema
+or docs/study-schema.md): bf16 baseline runs on 2-3 seeds, each with its noise twins (the
+same run from initial weights perturbed at bf16 rounding: their paired relative log loss is
+the noise floor, which objective.budget_pct must exceed), the Probe
 during the first, the search space pruned by the probe: by default per site a few whole-site
 recipes (bf16, tensorwise, rowwise, rowwise with a bf16 wgrad, Dispatch's per-GEMM choice),
 each priced in seconds saved per step (measured compiled on a GPU, the cost model on a CPU);
@@ -59,9 +60,27 @@ examples:
 """
 
 
+class _HelpSchema(argparse.Action):
+    """``--help-schema``: print every table and key of a study file (docs/study-schema.md) and exit."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS,
+                 default: str = argparse.SUPPRESS, help: str | None = None) -> None:  # noqa: A002 - argparse's name
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        from loka_tune.tuner.schema import schema_markdown
+
+        sys.stdout.write(schema_markdown())
+        parser.exit()
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from loka_tune.commands._args import integer, number
 
+    parser.add_argument("--help-schema", action=_HelpSchema,
+                        help="print every table and key of a study file, with its type, default and meaning"
+                             " (markdown: docs/study-schema.md), and exit")
     parser.add_argument("study", help="the study file (TOML)")
     parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: the study's training.device)")
     parser.add_argument("--storage", default=None,

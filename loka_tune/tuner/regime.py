@@ -1,17 +1,9 @@
-"""Two study-file tables about what a study's answer is worth: ``[regime]`` and ``[confirm]``.
+"""The study file's ``[regime]`` table: how the exported config will train in production.
 
-``[regime]`` says how the exported config will train in production, and every timed run of
-the study (baselines, trials, the confirmation) times its steps exactly that way, so that a
-trial's speed-up is the one the user will get::
-
-    [regime]
-    compile = "auto"       # "auto": torch.compile on CUDA, eager on a CPU; or true / false
-    cuda_graphs = false    # capture each whole step in one CUDA graph (CUDA only; the trainer's cuda_graphs)
-    batch_size = 0         # the production batch size (0: training.batch_size)
-    autocast = ""          # "auto", "bf16" or "off" ("": training.autocast)
-    nproc = 1              # processes (GPUs) per training run: data-parallel at the same global batch
-
-They override ``[training]``'s ``compile``, ``cuda_graphs``, ``batch_size`` and ``autocast``.
+Every timed run of the study (baselines, trials, the confirmation) times its steps exactly
+that way, so that a trial's speed-up is the one the user will get. Its keys (``compile``,
+``cuda_graphs``, ``batch_size``, ``autocast``, ``nproc``: ``docs/study-schema.md``) override
+``[training]``'s ``compile``, ``cuda_graphs``, ``batch_size`` and ``autocast``.
 A compiled run keeps at least :data:`COMPILE_WARMUP` warm-up steps out of the step-time
 median (compilation is never timed); each compiled run starts from a reset dynamo and reuses
 inductor's on-disk graph cache (in ``<output_dir>/inductor_cache``), so trials of one model
@@ -24,20 +16,12 @@ study and the other ranks train each run beside it (:mod:`loka_tune.tuner.parall
 batch must split evenly over the N processes; CUDA graphs are one-process only. It is the
 alternative to ``--workers N`` (N trials at once, one GPU each); the two do not combine.
 
-``[confirm]``: after the search, the best ``n_best`` feasible configs are run again in the
-regime on ``seeds`` (default ``training.seeds``; at least two), paired against bf16 with the
-same Mods, and the export takes the fastest one whose mean relative log loss is within the
-budget (:mod:`loka_tune.tuner.confirm`)::
-
-    [confirm]
-    enabled = true
-    n_best = 3
-    seeds = []             # default: training.seeds (one seed s gives [s, s + 1])
+The other study-file tables, ``[confirm]`` among them, are in :mod:`loka_tune.tuner.sections`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from loka_tune._toml import Table
@@ -46,7 +30,7 @@ from loka_tune.errors import ConfigError
 if TYPE_CHECKING:
     from loka_tune.objectives.trainer import TrainConfig
 
-__all__ = ["RegimeSection", "ConfirmSection", "COMPILE_WARMUP"]
+__all__ = ["RegimeSection", "COMPILE_WARMUP"]
 
 COMPILE_WARMUP = 3  # steps: compilation (forward, then backward on the first step) and a settled allocator
 _AUTOCASTS = ("auto", "bf16", "off")
@@ -54,13 +38,22 @@ _AUTOCASTS = ("auto", "bf16", "off")
 
 @dataclass(frozen=True)
 class RegimeSection:
-    """How the config will train in production (see the module docstring)."""
+    """How the exported config will train in production: every timed run of the study (baselines,
+    trials, the confirmation) times its steps this way, so that a trial's speed-up is the one the
+    user will get. Its keys override ``[training]``'s."""
 
-    compile: bool | str = "auto"
-    cuda_graphs: bool = False
-    batch_size: int = 0
-    autocast: str = ""
-    nproc: int = 1
+    compile: bool | str = field(default="auto", metadata={
+        "doc": "`\"auto\"`: `torch.compile` on CUDA, eager on a CPU; or true / false (compilation is never timed:"
+               f" a compiled run keeps at least {COMPILE_WARMUP} warm-up steps out of the step-time median)"})
+    cuda_graphs: bool = field(default=False, metadata={
+        "doc": "capture each whole step in one CUDA graph (CUDA only, one process only)"})
+    batch_size: int = field(default=0, metadata={
+        "doc": "the production batch size, the global one with `nproc` > 1 (0: `training.batch_size`)"})
+    autocast: str = field(default="", metadata={
+        "doc": "`\"auto\"`, `\"bf16\"` or `\"off\"` (`\"\"`: `training.autocast`)", "choices": ("",) + _AUTOCASTS})
+    nproc: int = field(default=1, metadata={
+        "doc": "processes (GPUs) per training run: every run trains data-parallel over this many processes of"
+               " this host at the same global batch, which must split evenly (not with `--workers`)"})
 
     @classmethod
     def from_table(cls, t: Table, where: Any) -> RegimeSection:
@@ -113,35 +106,3 @@ def _nproc(v: Any) -> int:
         raise ConfigError(f"got {v!r}; expected the number of processes per training run, an integer >= 1"
                           " (at most one per GPU of this host), e.g. nproc = 2", key="regime.nproc")
     return v
-
-
-@dataclass(frozen=True)
-class ConfirmSection:
-    """The confirmation stage (see the module docstring)."""
-
-    enabled: bool = True
-    n_best: int = 3
-    seeds: tuple[int, ...] = ()
-
-    @classmethod
-    def from_table(cls, t: Table, where: Any) -> ConfirmSection:
-        d = cls()
-        seeds = t.get("seeds", list(d.seeds))
-        if (not isinstance(seeds, list)
-                or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in seeds)):
-            raise ConfigError(f"got {seeds!r}; expected a list of integer seeds >= 0, e.g. [0, 1]", key="confirm.seeds")
-        if len(seeds) == 1 or len(set(seeds)) != len(seeds):
-            raise ConfigError(f"got {seeds!r}; give at least two distinct seeds (or [] for training.seeds)",
-                              key="confirm.seeds")
-        confirm = cls(enabled=t.boolean("enabled", d.enabled), n_best=t.integer("n_best", d.n_best, minimum=1),
-                      seeds=tuple(seeds))
-        t.done()
-        return confirm
-
-    def seeds_for(self, training_seeds: tuple[int, ...]) -> tuple[int, ...]:
-        """The confirmation's seeds: its own, else the training seeds (one seed s: s and s + 1)."""
-        if self.seeds:
-            return self.seeds
-        if len(training_seeds) >= 2:
-            return tuple(training_seeds)
-        return (training_seeds[0], training_seeds[0] + 1)

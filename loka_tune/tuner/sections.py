@@ -1,7 +1,10 @@
 """The sections of a study file: one frozen dataclass per TOML table, each reading and checking
 its own table (``from_table``), next to its fields and their defaults.
 
-The layout of a whole study file, with every key, is in :mod:`loka_tune.tuner.study`.
+Each field is a key and carries its doc as data (:func:`_doc`: ``doc``; ``default`` in words
+where there is none or it is computed; ``choices``, or ``"module:name"`` of them in a lower
+layer; ``keys_of`` on ``TrainingSection.trainer``: its config's plain fields are the keys).
+:mod:`loka_tune.tuner.schema` renders them (``docs/study-schema.md``). ``[regime]``: regime.py.
 """
 
 from __future__ import annotations
@@ -23,12 +26,17 @@ if TYPE_CHECKING:
     from loka_tune.objectives.trainer import TrainConfig
 
 __all__ = ["StudySection", "ModelSection", "DataSection", "TrainingSection", "ObjectiveSection", "SpaceSection",
-           "ProbeSection", "TrialsSection", "StorageSection", "TrackingSection", "MOD_NAMES", "SHORT_RUN"]
+           "ProbeSection", "TrialsSection", "StorageSection", "TrackingSection", "ConfirmSection",
+           "MOD_NAMES", "SHORT_RUN"]
 
 MOD_NAMES = ("no_bias", "blocknorm", "hardswish", "pad", "fuse_epilogue")  # the Mods the sampler may switch on
 OBJECTIVES = ("train_step", "inference")
 SPEED_SOURCES = ("auto", "measured", "modeled")
 PRUNERS = ("hopeless", "median", "none")
+FORMATS = tuple(f.value for f in Format if f != Format.BF16)  # [space] formats: the FP8 ones
+GRANULARITIES = tuple(g.value for g in Granularity if g != Granularity.NONE)
+ROUNDINGS = ("exact", "pow2")
+TRAINER_EXCLUDED = ("seed",)  # TrainConfig fields that are not [training] keys (seed is seeds[0])
 # a study's short paired runs are shorter than TrainConfig's default run; every other trainer
 # default is TrainConfig's own
 SHORT_RUN: dict[str, Any] = {"steps": 60, "eval_batches": 8, "window": 10}
@@ -55,6 +63,11 @@ def _default(cls: type, name: str) -> Any:
     return f.default_factory() if f.default_factory is not MISSING else f.default
 
 
+def _doc(text: str, **more: Any) -> dict[str, Any]:
+    """A section field's metadata: its doc, and optionally ``default`` (in words) and ``choices``."""
+    return {"doc": text, **more}
+
+
 # ---------------------------------------------------------------------------------------------
 # the sections
 
@@ -63,9 +76,12 @@ def _default(cls: type, name: str) -> Any:
 class StudySection:
     """Identity of the study and where its files go."""
 
-    name: str
-    output_dir: Path
-    seed: int = 0
+    name: str = field(metadata=_doc("the Optuna study's name and the MLflow run's name: letters, digits, `_`, `-` and"
+        " `.`", default="the study file's name without `.toml`"))
+    output_dir: Path = field(metadata=_doc("the folder of the study's files (`optuna.db`, `mlflow.db`, plots,"
+        " `inductor_cache`), relative to the working directory", default="`runs/<name>`"))
+    seed: int = field(default=0, metadata=_doc("the sampler's seed (each trial position draws from a seed derived from"
+        " it and the position)"))
 
     @classmethod
     def from_table(cls, t: Table, where: Where) -> StudySection:
@@ -88,17 +104,17 @@ class StudySection:
 class ModelSection:
     """A built-in model (``name`` + ``preset`` + ``overrides``) or a user's ``module:function``.
 
-    A user function is called as ``function(num_dense=..., cardinalities=..., **overrides)``
-    (its own names for the first two are recognised, e.g. ``n_dense``, ``table_sizes``) and
+    A user function is called as ``function(num_dense=..., cardinalities=..., **overrides)`` and
     returns an ``nn.Module`` with ``forward(dense, sparse) -> (B,) logits``
-    (:func:`loka_tune.tuner.build.call_model_factory`; a module that sets
-    ``takes_sequence = True`` is called ``forward(dense, sparse, seq, seq_mask)`` on data with
-    behaviour sequences: :func:`loka_tune.data.base.model_inputs`).
+    (:func:`loka_tune.tuner.build.call_model_factory`, :func:`loka_tune.data.base.model_inputs`).
     """
 
-    name: str
-    preset: str = "tiny"
-    overrides: Mapping[str, Any] = field(default_factory=dict)
+    name: str = field(metadata=_doc("a built-in model (`\"dlrm\"`, `\"dcnv2\"`, `\"wukong\"`, `\"interformer\"`) or"
+        " your own factory `\"package.module:function\"`", default="required"))
+    preset: str = field(default="tiny", metadata=_doc("the built-in model's size (built-in models only)",
+        choices="loka_tune.models:PRESETS"))
+    overrides: Mapping[str, Any] = field(default_factory=dict, metadata=_doc("the table `[model.overrides]`: preset"
+        " entries to replace (e.g. `top_mlp = [256, 256]`), or the keyword arguments of your factory"))
 
     @property
     def is_function(self) -> bool:
@@ -132,8 +148,11 @@ class DataSection:
     """The data source spec (``synthetic``, ``criteo:PATH``, ``avazu:PATH``, ``module:function``)
     and its keyword parameters. Relative paths are resolved against the study file's folder."""
 
-    source: str
-    params: Mapping[str, Any] = field(default_factory=dict)
+    source: str = field(metadata=_doc("`\"synthetic\"`, `\"criteo:PATH\"` (the raw Kaggle / 1TB layout),"
+        " `\"avazu:PATH\"` (the CSV with header) or `\"package.module:function\"` returning a DataSource; a relative"
+        " PATH is relative to the study file's folder", default="required"))
+    params: Mapping[str, Any] = field(default_factory=dict, metadata=_doc("the table `[data.params]`: keyword arguments"
+        " of the source (synthetic: `num_dense`, `cardinalities`, `eval_examples`, `seq_len`, ...)"))
 
     @property
     def kind(self) -> str:
@@ -178,8 +197,11 @@ class TrainingSection:
     (:data:`SHORT_RUN`). ``seeds[0]`` is the seed every trial pairs with.
     """
 
-    seeds: tuple[int, ...] = (0, 1, 2)
-    trainer: TrainConfig = field(default_factory=_short_run)
+    seeds: tuple[int, ...] = field(default=(0, 1, 2), metadata=_doc("the bf16 baseline seeds, 1 to 5 distinct (2-3 are"
+        " usual): every trial pairs with `seeds[0]`, the confirmation runs each"))
+    trainer: TrainConfig = field(default_factory=_short_run, metadata=_doc("not a key: every plain field of TrainConfig"
+        " but `seed` is a key of [training], with TrainConfig's default except the run's length (`steps`,"
+        " `eval_batches`, `window`)", keys_of=TRAINER_EXCLUDED))
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_") or name == "trainer":  # copy/pickle probe these before __init__
@@ -209,7 +231,7 @@ class TrainingSection:
         seeds = _read_seeds(t, _default(cls, "seeds"))
         base = _short_run()  # every plain TrainConfig field but seed (seeds[0]) is a key, with its default
         values = {name: read_plain(t, name, kinds, getattr(base, name))
-                  for name, kinds in plain_fields(TrainConfig, exclude=("seed",)).items()}
+                  for name, kinds in plain_fields(TrainConfig, exclude=TRAINER_EXCLUDED).items()}
         device = values["device"]
         if device not in ("auto", "cpu", "cuda") and not _DEVICE_RE.match(device):
             raise ConfigError(f"got {device!r}; use 'auto', 'cpu', 'cuda' or 'cuda:N'", key="training.device")
@@ -242,19 +264,23 @@ def _read_seeds(t: Table, default: tuple[int, ...]) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class ObjectiveSection:
-    """What is minimized (step time) and the constraint (relative log loss <= budget).
+    """What is minimized (step time) and the constraint (relative log loss <= budget)."""
 
-    ``noise_twins``: noise twins per baseline seed (bf16 runs from perturbed initial weights,
-    :mod:`loka_tune.tuner.baseline`), whose paired relative log loss is the noise floor the
-    budget must exceed; more give a steadier floor, each costs one baseline run."""
-
-    kind: str = "train_step"
-    budget_pct: float = 0.5
-    speed: str = "auto"
-    cost_device: str = "h200"
-    cost_batch_size: int | None = None
-    non_gemm_fraction: float = 0.3
-    noise_twins: int = 1
+    kind: str = field(default="train_step", metadata=_doc("what is timed: the training step (forward, backward,"
+        " optimizers) or inference (the forward only)", choices=OBJECTIVES))
+    budget_pct: float = field(default=0.5, metadata=_doc("the loss budget: the largest relative log loss vs the paired"
+        " bf16 baseline, in percent (> 0); it must exceed the baseline's noise floor"))
+    speed: str = field(default="auto", metadata=_doc("`\"measured\"` (timed on CUDA), `\"modeled\"` (the cost model) or"
+        " `\"auto\"` (measured on CUDA, modeled on a CPU)", choices=SPEED_SOURCES))
+    cost_device: str = field(default="h200", metadata=_doc("the cost model's target device",
+        choices="loka_tune.kernels.costmodel:DEVICES"))
+    cost_batch_size: int | None = field(default=None, metadata=_doc("the batch size the modeled step time is computed"
+        " at", default="`[regime] batch_size`, else `training.batch_size`"))
+    non_gemm_fraction: float = field(default=0.3, metadata=_doc("the modeled share of non-GEMM work in the bf16 step (0"
+        " to 0.95)"))
+    noise_twins: int = field(default=1, metadata=_doc("noise twins per baseline seed: bf16 runs from perturbed initial"
+        " weights (`loka_tune.tuner.baseline`), whose paired relative log loss is the noise floor the budget must"
+        " exceed; more give a steadier floor, each costs one baseline run"))
 
     @classmethod
     def from_table(cls, t: Table, where: Where) -> ObjectiveSection:
@@ -279,34 +305,43 @@ class ObjectiveSection:
 
 @dataclass(frozen=True)
 class SpaceSection:
-    """The allowed search space.
+    """The allowed search space: the FP8 choices per layer ("site") and the Mods.
 
-    ``per_gemm``: False (the default) searches the recipe space (per site bf16, tensorwise,
-    rowwise, rowwise with a bf16 wgrad or Dispatch's per-GEMM choice:
-    :mod:`loka_tune.space.recipe_space`); True the per-GEMM space, where ``per_role`` chooses
-    fwd / dgrad / wgrad separately (True) or ties them (False). A study file that sets
-    ``per_role`` but not ``per_gemm`` (written before the recipe space) gets the per-GEMM space it
-    had; ``per_gemm = false`` with ``per_role`` set is a contradiction (a ConfigError).
+    By default (``per_gemm = false``) the recipe space (:mod:`loka_tune.space.recipe_space`),
+    else the per-GEMM space.
     """
 
-    formats: tuple[str, ...] = ("e4m3", "e5m2")
-    granularities: tuple[str, ...] = ("tensor", "row", "block")
-    backends: tuple[str, ...] = ("emulated",)
-    roundings: tuple[str, ...] = ("exact",)
-    mods: tuple[str, ...] = ()
-    per_role: bool = True
-    per_gemm: bool = False
-    align: int = 16
-    min_dim: int = 16
-    blocknorm_sizes: tuple[int, ...] = (128,)
-    pad_multiples: tuple[int, ...] = (16,)
+    formats: tuple[str, ...] = field(default=("e4m3", "e5m2"), metadata=_doc("the FP8 formats (`\"mxfp8\"` needs the"
+        " granularity `\"mx\"`)", choices=FORMATS))
+    granularities: tuple[str, ...] = field(default=("tensor", "row", "block"), metadata=_doc("the scaling"
+        " granularities: tensorwise, rowwise (along each operand's reduction dim), blockwise, mx (mxfp8 only)",
+        choices=GRANULARITIES))
+    backends: tuple[str, ...] = field(default=("emulated",), metadata=_doc("the GEMM backends, by their registry names"
+        " (an unknown one's error lists those this install knows): `\"emulated\"` (FP8 emulated, any device), on a GPU"
+        " e.g. `\"torch_scaled_mm\"`, `\"triton\"`, `\"fbgemm\"`, `\"torchao\"`; one whose package is missing here is"
+        " left out of the space, with a warning"))
+    roundings: tuple[str, ...] = field(default=("exact",), metadata=_doc("scale rounding: exact and/or to a power of 2",
+        choices=ROUNDINGS))
+    mods: tuple[str, ...] = field(default=(), metadata=_doc("the Mods the sampler may switch on (`\"fuse_epilogue\"`"
+        " needs `\"blocknorm\"` and `\"hardswish\"`)", choices=MOD_NAMES))
+    per_role: bool = field(default=True, metadata=_doc("`per_gemm = true` only: choose fwd / dgrad / wgrad separately"
+        " (true) or tie them (false); a file that sets `per_role` but not `per_gemm` (written before the recipe space)"
+        " gets the per-GEMM space it had, and `per_gemm = false` with `per_role` set is an error"))
+    per_gemm: bool = field(default=False, metadata=_doc("false: per site one of a few whole-site recipes (bf16,"
+        " tensorwise, rowwise, rowwise with a bf16 wgrad, Dispatch's per-GEMM choice), priced per site; true: per site"
+        " x GEMM every choice the probe kept (for experts)", default="`false` (`true` where `per_role` is set)"))
+    align: int = field(default=16, metadata=_doc("FP8 only where K and N are multiples of this"))
+    min_dim: int = field(default=16, metadata=_doc("FP8 only where K and N are at least this"))
+    blocknorm_sizes: tuple[int, ...] = field(default=(128,), metadata=_doc("the BlockNorm Mod's block sizes the sampler"
+        " chooses from"))
+    pad_multiples: tuple[int, ...] = field(default=(16,), metadata=_doc("the padding Mod's multiples the sampler"
+        " chooses from"))
 
     @classmethod
     def from_table(cls, t: Table, where: Where) -> SpaceSection:
         d = cls()
-        fmts = t.str_list("formats", d.formats, choices=tuple(f.value for f in Format if f != Format.BF16))
-        grans = t.str_list("granularities", d.granularities,
-                           choices=tuple(g.value for g in Granularity if g != Granularity.NONE))
+        fmts = t.str_list("formats", d.formats, choices=FORMATS)
+        grans = t.str_list("granularities", d.granularities, choices=GRANULARITIES)
         backends = t.str_list("backends", d.backends)
         for b in backends:
             _check_backend_name(b)
@@ -330,7 +365,7 @@ class SpaceSection:
         per_gemm = t.boolean("per_gemm", t.has("per_role"))
         space = cls(
             formats=fmts, granularities=grans, backends=backends, mods=mods,
-            roundings=t.str_list("roundings", d.roundings, choices=("exact", "pow2")),
+            roundings=t.str_list("roundings", d.roundings, choices=ROUNDINGS),
             per_role=per_role, per_gemm=per_gemm,
             align=t.integer("align", d.align, minimum=1),
             min_dim=t.integer("min_dim", d.min_dim, minimum=1),
@@ -348,14 +383,19 @@ class SpaceSection:
 
 @dataclass(frozen=True)
 class ProbeSection:
-    """Probe thresholds: which candidates survive pruning."""
+    """The probe during the first baseline run, and its thresholds: which candidates survive pruning."""
 
-    enabled: bool = True
-    max_error: float = 0.2
-    min_speedup: float = 1.0
-    samples: int = 32
-    every: int = 10
-    price_first: bool = False  # price speed first, measure error only for the fast (measure(price_first=))
+    enabled: bool = field(default=True, metadata=_doc("false: no probe run, no pruning, no Dispatch plan (the unpruned"
+        " space)"))
+    max_error: float = field(default=0.2, metadata=_doc("a candidate whose MERE (mean relative error of its GEMM"
+        " outputs) is above this is unsafe and dropped"))
+    min_speedup: float = field(default=1.0, metadata=_doc("candidates not faster than bf16 by this factor are dropped"
+        " (0: keep every speed)"))
+    samples: int = field(default=32, metadata=_doc("synthetic draws `(X, dY, W)` per site from the collected"
+        " statistics, on which each candidate's error is measured"))
+    every: int = field(default=10, metadata=_doc("collect the probe's statistics every this many steps"))
+    price_first: bool = field(default=False, metadata=_doc("true: price every candidate's speed first, measure the"
+        " error of the fast ones only"))
 
     @classmethod
     def from_table(cls, t: Table, where: Where) -> ProbeSection:
@@ -378,13 +418,21 @@ class TrialsSection:
     trial the sampler gives an already evaluated configuration copies its result (a cache copy,
     recorded) and does not spend the budget."""
 
-    n_trials: int | None = 20
-    timeout_s: float | None = None
-    pruner: str = "hopeless"
-    hopeless_factor: float = 10.0
-    prune_warmup_steps: int = 0
-    n_startup_trials: int = 8
-    enqueue_starts: bool = True
+    n_trials: int | None = field(default=20, metadata=_doc("distinct configurations evaluated (a cache copy of an"
+        " evaluated one is not counted); and/or `timeout_s`", default="`20` (none when `timeout_s` is set)"))
+    timeout_s: float | None = field(default=None, metadata=_doc("stop starting trials after this many seconds",
+        default="none (no time limit)"))
+    pruner: str = field(default="hopeless", metadata=_doc("`\"hopeless\"`: prune a trial whose windowed training loss"
+        " is `hopeless_factor` x the budget above the baseline's at the same step; `\"median\"`: Optuna's median"
+        " pruner; `\"none\"`", choices=PRUNERS))
+    hopeless_factor: float = field(default=10.0, metadata=_doc("the hopeless pruner's threshold, in budgets (>= 1)"))
+    prune_warmup_steps: int = field(default=0, metadata=_doc(
+        "training steps of a trial before the pruner may prune it"))
+    n_startup_trials: int = field(default=8, metadata=_doc("random trials before TPE models the results"))
+    enqueue_starts: bool = field(default=True, metadata=_doc("first trials: bf16 with no Mods and with all of `[space]"
+        " mods`, then under the faster feasible of the two the recipes tensorwise / rowwise on torchao's size-filter"
+        " Linears (per GEMM also torchao's own with the torchao backend) and the Dispatch plan, then (recipe space) the"
+        " additive model's proposals; false leaves every trial to the sampler"))
 
     @classmethod
     def from_table(cls, t: Table, where: Where) -> TrialsSection:
@@ -411,10 +459,12 @@ class TrialsSection:
 class StorageSection:
     """Optuna storage (``url``: ``sqlite:///...`` or ``postgresql://...``) and worker heartbeats."""
 
-    url: str
-    heartbeat_s: int = 10
-    grace_s: int = 30
-    max_retry: int = 2
+    url: str = field(metadata=_doc("the Optuna storage: `sqlite:///PATH`, or `postgresql://USER:PW@HOST:PORT/DB` for"
+        " workers on many machines", default="`sqlite:///<output_dir>/optuna.db`"))
+    heartbeat_s: int = field(default=10, metadata=_doc("seconds between a running trial's heartbeats"))
+    grace_s: int = field(default=30, metadata=_doc("a trial without a heartbeat for this many seconds is marked failed"
+        " and re-queued (more than `heartbeat_s`, e.g. 3x)"))
+    max_retry: int = field(default=2, metadata=_doc("how many times a failed trial is re-queued"))
 
     @staticmethod
     def default_url(output_dir: Path) -> str:
@@ -441,12 +491,15 @@ class StorageSection:
 
 @dataclass(frozen=True)
 class TrackingSection:
-    """MLflow tracking: ``enabled`` is True, False or "auto" (on when mlflow can be imported)."""
+    """MLflow tracking: one run per study, a nested run per trial, the plots."""
 
-    enabled: bool | str = "auto"
-    uri: str = ""
-    experiment: str = "loka-tune"
-    plots: bool = True
+    enabled: bool | str = field(default="auto", metadata=_doc("true, false or `\"auto\"` (on when mlflow can be"
+        " imported)"))
+    uri: str = field(default="", metadata=_doc("the MLflow tracking URI: `sqlite:///PATH`, `http(s)://HOST:PORT`,"
+        " `postgresql://...` or `file:///PATH`", default="`sqlite:///<output_dir>/mlflow.db`"))
+    experiment: str = field(default="loka-tune", metadata=_doc("the MLflow experiment's name"))
+    plots: bool = field(default=True, metadata=_doc("write the study's plots (speed vs loss, the choice map) and log"
+        " them to MLflow"))
 
     @staticmethod
     def default_uri(output_dir: Path) -> str:
@@ -469,6 +522,43 @@ class TrackingSection:
         tracking = cls(enabled=enabled, uri=uri, experiment=experiment, plots=t.boolean("plots", d.plots))
         t.done()
         return tracking
+
+
+@dataclass(frozen=True)
+class ConfirmSection:
+    """The confirmation stage: after the search, the best ``n_best`` feasible configs are run
+    again in the ``[regime]`` on ``seeds`` (at least two), each paired against bf16 with the same
+    Mods, and the export takes the fastest one whose mean relative log loss is within the budget
+    (:mod:`loka_tune.tuner.confirm`)."""
+
+    enabled: bool = field(default=True, metadata=_doc("false: no confirmation stage (the export takes the search's best"
+        " feasible trial)"))
+    n_best: int = field(default=3, metadata=_doc("how many of the best feasible configs are confirmed"))
+    seeds: tuple[int, ...] = field(default=(), metadata=_doc("the confirmation's seeds, at least two distinct (`[]`:"
+        " `training.seeds`; one training seed `s` gives `[s, s + 1]`)"))
+
+    @classmethod
+    def from_table(cls, t: Table, where: Where) -> ConfirmSection:
+        d = cls()
+        seeds = t.get("seeds", list(d.seeds))
+        if (not isinstance(seeds, list)
+                or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in seeds)):
+            raise ConfigError(f"got {seeds!r}; expected a list of integer seeds >= 0, e.g. [0, 1]", key="confirm.seeds")
+        if len(seeds) == 1 or len(set(seeds)) != len(seeds):
+            raise ConfigError(f"got {seeds!r}; give at least two distinct seeds (or [] for training.seeds)",
+                              key="confirm.seeds")
+        confirm = cls(enabled=t.boolean("enabled", d.enabled), n_best=t.integer("n_best", d.n_best, minimum=1),
+                      seeds=tuple(seeds))
+        t.done()
+        return confirm
+
+    def seeds_for(self, training_seeds: tuple[int, ...]) -> tuple[int, ...]:
+        """The confirmation's seeds: its own, else the training seeds (one seed s: s and s + 1)."""
+        if self.seeds:
+            return self.seeds
+        if len(training_seeds) >= 2:
+            return tuple(training_seeds)
+        return (training_seeds[0], training_seeds[0] + 1)
 
 
 # names users reach for that are not backend names: the backend that runs that library's kernels

@@ -7,95 +7,27 @@ and speed (measured on a GPU, modeled on a CPU), under which loss budget, over w
 value raises :class:`~loka_tune.errors.ConfigError` whose ``key`` is the dotted path
 (``"training.steps"``) and whose message quotes the value and names the fix.
 
-Layout (every section but ``[model]`` and ``[data]`` is optional)::
+Every table and key, with its type, default and meaning, is in ``docs/study-schema.md``
+(``loka-tune tune --help-schema`` prints it), generated from the sections' fields
+(:mod:`loka_tune.tuner.sections`, :mod:`loka_tune.tuner.regime`) by
+:mod:`loka_tune.tuner.schema`. Every table but ``[model]`` and ``[data]`` is optional; a short
+study file::
 
     [study]
-    name = "quickstart"          # the Optuna study name and the MLflow experiment's run name
-    output_dir = "runs/quickstart"  # default runs/<name>, relative to the working directory
-    seed = 0                     # the sampler's seed
+    name = "quickstart"          # results in runs/quickstart/
 
     [model]
     name = "dlrm"                # a built-in model, or "package.module:function"
-    preset = "tiny"              # built-in models only
-    [model.overrides]            # preset entries to replace (or keyword arguments of the function)
-    top_mlp = [256, 256]
+    preset = "tiny"
 
     [data]
-    source = "synthetic"         # "synthetic", "criteo:PATH", "avazu:PATH" or "package.module:function"
-    [data.params]                # keyword arguments of the source (synthetic: num_dense, cardinalities, ...)
-
-    [training]                   # the short paired runs: any plain field of
-                                 # loka_tune.objectives.trainer.TrainConfig, with its default
-    steps = 60                   # ... except the run's length: steps, eval_batches, window
-    batch_size = 256
-    lr_dense = 1e-3
-    lr_sparse = 1e-2
-    seeds = [0, 1, 2]            # baseline seeds (2-3); trials pair with seeds[0], confirmation with each
-    eval_batches = 8
-    window = 10
-    device = "auto"              # "auto", "cpu", "cuda" or "cuda:N"
+    source = "synthetic"         # or "criteo:PATH", "avazu:PATH", "package.module:function"
 
     [objective]
-    kind = "train_step"          # or "inference" (forward only)
-    budget_pct = 0.5             # max relative log loss vs the bf16 baseline, in percent
-    speed = "auto"               # "measured" (CUDA), "modeled" (cost model) or "auto"
-    cost_device = "h200"         # target device of the cost model
-    cost_batch_size = 65536      # batch size the modeled step time is computed at (default: training's)
-    non_gemm_fraction = 0.3      # modeled share of non-GEMM work in the bf16 step
-    noise_twins = 1              # per baseline seed: bf16 runs from perturbed init, the paired noise floor
-
-    [space]
-    formats = ["e4m3", "e5m2"]
-    granularities = ["tensor", "row", "block"]
-    backends = ["emulated"]
-    roundings = ["exact"]        # scale rounding: "exact" and/or "pow2"
-    mods = ["no_bias", "blocknorm", "hardswish"]
-    per_gemm = false             # false: per site one of a few whole-site recipes (bf16, tensorwise, rowwise,
-                                 # rowwise with a bf16 wgrad, Dispatch's per-GEMM choice), priced per site;
-                                 # true: per site x GEMM every choice the probe kept (for experts)
-    per_role = true              # per_gemm = true only: choose fwd / dgrad / wgrad separately (false: tied);
-                                 # a file that sets per_role without per_gemm gets the per-GEMM space
-    align = 16                   # FP8 only where K and N are multiples of this
-    min_dim = 16                 # ... and at least this big
-
-    [probe]
-    enabled = true               # false: no probe run, no pruning, no Dispatch plan (the unpruned space)
-    max_error = 0.2              # MERE above this = unsafe
-    min_speedup = 1.0            # candidates not faster than bf16 by this factor are dropped
-    samples = 32
-    every = 10
-    price_first = false          # true: price every candidate's speed first, measure the error of the fast only
+    budget_pct = 1.0             # max relative log loss vs the bf16 baseline, in percent
 
     [trials]
-    n_trials = 20                # distinct configurations evaluated (cache copies are not counted); and/or
-    timeout_s = 600
-    pruner = "hopeless"          # "hopeless", "median" or "none"
-    n_startup_trials = 8         # random trials before TPE models the results
-    enqueue_starts = true        # first trials: bf16 with no Mods and with all of [space] mods, then under
-                                 # the faster feasible of the two the recipes tensorwise / rowwise on
-                                 # torchao's size-filter Linears (per GEMM also torchao's own with the
-                                 # torchao backend) and the Dispatch plan, then (recipe space) the additive
-                                 # model's proposals; false leaves every trial to the sampler
-
-    [storage]
-    url = ""                     # default sqlite:///<output_dir>/optuna.db; postgresql://... for many machines
-
-    [tracking]
-    enabled = "auto"             # true, false or "auto" (on when mlflow imports)
-    uri = ""                     # default sqlite:///<output_dir>/mlflow.db; or http://server:5000
-    experiment = "loka-tune"
-
-    [regime]                     # how the config will train in production: every timed run uses it
-    compile = "auto"             # "auto" (compiled on CUDA, eager on a CPU), true or false
-    cuda_graphs = false          # one CUDA graph per step (CUDA only)
-    batch_size = 0               # the production batch (0: training.batch_size)
-    autocast = ""                # "" = training.autocast
-    nproc = 1                    # processes (GPUs) per training run, data-parallel at the same global batch
-
-    [confirm]                    # after the search: the best n_best feasible configs re-run on 2+ seeds
-    enabled = true
-    n_best = 3
-    seeds = []                   # default: training.seeds
+    n_trials = 12
 """
 
 from __future__ import annotations
@@ -109,9 +41,10 @@ from typing import Any
 
 from loka_tune._toml import Table
 from loka_tune.errors import ConfigError
-from loka_tune.tuner.regime import ConfirmSection, RegimeSection
+from loka_tune.tuner.regime import RegimeSection
 from loka_tune.tuner.sections import (
     MOD_NAMES,
+    ConfirmSection,
     DataSection,
     ModelSection,
     ObjectiveSection,
