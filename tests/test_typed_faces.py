@@ -75,7 +75,7 @@ def test_mypy_reads_the_real_signatures(tmp_path: Path) -> None:
     apply_t, probe_t, run_study_t, recipe_t = revealed
     assert "Any" != apply_t and apply_t.startswith("def (model: torch.nn.modules.module.Module, config:")
     assert "loka_tune.config.PrecisionConfig" in apply_t and "serving: bool =" in apply_t
-    assert apply_t.endswith('-> loka_tune.applier.ApplySummary"')
+    assert apply_t.endswith('-> loka_tune.applying.ApplySummary"')
     assert probe_t.startswith("def (model: torch.nn.modules.module.Module, every: int =")
     assert probe_t.endswith('-> loka_tune.probe.collector.Probe"')
     assert run_study_t.startswith("def (cfg: loka_tune.tuner.study.StudyConfig, *,")
