@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import sys
 from typing import NoReturn, Sequence
 
@@ -38,10 +39,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"loka-tune {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    common = _Parser(add_help=False)  # every command: how much it says on stderr
+    talk = common.add_mutually_exclusive_group()
+    talk.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only (no progress lines)")
+    talk.add_argument("-v", "--verbose", action="store_true", help="debug lines too")
     for name in COMMANDS:
         mod = importlib.import_module(f"loka_tune.commands.{name}")
         p = sub.add_parser(name, help=mod.HELP, description=getattr(mod, "DESCRIPTION", mod.HELP),
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
+                           formatter_class=argparse.RawDescriptionHelpFormatter, parents=[common])
         mod.add_arguments(p)
         p.set_defaults(_run=mod.run)
     return parser
@@ -54,6 +59,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "_run", None) is None:
         parser.print_help()
         return 2
+    from loka_tune.tuner.log import to_stderr
+
+    # the library only logs (the loka_tune logger): the CLI prints its records as the lines it shows
+    to_stderr(logging.WARNING if args.quiet else logging.DEBUG if args.verbose else logging.INFO)
     try:
         return int(args._run(args) or 0)
     except LokaError as e:

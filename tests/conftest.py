@@ -80,6 +80,20 @@ def _config_snapshot(keys: dict[str, dict[str, object]] | None = None) -> dict[s
 
 
 @pytest.fixture(autouse=True)
+def _loka_logging_as_it_was() -> Iterator[None]:
+    """The ``loka_tune`` logger's handlers and level as they were before the test: an in-process
+    ``loka-tune`` call (``cli.main``) installs its stderr handler, which must not make a later
+    test's library calls print (the library alone is silent)."""
+    import logging
+
+    logger = logging.getLogger("loka_tune")
+    handlers, level = list(logger.handlers), logger.level
+    yield
+    logger.handlers[:] = handlers
+    logger.setLevel(level)
+
+
+@pytest.fixture(autouse=True)
 def _torch_config_intact() -> Iterator[None]:
     """Fails the test that leaves torch's dynamo/inductor config changed: a setting deleted,
     or a value not restored. ``monkeypatch.setattr`` on these modules does that under

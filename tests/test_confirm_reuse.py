@@ -143,7 +143,9 @@ def test_a_trial_records_how_it_ran(tmp_path: Path, runs: Runs) -> None:
 def test_the_confirmation_takes_each_trials_own_run_for_its_seed(tmp_path: Path, runs: Runs,
                                                                    capsys: pytest.CaptureFixture[str]) -> None:
     from loka_tune.tuner import confirm
+    from loka_tune.tuner.log import to_stderr
 
+    to_stderr()  # the library only logs: show its progress lines, as the CLI does
     study, ctx = _searched(tmp_path, runs)
     runs.calls.clear()
     capsys.readouterr()

@@ -273,7 +273,9 @@ def test_probe_allocates_on_its_first_step() -> None:
 
 def test_baseline_progress_lines(capsys: pytest.CaptureFixture[str]) -> None:
     from loka_tune.tuner.baseline import _say_progress
+    from loka_tune.tuner.log import to_stderr
 
+    to_stderr()  # the library only logs: its lines show where a handler asks (the CLI's)
     say = _say_progress("baseline seed 0", 40)
     for step in range(10, 41, 10):
         say(step, 0.5)
