@@ -15,6 +15,19 @@ from loka_tune.tuner.log import LOGGER, log, to_stderr
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(autouse=True)
+def _root_unconfigured(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The root logger as in a fresh program (no handler, WARNING): what another test or an
+    imported package configured there (a ``basicConfig``) is not the library printing."""
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "handlers", [h for h in root.handlers if type(h).__name__ == "LogCaptureHandler"])
+    monkeypatch.setattr(root, "level", logging.WARNING)
+    # and loka_tune's own as before any CLI call (a module-scoped fixture's in-process loka-tune
+    # run installs the CLI's handler outside the per-test restore of conftest.py)
+    monkeypatch.setattr(LOGGER, "handlers", [])
+    monkeypatch.setattr(LOGGER, "level", logging.NOTSET)
+
+
 def test_the_library_prints_nothing_through_print() -> None:
     """No ``print(...)`` call in the library (the CLI layer, ``cli.py`` and ``commands/``, is the
     program: its output is what it prints); docstrings' examples are text, not calls."""
