@@ -53,6 +53,7 @@ from typing import Any, Mapping
 from torch import nn
 
 from loka_tune.applying import (
+    NO_CHAIN_NOTE,
     ApplySummary,
     as_config,
     check_rules,
@@ -211,6 +212,5 @@ def _apply(model: nn.Module, cfg: PrecisionConfig, strict: bool) -> ApplySummary
         summary.fused = list(rep.fused)
         summary.fuse_skipped = dict(rep.skipped)
         if not rep.fused and not rep.skipped:
-            summary.fuse_note = ("no Linear -> BlockNorm -> Hard Swish chain in this model: turn on the"
-                                 " blocknorm and hardswish Mods (or build the model with them)")
+            summary.fuse_note = NO_CHAIN_NOTE
     return summary

@@ -19,9 +19,10 @@ from torch import nn
 
 from loka_tune.config import ROLES, PrecisionConfig, SitePrecision
 from loka_tune.errors import ConfigError
+from loka_tune.layers import carry_hooks
 
 __all__ = ["ApplySummary", "as_config", "load_config", "run_mods", "module_parents", "to_plain_linear",
-           "snapshot_modules", "restore_modules", "check_rules"]
+           "snapshot_modules", "restore_modules", "check_rules", "NO_CHAIN_NOTE"]
 
 _MODS_ATTR = "_loka_mods_applied"  # set on the model: the ModsConfig already applied
 
@@ -216,13 +217,13 @@ def to_plain_linear(lin: nn.Linear) -> nn.Linear:
     plain = nn.Linear(lin.in_features, lin.out_features, bias=lin.bias is not None, device="meta")
     plain.weight = lin.weight
     plain.bias = lin.bias
-    plain.train(lin.training)
-    for attr in ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs",
-                 "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called"):
-        if hasattr(lin, attr):
-            getattr(plain, attr).update(getattr(lin, attr))
+    carry_hooks(lin, plain)  # its train mode and forward hooks
     return plain
 
+
+#: ApplySummary.fuse_note of a fuse_epilogue config on a model without the chain it fuses
+NO_CHAIN_NOTE = ("no Linear -> BlockNorm -> Hard Swish chain in this model: turn on the"
+                 " blocknorm and hardswish Mods (or build the model with them)")
 
 _STATE_DICTS = ("_modules", "_parameters", "_buffers", "_forward_hooks", "_forward_pre_hooks")
 

@@ -25,7 +25,7 @@ from torch import nn
 
 from loka_tune.errors import ModError
 
-__all__ = ["SwishLayerNorm", "BlockNorm", "block_layout", "check_block", "make_norm", "make_activation", "NORMS", "ACTIVATIONS"]
+__all__ = ["SwishLayerNorm", "BlockNorm", "block_layout", "check_block", "make_norm", "make_activation", "NORMS", "ACTIVATIONS", "carry_hooks"]
 
 NORMS = ("layernorm", "rmsnorm", "none")
 ACTIVATIONS = ("relu", "silu", "swish_layernorm", "hardswish")
@@ -156,3 +156,17 @@ class BlockNorm(nn.Module):
         if self.weight is not None:
             s += f", weight_dim={self.weight.shape[0]}"
         return s
+
+
+#: a module's forward-hook tables (those this torch has), which a replacement module takes over
+_HOOK_TABLES = ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs",
+                "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called")
+
+
+def carry_hooks(src: nn.Module, dst: nn.Module) -> None:
+    """``dst`` replaces ``src`` in a model: it takes ``src``'s train mode and forward (pre-)hooks
+    (LokaLinear, ServingLinear and the plain Linear an apply swaps in, one rule for all three)."""
+    dst.train(src.training)
+    for attr in _HOOK_TABLES:
+        if hasattr(src, attr):
+            getattr(dst, attr).update(getattr(src, attr))

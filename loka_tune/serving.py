@@ -149,7 +149,7 @@ def _swap(model: nn.Module, old: nn.Module, new: nn.Module) -> None:
 def apply_serving(model: nn.Module, cfg: PrecisionConfig, *, strict: bool, batch: int | None) -> "ApplySummary":
     """The body of ``apply(model, cfg, serving=True, batch=...)`` (the caller restores the model
     on error; see the module docstring)."""
-    from loka_tune.applying import ApplySummary, check_rules, run_mods
+    from loka_tune.applying import NO_CHAIN_NOTE, ApplySummary, check_rules, run_mods
     from loka_tune.kernels.linear import find_linears
     from loka_tune.mods.fuse import fuse_serving_epilogues
 
@@ -203,8 +203,7 @@ def apply_serving(model: nn.Module, cfg: PrecisionConfig, *, strict: bool, batch
         summary.fused = list(rep.fused)
         summary.fuse_skipped = dict(rep.skipped)
         if not rep.fused and not rep.skipped:
-            summary.fuse_note = ("no Linear -> BlockNorm -> Hard Swish chain in this model: turn on the"
-                                 " blocknorm and hardswish Mods (or build the model with them)")
+            summary.fuse_note = NO_CHAIN_NOTE
     return summary
 
 

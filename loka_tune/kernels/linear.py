@@ -49,6 +49,7 @@ from loka_tune.errors import BackendError
 from loka_tune.kernels import ops
 from loka_tune.kernels.registry import SHAPE_FALLBACKS, Backend, get_backend
 from loka_tune.kernels.scaled import NO_SHARE, SharePlan, cast_to_fp8, mm_quantized, share_plan, transposed
+from loka_tune.layers import carry_hooks
 
 __all__ = ["LokaLinear", "find_linears", "is_eligible"]
 
@@ -270,11 +271,7 @@ class LokaLinear(nn.Linear):
         )
         new.weight = linear.weight
         new.bias = linear.bias
-        new.train(linear.training)
-        for attr in ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs",
-                     "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called"):
-            if hasattr(linear, attr):
-                getattr(new, attr).update(getattr(linear, attr))
+        carry_hooks(linear, new)  # its train mode and forward hooks
         return new
 
     # ------------------------------------------------------------------ forward

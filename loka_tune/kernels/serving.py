@@ -54,7 +54,7 @@ from loka_tune.config import FP8_FORMATS, GemmChoice, GemmRole, Granularity
 from loka_tune.errors import BackendError, LokaError, ServingError, UnsupportedChoiceError
 from loka_tune.kernels.fused import effective_block, epilogue_supports, reference_epilogue
 from loka_tune.kernels.registry import Backend, get_backend
-from loka_tune.layers import BlockNorm
+from loka_tune.layers import BlockNorm, carry_hooks
 
 __all__ = ["ServingLinear", "ServingFusedBlock", "static_support_reason"]
 
@@ -128,11 +128,7 @@ class ServingLinear(nn.Module):
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"from_linear takes an nn.Linear, got {type(linear).__name__}")
         new = cls(linear.weight, linear.bias, choice, name=name)
-        new.train(linear.training)
-        for attr in ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs",
-                     "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called"):
-            if hasattr(linear, attr):
-                getattr(new, attr).update(getattr(linear, attr))
+        carry_hooks(linear, new)  # its train mode and forward hooks
         return new
 
     def _where(self) -> str:
