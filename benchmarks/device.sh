@@ -47,7 +47,7 @@
 # name up to its first "_"), E2E_WARMUP (25), E2E_VARIANTS (e2e.py's own list), INFER_BATCHES
 # (512,2048,8192; empty: no serving rows), INFER_VARIANTS (bf16_mods,config), E2E_CAP (560 s);
 # for scaling: CONFIG (as e2e), NPROC (2), E2E_WARMUP (20), COMPILE (1; 0 eager), E2E_CAP (250 s per run);
-# for probe: STEPS (400), PROBE_STEPS (600), PROBE_TESTS (three probe test files; empty: none),
+# for probe: STEPS (400), PROBE_STEPS (600), PROBE_TESTS (four probe test files; empty: none),
 # TEST_TIMEOUT (200 s), STEP_TIMEOUT (420 s); for train-step: STEPS (200), VSTEPS (40), STEP_TIMEOUT (190 s); for kernels: QUICK (0; 1: --quick),
 # SKIP_TESTS / SKIP_QUANT / SKIP_SUITE (0), TEST_TIMEOUT (200 s), QUANT_TIMEOUT (60 s), SUITE_TIMEOUT
 # (300 s); for linear-block: BLOCK_BUDGET (290 s); for tune: N_TRIALS (4), STUDY_TIMEOUT (420 s, then
@@ -115,7 +115,7 @@ case "$part" in
       --steps "${STEPS:-400}" --num-sparse 40 --cardinality 100000 --probe-every 100 --probe-steps "${PROBE_STEPS:-600}" \
       --compile --out "$out/probe_overhead_h200.json" "$@" 2>&1 | quiet | tee "$out/probe_overhead.log" | tail -30
     rc=${PIPESTATUS[0]}
-    read -r -a tests <<< "${PROBE_TESTS-tests/test_probe_compiled.py tests/test_probe_cheap.py tests/test_probe_robust.py}"
+    read -r -a tests <<< "${PROBE_TESTS-tests/test_probe_graphs.py tests/test_probe_compiled.py tests/test_probe_cheap.py tests/test_probe_robust.py}"
     if [ "${#tests[@]}" -gt 0 ]; then
       timeout -k 10 "${TEST_TIMEOUT:-200}" python3 -m pytest -q -m gpu -p no:cacheprovider "${tests[@]}" 2>&1 \
         | tail -20 | tee "$out/probe_tests.log"

@@ -16,8 +16,12 @@ Measures, for one model/preset at one batch size on synthetic data generated on 
      hook; dynamo's counters before and after the probed steps are in the JSON, ``probe_recompiled``
      says whether anything compiled again). Each timed step includes the probe's work after it.
      Reported: the overhead on the mean step time against plain runs before and after it
-     (``probe_overhead_mean``; ``plain_noise_mean`` is the two plain runs' difference, the
-     run-to-run noise), and directly the extra time of each collection step over the median of
+     (``probe_overhead_mean_sequential``; ``plain_noise_mean_sequential`` is the two plain runs'
+     difference, the run-to-run drift: 0.1-1.8% on the H200), then, as the headline
+     ``probe_overhead_mean`` with ``plain_noise_mean`` beside it, ``--probe-pairs`` pairs of
+     interleaved probed and plain blocks of N steps in ABBA order (``probe_paired``: a fresh
+     probe, one collection per probed block, drift cancelled; ``plain_noise_mean`` is the
+     same estimator between plain blocks), and directly the extra time of each collection step over the median of
      the other steps of the same run (``probe_collection_extra_ms``, per call; divided by N
      median steps: ``probe_overhead_steady``, the first collection left out). Then
      ``--probe-profile`` collections with ``Probe(profile=True)`` say where a collection's time
@@ -138,6 +142,42 @@ def timed_loop(step, batches, steps: int, after=None, dev: torch.device | None =
         else:
             times.append(time.perf_counter() - t0)
     return times
+
+
+def paired_blocks(step, batches, after, every: int, pairs: int, dev: torch.device) -> dict:
+    """The probe's overhead free of run-to-run drift: after one probed step (the probe's start: its
+    warm-up, reported apart), ``pairs`` pairs of blocks of ``every`` steps, one block with the
+    probe stepped after each step (``P``: exactly one collection in it) and one without (``N``:
+    the probe attached but idle, the plain step), in ABBA order (P N, N P, P N, ...) so that a
+    linear drift of the GPU's speed cancels. ``overhead``: mean P step / mean N step - 1;
+    ``noise``: the same estimator between the N blocks of even and odd pairs (what the design
+    resolves); ``per_pair``: each pair's ratio - 1, ``se`` their standard error."""
+    first = timed_loop(step, batches, 1, after=after, dev=dev)[0]
+    p_blocks, n_blocks = [], []
+    for k in range(pairs):
+        for probed in ((True, False) if k % 2 == 0 else (False, True)):
+            times = timed_loop(step, batches, every, after=after if probed else None, dev=dev)
+            (p_blocks if probed else n_blocks).append(times)
+    mean_p = statistics.fmean(t for b in p_blocks for t in b)
+    mean_n = statistics.fmean(t for b in n_blocks for t in b)
+    per_pair = [statistics.fmean(p) / statistics.fmean(n) - 1 for p, n in zip(p_blocks, n_blocks)]
+    even = [t for b in n_blocks[0::2] for t in b]
+    odd = [t for b in n_blocks[1::2] for t in b]
+    extra = []  # each P block's collection step over the median of its other steps
+    for b in p_blocks:
+        med = statistics.median(b)
+        extra.append((max(b) - med) * 1e3)
+    return {
+        "pairs": pairs, "every": every, "order": "ABBA (P N, N P, ...)",
+        "overhead": mean_p / mean_n - 1,
+        "se": statistics.stdev(per_pair) / len(per_pair) ** 0.5 if len(per_pair) > 1 else None,
+        "per_pair": per_pair,
+        "noise": abs(statistics.fmean(even) - statistics.fmean(odd)) / mean_n if even and odd else None,
+        "mean_probed_ms": mean_p * 1e3, "mean_plain_ms": mean_n * 1e3,
+        "median_plain_ms": statistics.median(t for b in n_blocks for t in b) * 1e3,
+        "collection_extra_ms": extra,
+        "first_step_ms": first * 1e3,
+    }
 
 
 def summarize(times: list[float], warmup: int) -> dict[str, float]:
@@ -421,6 +461,10 @@ def main() -> int:
                          " Probe.step() after each step (the default: hook-free steps between collections)")
     ap.add_argument("--probe-steps", type=int, default=400,
                     help="steps with the probe attached (at least 2 x --probe-every)")
+    ap.add_argument("--probe-pairs", type=int, default=3,
+                    help="then pairs of interleaved blocks of --probe-every steps, probed and plain, in ABBA"
+                         " order: probe_overhead_mean and plain_noise_mean in the JSON (0: only the"
+                         " sequential runs, whose figures then stand there)")
     ap.add_argument("--probe-rows", type=int, default=None,
                     help="with --compile: examples of the step's batch a side collection runs on"
                          " (Probe(sub_batch=...); default: the probe's, 2048 on a GPU)")
@@ -563,6 +607,21 @@ def main() -> int:
         result["probe_overhead_steady"] = statistics.fmean(steady) / (every * med)
         result["probe_overhead_first"] = extra[0] / (every * med)
         result["probe_hook_cost_noncollection"] = med * 1e3 / result["plain"]["median_ms"] - 1
+        result["probe_graph"] = probe.graph_note
+        # the headline: interleaved blocks (paired_blocks), free of the drift between the runs above
+        result["probe_overhead_mean_sequential"] = result["probe_overhead_mean"]
+        result["plain_noise_mean_sequential"] = result["plain_noise_mean"]
+        del probe
+        if args.probe_pairs:
+            probe = Probe(model, every=every, step_on=mode, sub_batch=args.probe_rows if mode == "batch" else None,
+                          precision=args.probe_precision, weight_every=args.probe_weight_every)
+            with probe:
+                paired = paired_blocks(step, batches, probe_after(probe, model, mode, dev), every, args.probe_pairs, dev)
+            paired["collections"], paired["graph"] = probe.collections, probe.graph_note
+            del probe
+            result["probe_paired"] = paired
+            result["probe_overhead_mean"] = paired["overhead"]
+            result["plain_noise_mean"] = paired["noise"]
         if args.probe_profile:
             result["probe_profile"] = probe_profile(model, step, batches, args, mode, dev)
 
@@ -583,11 +642,21 @@ def main() -> int:
         print(f"share of GPU kernel time outside the linear GEMMs: {result['share_outside_linear_gemms']:.1%}")
         print("phases (median ms): " + ", ".join(f"{k} {v:.2f}" for k, v in result["phases_ms"].items()))
     if args.probe_every:
-        print(f"probe every {args.probe_every} ({result['probe_step_on']}): mean {result['probe']['mean_ms']:.2f} ms vs"
-              f" {result['plain']['mean_ms']:.2f} / {result['plain_after']['mean_ms']:.2f} ms plain"
-              f" -> overhead {result['probe_overhead_mean']:+.2%} (plain-vs-plain noise"
-              f" {result['plain_noise_mean']:.2%}; {result['probe_collections']} collections)"
+        print(f"probe every {args.probe_every} ({result['probe_step_on']}), sequential runs: mean"
+              f" {result['probe']['mean_ms']:.2f} ms vs {result['plain']['mean_ms']:.2f} /"
+              f" {result['plain_after']['mean_ms']:.2f} ms plain -> overhead"
+              f" {result['probe_overhead_mean_sequential']:+.2%} (plain-vs-plain noise"
+              f" {result['plain_noise_mean_sequential']:.2%}; {result['probe_collections']} collections;"
+              f" statistics: {result['probe_graph']})"
               + (f"; recompiled: {result['probe_recompiled']}" if "probe_recompiled" in result else ""))
+        if "probe_paired" in result:
+            pr = result["probe_paired"]
+            print(f"probe, interleaved ({pr['pairs']} pairs of {pr['every']}-step blocks, ABBA): mean"
+                  f" {pr['mean_probed_ms']:.2f} vs {pr['mean_plain_ms']:.2f} ms -> overhead {pr['overhead']:+.3%}"
+                  + ("" if pr["se"] is None else f" (se {pr['se']:.3%})")
+                  + ("" if pr["noise"] is None else f", plain-vs-plain {pr['noise']:.3%}")
+                  + "; collections cost " + ", ".join(f"{e:+.1f}" for e in pr["collection_extra_ms"])
+                  + f" ms; statistics: {pr['graph']}", flush=True)
         print("probe, direct: collection steps cost "
               + ", ".join(f"{e:+.1f}" for e in result["probe_collection_extra_ms"])
               + f" ms over the median other step ({result['probe_noncollection_median_ms']:.2f} ms);"

@@ -215,3 +215,45 @@ def test_cuda_defaults_take_the_cheap_path(gauss) -> None:
     floor = math.sqrt((np.trace(cov) ** 2 + np.sum(cov**2)) / gpu.count) / np.linalg.norm(cov)
     assert _rel_fro(gpu.cov, cov) < 1.5 * floor and _rel_fro(gpu.cov, full.cov) < 0.05
     assert gpu.amax == pytest.approx(full.amax, rel=1e-6)
+
+
+@pytest.mark.parametrize("case", ["offset", "dynamic_range", "bf16", "constant", "huge_mean_shift"])
+def test_float32_batch_pass_matches_float64(case: str) -> None:
+    """lowp_batch (a float32/tf32 update's one batch pass, issue 22: no float64 pass over the rows)
+    against float64 on the same values: the mean float64-exact, the central moments within float32
+    sums' rounding of their own scale (M2 relative, M3 relative to sum |xc|^3), whatever the offset
+    or the scale; a constant column is exactly zero spread."""
+    from loka_tune.probe.moments import lowp_batch
+
+    g = torch.Generator().manual_seed(3)
+    rows, d = 2048, 24
+    z = torch.randn(rows, d, generator=g, dtype=torch.float64)
+    if case == "offset":  # spread 1e-2 on 1e4: centring on a float32 mean would lose ~1e-3 of M2
+        x = (1e4 + 1e-2 * z).float()
+    elif case == "dynamic_range":
+        x = (z * torch.logspace(-30, 30, d, dtype=torch.float64)).float()
+    elif case == "bf16":
+        x = (3.0 + z * torch.linspace(0.1, 10, d, dtype=torch.float64)).bfloat16()
+    elif case == "constant":
+        x = torch.full((rows, d), 7.25, dtype=torch.float32)
+    else:  # a mean 1e6 standard deviations off zero
+        x = (1e6 + z).float()
+    ref = x.double()
+    mean_ref = ref.mean(0)
+    xc = ref - mean_ref
+    mean, m2, m3, m4, gg, s, dd = lowp_batch(x)
+    assert gg.dtype == torch.float32 and gg.abs().max() < 4 and mean.dtype == torch.float64
+    scale = ref.abs().amax(0).clamp_min(1e-300)
+    assert torch.all((mean - mean_ref).abs() <= 1e-13 * scale), (mean - mean_ref).abs().max()
+    m2_ref, m4_ref = (xc**2).sum(0), (xc**4).sum(0)
+    a3 = (xc.abs() ** 3).sum(0)
+    if case == "constant":
+        assert torch.all(m2 == 0) and torch.all(m3 == 0) and torch.all(m4 == 0)
+        return
+    assert torch.all((m2 - m2_ref).abs() <= 1e-5 * m2_ref), ((m2 - m2_ref).abs() / m2_ref).max()
+    assert torch.all((m3 - (xc**3).sum(0)).abs() <= 2e-5 * a3), ((m3 - (xc**3).sum(0)).abs() / a3).max()
+    assert torch.all((m4 - m4_ref).abs() <= 2e-5 * m4_ref), ((m4 - m4_ref).abs() / m4_ref).max()
+    # the floor discriminates: centring on the float32 mean and dropping the correction loses the offset's M2
+    if case in ("offset", "huge_mean_shift"):
+        naive = ((gg.double() * s) ** 2).sum(0)
+        assert ((naive - m2_ref).abs() / m2_ref).max() > 1e-5

@@ -76,6 +76,11 @@ def test_the_script_runs_compiled_on_the_cpu_with_the_side_probe(monkeypatch: py
     for key in ("probe_overhead_mean", "plain_noise_mean", "probe_collection_ms_mean", "probe_overhead_steady"):
         assert math.isfinite(r[key]), key
     assert r["probe"]["steps"] == 10 and r["plain"]["steps"] == r["plain_after"]["steps"] == 6
+    # the headline: interleaved probed / plain blocks (3 pairs of 4 steps, ABBA), one collection per probed block
+    pr = r["probe_paired"]
+    assert pr["pairs"] == 3 and pr["collections"] == 3 and len(pr["per_pair"]) == len(pr["collection_extra_ms"]) == 3
+    assert r["probe_overhead_mean"] == pr["overhead"] and r["plain_noise_mean"] == pr["noise"]
+    assert math.isfinite(r["probe_overhead_mean_sequential"]) and r["probe_graph"] == pr["graph"] == "eager"
     pp = r["probe_profile"]
     assert set(pp["parts_ms_per_collection"]) == {"forward_backward", "weights", "stats"}
     assert r["probe_precision"] == pp["precision"] == "float64"  # auto on the CPU

@@ -66,6 +66,7 @@ import contextlib
 import math
 import re
 import time
+import warnings
 from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
@@ -74,6 +75,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from loka_tune.errors import ProbeError
+from loka_tune.probe.graphs import Pinned, SideGraph, capture, graphs_supported
 from loka_tune.probe.moments import (
     DEFAULT_SKETCH_RANK,
     MAX_FULL_DIM,
@@ -313,6 +315,11 @@ class Probe:
             an H200), so that no real collection pays for it. No effect on the CPU.
         loss_fn: ``step_on="batch"``: ``loss_fn(output, target)``, the training loss as a mean
             over the batch's rows (default: binary cross-entropy on logits, the trainer's).
+        graphs: ``step_on="batch"`` on a CUDA GPU: run a side collection's statistics as one
+            CUDA graph, captured on the first real collection (~2,000 launches, ~30 ms of host
+            time on large Wukong, become one; :mod:`loka_tune.probe.graphs`). ``None``
+            (default) or ``True``: where supported (a capture that fails warns once and stays
+            eager: :attr:`graph_note`); ``False``: always eager.
     """
 
     def __init__(
@@ -336,6 +343,7 @@ class Probe:
         sub_batch: int | None = None,
         warm_up: bool = True,
         loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+        graphs: bool | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ProbeError(f"Probe needs an nn.Module, got {type(model).__name__}")
@@ -368,6 +376,8 @@ class Probe:
         if max_full_dim < 1 or sketch_rank < 1 or real_rows < 1 or (max_rows is not None and max_rows < 1):
             raise ProbeError(f"max_full_dim, sketch_rank, real_rows and max_rows must be >= 1 (max_rows: or None"
                              f" for the device's default), got {max_full_dim=}, {sketch_rank=}, {real_rows=}, {max_rows=}")
+        if graphs is not None and not isinstance(graphs, bool):
+            raise ProbeError(f"graphs must be True, False or None (where supported), got {graphs=!r}")
         if precision not in ("auto", *PRECISIONS):
             raise ProbeError(f"precision must be 'auto', 'float64', 'float32' or 'tf32' (the dtype of a"
                              f" collection's products), got {precision=!r}")
@@ -399,6 +409,11 @@ class Probe:
         self.timings: dict[str, float] = {}
         self.sub_batch, self.loss_fn, self.warm_up = sub_batch, loss_fn, bool(warm_up)
         self._segs: dict[tuple[Any, ...], torch.Tensor] = {}  # side collections' column layouts
+        self.graphs = graphs
+        self._graph: SideGraph | None = None  # the side statistics' CUDA graph (loka_tune.probe.graphs)
+        self._graph_error: str | None = None
+        self._seen_layout: Any = None  # the last eager side collection's layout (captured on its next sight)
+        self._stash: tuple[Any, ...] | None = None  # the warm-up's statistics inputs, for its capture
         self._norms = [m for m in model.modules()
                        if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats]
 
@@ -505,11 +520,28 @@ class Probe:
         kernels and the collection's buffers come from the driver (~0.2 s once on an H200, six
         times a steady collection): paid here, the first real collection costs what the others
         do."""
+        self._stash = ()
         self._collect_side(inputs, target)
+        stash, self._stash = self._stash, None
+        layout, self._seen_layout = self._seen_layout, None
         self.collections = 0
         self._sites = {name: _Site(name, site.mod, self) for name, site in self._sites.items()}
         self._gen.manual_seed(self._seed)
         self._allocate()
+        self._seen_layout = key = self._relayout(layout)
+        if key is not None and stash and self._graph is None and self._graph_wanted():
+            # captured on the warm-up's rows and the fresh state: nothing runs until the first real
+            # collection replays it (so that one costs what the others do)
+            tensors, want, rows, full = stash
+            self._capture_side([self._sites[n] for n in key[0]], list(tensors), list(want), rows, full, key)
+
+    def _relayout(self, key: Any) -> Any:
+        """A layout key of :meth:`_side_stats` for the current sites (the same names, their new
+        accumulators): what the warm-up's layout is once its statistics are discarded."""
+        if key is None:
+            return None
+        names = key[0]
+        return (names, tuple(id(self._sites[n].x) for n in names), *key[2:])
 
     def _allocate(self) -> None:
         """Every site's accumulators, on its weight's device (see the module docstring)."""
@@ -553,7 +585,7 @@ class Probe:
             self._site_handles.append(site.mod.register_forward_hook(self._make_hook(site)))
 
     def _collect_weights(self) -> None:
-        with torch.no_grad():
+        with torch.no_grad(), _exact(self._device()):
             for site in self._sites.values():
                 with self._timed(f"{site.name}.w", site.mod.weight):
                     self._collect_weight(site)
@@ -572,7 +604,7 @@ class Probe:
         def hook(mod: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
             if not inputs or not torch.is_tensor(inputs[0]) or not torch.is_tensor(output):
                 return
-            with torch.no_grad(), self._timed(f"{site.name}.x", inputs[0]):
+            with torch.no_grad(), _exact(inputs[0].device), self._timed(f"{site.name}.x", inputs[0]):
                 x = inputs[0].detach().reshape(-1, site.x.dim)  # (M, K)
                 idx = None
                 if self.keep_real and site.real_at != self.collections:
@@ -588,7 +620,7 @@ class Probe:
 
     def _make_grad_hook(self, site: _Site, idx: torch.Tensor | None) -> Callable[[torch.Tensor], None]:
         def grad_hook(g: torch.Tensor) -> None:
-            with torch.no_grad(), self._timed(f"{site.name}.dy", g):
+            with torch.no_grad(), _exact(g.device), self._timed(f"{site.name}.dy", g):
                 site.dy.add(g.detach().reshape(-1, site.dy.dim), self._gen, idx)  # (M, N)
 
         return grad_hook
@@ -664,30 +696,109 @@ class Probe:
             need = [i for i, c in enumerate(calls) if c[2].requires_grad]
             grads = torch.autograd.grad(loss, [calls[i][2] for i in need], allow_unused=True) if need else ()
         dys: dict[int, torch.Tensor | None] = dict(zip(need, grads))
-        with torch.no_grad(), self._timed("side.stats", _first_tensor(inputs)):
-            items: list[tuple[_StreamAcc, torch.Tensor, torch.Tensor | None, int]] = []
-            reals: list[torch.Tensor | None] = []
-            xs = [x.reshape(-1, site.x.dim) for site, x, _ in calls]  # (M, K) per call
+        with torch.no_grad(), _exact(dev), self._timed("side.stats", _first_tensor(inputs)):
+            sites = [site for site, _, _ in calls]
             want = []  # the calls whose rows are kept for real replay: a site's first call pairs X and dY
-            for i, (site, _, _) in enumerate(calls):
+            for i, site in enumerate(sites):
                 if self.keep_real and site.real_at != self.collections:
                     site.real_at = self.collections
                     want.append(i)
-            drawn = dict(zip(want, _row_subsets([xs[i].shape[0] for i in want], self.real_rows, self._gen)))
-            for i, (site, _, _) in enumerate(calls):  # X in forward order, as the in-step hooks merge it
-                x2 = xs[i]
-                real = drawn.get(i)
-                if real is not None:
-                    real = real.to(x2.device, non_blocking=True)
-                items.append((site.x, x2, real, _full_rows(x2.shape[0], rows, full)))
-                reals.append(real)
-            for i in reversed(range(len(calls))):  # dY in backward order
-                g = dys.get(i)
-                if g is not None:
-                    site = calls[i][0]
-                    g2 = g.reshape(-1, site.dy.dim)  # (M, N)
-                    items.append((site.dy, g2, reals[i], _full_rows(g2.shape[0], rows, full)))
-            self._merge_side(items)
+            tensors: list[torch.Tensor | None] = [x for _, x, _ in calls]
+            self._side_stats(sites, tensors + [dys.get(i) for i in range(len(calls))], want, rows, full)
+
+    def _side_stats(self, sites: list[_Site], tensors: list[torch.Tensor | None], want: list[int], rows: int,
+                    full: int) -> None:
+        """A side collection's statistics from ``tensors`` (each call's X, then each call's dY or
+        ``None``): replayed as the CUDA graph of their layout where there is one
+        (:mod:`loka_tune.probe.graphs`), captured on a layout's second sight (the warm-up's
+        capture is the first real collection's), else eager."""
+        key = (tuple(s.name for s in sites), tuple(id(s.x) for s in sites),
+               tuple(None if t is None else (tuple(t.shape), t.dtype) for t in tensors), tuple(want), rows, full)
+        g = self._graph
+        if g is not None and g.key == key:
+            g.run(tensors)
+            return
+        if g is None and self._graph_wanted() and self._seen_layout == key:
+            if self._capture_side(sites, tensors, want, rows, full, key):
+                assert self._graph is not None
+                self._graph.run(tensors)
+                return
+        self._seen_layout = key
+        if self._stash is not None:  # the warm-up: its inputs are captured once its statistics are discarded
+            self._stash = (tensors, want, rows, full)
+        if g is not None:  # another layout (a smaller last batch): eager, on the graph's state in place
+            with Pinned(self._graph_refs(sites)):
+                self._side_stats_eager(sites, tensors, want, rows, full)
+            return
+        self._side_stats_eager(sites, tensors, want, rows, full)
+
+    def _graph_wanted(self) -> bool:
+        if self._graph_error is not None or self.graphs is False:
+            return False
+        return graphs_supported(self._device())
+
+    def _graph_refs(self, sites: list[_Site]) -> list[tuple[Any, str]]:
+        """Every state attribute a side collection of ``sites`` replaces (see :class:`Pinned`)."""
+        refs: list[tuple[Any, str]] = []
+        for site in {id(s): s for s in sites}.values():
+            for acc in (site.x, site.dy):
+                refs += [(acc, a) for a in ("amax", "batches", "nonfinite", "absq_sum", "real")]
+                m = acc.moments
+                if m is not None:
+                    refs += [(m, a) for a in ("_n", "mean", "m2d", "m3", "m4", "m2")]
+                    if m.sketch is not None:
+                        refs.append((m.sketch, "y"))
+        return refs
+
+    def _capture_side(self, sites: list[_Site], tensors: list[torch.Tensor | None], want: list[int], rows: int,
+                      full: int, key: Any) -> bool:
+        """Capture the statistics of this layout (:func:`loka_tune.probe.graphs.capture`); on failure
+        the probe says why once (:attr:`graph_note`) and stays eager."""
+        def region(static: list[torch.Tensor | None]) -> None:
+            self._side_stats_eager(sites, static, want, rows, full)
+
+        try:
+            self._graph = capture(region, key, tensors, self._graph_refs(sites), self._gen)
+        except Exception as e:  # noqa: BLE001 - any capture failure: eager collections, said once
+            self._graph_error = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            warnings.warn(f"Probe: the side collection's statistics could not be captured as a CUDA graph"
+                          f" ({self._graph_error}); collections stay eager (the same statistics, more host"
+                          " time). Probe(graphs=False) silences this.", RuntimeWarning, stacklevel=3)
+            return False
+        return True
+
+    @property
+    def graph_note(self) -> str:
+        """How the side collections' statistics run: ``"graph (n replays)"``, ``"eager"`` or
+        ``"eager: <why the capture failed>"``."""
+        if self._graph is not None:
+            return f"graph ({self._graph.replays} replays)"
+        return "eager" if self._graph_error is None else f"eager: {self._graph_error}"
+
+    def _side_stats_eager(self, sites: list[_Site], tensors: list[torch.Tensor | None], want: list[int], rows: int,
+                          full: int) -> None:
+        n = len(sites)
+        items: list[tuple[_StreamAcc, torch.Tensor, torch.Tensor | None, int]] = []
+        reals: list[torch.Tensor | None] = []
+        xs = []  # (M, K) per call
+        for site, t in zip(sites, tensors[:n]):
+            assert t is not None  # every call has its X
+            xs.append(t.reshape(-1, site.x.dim))
+        drawn = dict(zip(want, _row_subsets([xs[i].shape[0] for i in want], self.real_rows, self._gen)))
+        for i, site in enumerate(sites):  # X in forward order, as the in-step hooks merge it
+            x2 = xs[i]
+            real = drawn.get(i)
+            if real is not None:
+                real = real.to(x2.device, non_blocking=True)
+            items.append((site.x, x2, real, _full_rows(x2.shape[0], rows, full)))
+            reals.append(real)
+        for i in reversed(range(n)):  # dY in backward order
+            g = tensors[n + i]
+            if g is not None:
+                site = sites[i]
+                g2 = g.reshape(-1, site.dy.dim)  # (M, N)
+                items.append((site.dy, g2, reals[i], _full_rows(g2.shape[0], rows, full)))
+        self._merge_side(items)
 
     def _merge_side(self, items: list[tuple[_StreamAcc, torch.Tensor, torch.Tensor | None, int]]) -> None:
         """Merge a side collection's streams ``(acc, rows (M, dim), real row indices, the site's
@@ -819,7 +930,7 @@ class Probe:
         model) together: one kernel per operation for each group (a side collection's host
         cost is its launches). Flip-flop models update one by one (they sync anyway)."""
         groups: dict[tuple[Any, ...], list[_Site]] = {}
-        with torch.no_grad(), self._timed("side.weights", self._device_tensor()):
+        with torch.no_grad(), _exact(self._device()), self._timed("side.weights", self._device_tensor()):
             for site in self._sites.values():
                 w = site.mod.weight
                 self._allocate_weight(site)
@@ -1031,6 +1142,13 @@ def _weight_summary(w: torch.Tensor, gen: torch.Generator) -> tuple[torch.Tensor
     var = (wc * wc).mean()
     kurt = torch.where(var > 0, (wc**4).mean() / var.clamp_min(1e-300) ** 2 - 3.0, torch.zeros_like(var))
     return amax, absq, kurt
+
+
+def _exact(device: torch.device) -> Any:
+    """The statistics in their own precision whatever the caller's autocast: a collection runs
+    inside the training step's (the side forward must, to see the training's activations), and
+    autocast would turn the statistics' float32 / TF32 / float64 products into bf16 ones."""
+    return torch.autocast(device.type, enabled=False)
 
 
 def _orig_module(model: nn.Module) -> nn.Module | None:

@@ -53,7 +53,7 @@ import torch
 
 __all__ = ["MAX_FULL_DIM", "PRECISIONS", "TF32_RTOL", "matmul", "tf32_truncate", "on_device", "pick", "stacked",
            "concatenated", "RunningMoments", "NystromSketch", "StatisticError", "pow2_scale", "random_rows",
-           "update_concat"]
+           "update_concat", "lowp_batch", "lowp_scatter", "lowp_sketch_product", "sketch_increment"]
 
 PRECISIONS = ("float64", "float32", "tf32")  # the GEMMs of an update (the state is always float64)
 TF32_RTOL = 8.0 * 2.0**-10  # the sketch core's eigenvalue floor under TF32 products (a 10-bit mantissa)
@@ -71,14 +71,28 @@ def random_rows(m: int, k: int, gen: torch.Generator, device: torch.device) -> t
     return idx if idx.device == torch.device(device) else idx.to(device, non_blocking=True)
 
 
+_CONSTANTS: dict[tuple[Any, ...], torch.Tensor] = {}  # on_device's cache (accelerators only)
+_MAX_CONSTANTS = 4096
+
+
 def on_device(values: list[int] | list[float] | tuple[float, ...], like: torch.Tensor,
               dtype: torch.dtype | None = None) -> torch.Tensor:
     """``values`` as a tensor on ``like``'s device, copied without blocking: ``torch.tensor(...,
     device=cuda)`` and indexing a CUDA tensor with a Python list copy with ``non_blocking=False``,
-    a stream synchronisation each (what a collection must never do)."""
-    t = torch.tensor(values, dtype=dtype if dtype is not None else (torch.long if isinstance(values[0], int)
-                                                                      else like.dtype))
-    return t.to(like.device, non_blocking=True)
+    a stream synchronisation each (what a collection must never do). On an accelerator the
+    tensor is cached per values, dtype and device (callers never write to it): a collection's
+    layout asks for the same few each time, and a CUDA-graph capture of it
+    (:mod:`loka_tune.probe.graphs`) may copy nothing from the host."""
+    dt = dtype if dtype is not None else (torch.long if isinstance(values[0], int) else like.dtype)
+    if like.device.type == "cpu":
+        return torch.tensor(values, dtype=dt)
+    key = (tuple(values), dt, like.device)
+    t = _CONSTANTS.get(key)
+    if t is None:
+        if len(_CONSTANTS) >= _MAX_CONSTANTS:
+            _CONSTANTS.clear()
+        t = _CONSTANTS[key] = torch.tensor(values, dtype=dt).to(like.device, non_blocking=True)
+    return t
 
 
 def pick(t: torch.Tensor, idx: list[int]) -> torch.Tensor:
@@ -153,6 +167,76 @@ def pow2_scale(amax: torch.Tensor) -> torch.Tensor:
     one = torch.ones_like(amax)
     _, e = torch.frexp(torch.where(ok, amax, one))  # amax = m 2^e, m in [0.5, 1)
     return torch.where(ok, torch.ldexp(one, e), one)
+
+
+def lowp_batch(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The batch pass of a ``float32`` / ``tf32`` update: every pass over the rows ``x (rows, D)``
+    (any float dtype; bf16 activations are read as they are) is float32, none float64
+    (issue 22: at large Wukong's 2,048 x 112k a float64 pass moves 1.8 GB; the side
+    collection's GPU time was its float64 passes). Returns ``(mean, m2d, m3, m4, g, s, d)``:
+
+    - ``s (D,)``: per column half the power of two above its largest ``|value|`` (1 for a zero
+      or non-finite column), so ``x / s`` is exact and in (-2, 2) (``s`` <= 2^127: float32);
+    - ``g = x / s - a`` float32, shifted by ``a``, the float32 rounding of the column's mean
+      of ``x / s`` (taken with a float64 accumulator); ``d = mean(x / s) - a`` (float64) is
+      what that rounding left, so ``g`` centred exactly is ``g - d``;
+    - the batch's mean and central moments (float64, in ``x``'s units) from the float32 sums
+      ``S_k = sum g^k`` about the shift, corrected by the binomial identities
+      ``M2 = S2 - n d^2``, ``M3 = S3 - 3 d S2 + 2 n d^3``, ``M4 = S4 - 4 d S3 + 6 d^2 S2 - 3 n d^4``.
+
+    ``d`` is at most half a float32 ulp of the mean, so the corrections never cancel (a
+    feature of mean 1e4 and spread 1e-2 keeps a relative error ~1e-7: centring on a float32
+    mean instead would lose ~1e-3); no float32 over- or underflow whatever the scale (1e-30
+    next to 1e30), as with the float64 pass. A non-finite column gives non-finite
+    statistics: the caller masks them (its stream is not merged)."""
+    nb = x.shape[0]
+    wide = x.dtype == torch.float64  # a float64 input (the CPU's tests) keeps its own precision until g
+    amax = torch.linalg.vector_norm(x, float("inf"), dim=0).double()  # (D,) one pass, x's dtype (max is exact)
+    s64 = pow2_scale(amax) * 0.5
+    s = s64 if wide else s64.float()
+    ms = x.sum(0, dtype=torch.float64) / s64 / nb  # (D,) the mean of x / s, float64-accumulated
+    a = ms.to(s.dtype)
+    d = ms - a.double()
+    g = torch.addcdiv(-a, x, s)  # (rows, D) x / s - a: one kernel, one rounding
+    s2 = torch.linalg.vector_norm(g, 2, dim=0).double() ** 2
+    s3 = g.pow(3).sum(0).double()
+    s4 = torch.linalg.vector_norm(g, 4, dim=0).double() ** 4
+    m2 = (s2 - nb * d * d).clamp_min(0.0)
+    m3 = s3 - 3.0 * d * s2 + 2.0 * nb * d * d * d
+    m4 = (s4 - 4.0 * d * s3 + 6.0 * d * d * s2 - 3.0 * nb * d * d * d * d).clamp_min(0.0)
+    s_2 = s64 * s64
+    g32 = g if g.dtype == torch.float32 else g.float()
+    return ms * s64, m2 * s_2, m3 * s_2 * s64, m4 * s_2 * s_2, g32, s64, d
+
+
+def lowp_scatter(g: torch.Tensor, s: torch.Tensor, d: torch.Tensor, nb: int, tf32: bool) -> torch.Tensor:
+    """The batch scatter ``(S, d, d)`` float64 of streams ``g (S, rows, d)`` from
+    :func:`lowp_batch` (``s``, ``d``: ``(S, d)``): ``diag(s) (g^T g - n d d^T) diag(s)``, the
+    product in float32 (TF32 with ``tf32``) on operands in (-4, 4)."""
+    gg = matmul(g.transpose(1, 2), g, tf32).to(torch.float64)
+    return (gg - nb * d[:, :, None] * d[:, None, :]) * (s[:, :, None] * s[:, None, :])
+
+
+def lowp_sketch_product(g: torch.Tensor, s: torch.Tensor, omega: torch.Tensor, tf32: bool) -> torch.Tensor:
+    """``diag(s) g^T g diag(s) Omega`` ``(S, dim, k)`` float64 for rows ``g (S, r, dim)`` in
+    (-4, 4) scaled by ``s (S, dim)`` (powers of two) and test matrices ``omega (S, dim, k)``:
+    two float32 GEMMs on ``g`` and ``diag(s / max s) Omega``, rescaled in float64."""
+    smax = s.amax(1)  # (S,)
+    om = ((s / smax[:, None])[:, :, None] * omega).to(torch.float32)
+    prod = matmul(g.transpose(1, 2), matmul(g, om, tf32), tf32)
+    return prod.to(torch.float64) * (s[:, :, None] * smax[:, None, None])
+
+
+def sketch_increment(g: torch.Tensor, s: torch.Tensor, d: torch.Tensor, n: torch.Tensor | float,
+                     cross: torch.Tensor, omega: torch.Tensor, tf32: bool) -> torch.Tensor:
+    """``(S, dim, k)``: what a batch adds to ``S`` sketches' ``Y`` (see
+    :meth:`NystromSketch.append_lowp`): ``g (S, r, dim)``, ``s, d, cross (S, dim)``, ``n`` the
+    batch's rows (a scalar or ``(S,)``), ``omega (S, dim, k)``."""
+    n_t = torch.as_tensor(n, dtype=torch.float64, device=g.device)
+    n_t = n_t.reshape(-1, 1, 1) if n_t.dim() else n_t
+    ds = d * s  # (S, dim) the shift in x's units
+    rank1 = cross[:, :, None] * (cross[:, None, :] @ omega) - n_t * ds[:, :, None] * (ds[:, None, :] @ omega)
+    return lowp_sketch_product(g, s, omega, tf32) + rank1
 
 
 class StatisticError(ArithmeticError):
@@ -237,6 +321,17 @@ class NystromSketch:
         g = (r64 / col).to(self.gemm_dtype)  # (r, dim) in [-1, 1]
         om = ((col / s)[:, None] * self.omega).to(self.gemm_dtype)  # D Omega / s: (dim, k)
         self.y += matmul(g.T, matmul(g, om, self.tf32), self.tf32).to(torch.float64) * (col[:, None] * s)
+
+    def append_lowp(self, g: torch.Tensor, s: torch.Tensor, d: torch.Tensor, n: torch.Tensor | float,
+                    cross: torch.Tensor) -> None:
+        """Add a batch from :func:`lowp_batch`: rows ``g (r, dim)`` (float32, in (-4, 4), shifted
+        by ``d`` off their mean), column scales ``s (dim,)``, the batch's row count ``n`` and the
+        Chan cross row ``cross (dim,)``: ``Y += diag(s) (g^T g - n d d^T) diag(s) Omega + cross
+        cross^T Omega``, the product in float32 (:func:`lowp_sketch_product`), the rank-1 terms in
+        float64."""
+        if g.is_cuda and torch.backends.cuda.matmul.allow_tf32:
+            self.core_rtol = max(self.core_rtol, TF32_RTOL)
+        self.y = self.y + sketch_increment(g[None], s[None], d[None], n, cross[None], self.omega[None], self.tf32)[0]
 
     def eig(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(values (r,), vectors (r, dim))`` with ``A ~= V^T diag(values) V``, values descending,
@@ -327,26 +422,33 @@ class RunningMoments:
         when False the batch is not merged, without reading the flag on the host (no GPU
         sync): the batch's statistics are masked to zero and its count to 0, which leaves
         every running moment exactly unchanged."""
-        xb = x.detach().reshape(-1, self.dim).to(torch.float64)  # (rows, d)
-        nb = xb.shape[0]
+        xr = x.detach().reshape(-1, self.dim)
+        nb = xr.shape[0]
         if nb == 0:
             return
-        if xb.device != self.mean.device:
-            xb = xb.to(self.mean.device)
-        mb = xb.mean(0)  # (d,)
-        xc = xb - mb  # (rows, d) centred within the batch
-        xc2 = xc * xc
-        m2d_b = xc2.sum(0)
-        m3_b = (xc2 * xc).sum(0)
-        m4_b = (xc2 * xc2).sum(0)
-        m2_b = self._scatter(xc) if self.full else None  # (d, d)
+        if xr.device != self.mean.device:
+            xr = xr.to(self.mean.device)
+        lowp = self._gemm_dtype != torch.float64
+        if lowp:  # every pass over the rows in float32 (lowp_batch): the products on g, in (-4, 4)
+            mb, m2d_b, m3_b, m4_b, g, sc, dg = lowp_batch(xr)
+            xc = g
+            m2_b = lowp_scatter(g[None], sc[None], dg[None], nb, self._tf32)[0] if self.full else None
+        else:
+            xb = xr.to(torch.float64)  # (rows, d)
+            mb = xb.mean(0)  # (d,)
+            xc = xb - mb  # (rows, d) centred within the batch
+            xc2 = xc * xc
+            m2d_b = xc2.sum(0)
+            m3_b = (xc2 * xc).sum(0)
+            m4_b = (xc2 * xc2).sum(0)
+            m2_b = self._scatter(xc) if self.full else None  # (d, d)
         if ok is not None:  # a rejected batch: zero statistics and count (where, not *: NaN * 0 = NaN)
             ok = ok.to(self.mean.device)
             zero = torch.zeros((), dtype=torch.float64, device=self.mean.device)
             mb, m2d_b, m3_b, m4_b = (torch.where(ok, t, zero) for t in (mb, m2d_b, m3_b, m4_b))
             m2_b = None if m2_b is None else torch.where(ok, m2_b, zero)
             if not self.full:
-                xc = torch.where(ok, xc, zero)
+                xc = torch.where(ok, xc, torch.zeros((), dtype=xc.dtype, device=xc.device))
             nb_t = torch.where(ok, torch.full((), float(nb), dtype=torch.float64, device=self.mean.device), zero)
         else:
             nb_t = torch.full((), float(nb), dtype=torch.float64, device=self.mean.device)
@@ -376,7 +478,12 @@ class RunningMoments:
         else:
             assert self.sketch is not None
             cross = (delta * torch.sqrt(na * nb_t / n1))[None]  # the Chan cross term, one row (0 if na = 0)
-            self.sketch.append(torch.cat([self._sketch_rows(xc), cross]))  # float64: the sketch casts
+            if lowp:  # the rows' product on g (float32), the shift's and the merge's rank-1 terms in float64
+                if ok is not None:
+                    sc, dg = torch.where(ok, sc, 1.0), torch.where(ok, dg, 0.0)
+                self.sketch.append_lowp(self._sketch_rows(xc), sc, dg, nb_t, cross[0])
+            else:
+                self.sketch.append(torch.cat([self._sketch_rows(xc), cross]))  # float64: the sketch casts
         self.mean = self.mean + delta * (nb_t / n1)
         self._n = n
 
@@ -454,12 +561,20 @@ def update_concat(moments: list[RunningMoments], x: torch.Tensor, ok: torch.Tens
     # pass over (rows, D) float64 is a GPU cost here (1.8 GB at large Wukong's 2,048 x 112k):
     # the masks go on the input's own dtype, and the sums of squares and fourth powers are norms
     # (no product materialised)
-    xb = torch.where(okf, x.detach().to(dev), 0.0).to(torch.float64)  # (rows, D)
-    mb = xb.mean(0)  # (D,)
-    xc = xb - mb  # (rows, D) centred within the batch
-    m2d_b = torch.linalg.vector_norm(xc, 2, dim=0) ** 2
-    m3_b = xc.pow(3).sum(0)
-    m4_b = torch.linalg.vector_norm(xc, 4, dim=0) ** 4
+    lowp = m0._gemm_dtype != torch.float64
+    if lowp:  # float32 passes only (lowp_batch); a rejected stream's statistics are masked below
+        mb, m2d_b, m3_b, m4_b, g_all, sc_all, dg_all = lowp_batch(x.detach().to(dev))
+        zero = torch.zeros((), dtype=torch.float64, device=dev)
+        mb, m2d_b, m3_b, m4_b, dg_all = (torch.where(okf, t, zero) for t in (mb, m2d_b, m3_b, m4_b, dg_all))
+        sc_all = torch.where(okf, sc_all, 1.0)
+        xc = g_all
+    else:
+        xb = torch.where(okf, x.detach().to(dev), 0.0).to(torch.float64)  # (rows, D)
+        mb = xb.mean(0)  # (D,)
+        xc = xb - mb  # (rows, D) centred within the batch
+        m2d_b = torch.linalg.vector_norm(xc, 2, dim=0) ** 2
+        m3_b = xc.pow(3).sum(0)
+        m4_b = torch.linalg.vector_norm(xc, 4, dim=0) ** 4
     nbs = ok.to(torch.float64) * float(nb)  # (S,) rows merged per stream
     nas = stacked([m._n for m in moments])  # (S,)
     ns = nas + nbs
@@ -482,20 +597,18 @@ def update_concat(moments: list[RunningMoments], x: torch.Tensor, ok: torch.Tens
     groups: dict[tuple[bool, int], list[int]] = {}  # the streams of one mode and dim: one batched GEMM
     for i, m in enumerate(moments):
         groups.setdefault((m.full, m.dim), []).append(i)
-    g_all = col = None
-    if m0._gemm_dtype != torch.float64 and any(m.full for m in moments):
-        # the float32 operands of every full stream's scatter at once: each column scaled by the
-        # power of two above its largest |value| (as RunningMoments._scatter), then cast
-        col = pow2_scale(torch.linalg.vector_norm(xc, float("inf"), dim=0))  # (D,)
-        g_all = (xc / col).to(m0._gemm_dtype)  # (rows, D) in [-1, 1]
+
+    def side(t: torch.Tensor, idx: list[int], d: int) -> torch.Tensor:  # (S_g, d) of a (D,) vector
+        return torch.stack([t[offs[i]:offs[i] + d] for i in idx])
+
     for (full, d), idx in groups.items():
-        delta_g = torch.stack([delta[offs[i]:offs[i] + d] for i in idx])  # (S_g, d)
+        delta_g = side(delta, idx, d)  # (S_g, d)
         c_g = pick(cs, idx)  # (S_g,)
         if full:
-            if g_all is not None and col is not None:
+            if lowp:  # the float32 operands g of every full stream (in (-4, 4)), the shift's term in float64
                 g = torch.stack([g_all[:, offs[i]:offs[i] + d] for i in idx])  # (S_g, rows, d)
-                col_g = torch.stack([col[offs[i]:offs[i] + d] for i in idx])  # (S_g, d)
-                m2_b = matmul(g.transpose(1, 2), g, m0._tf32).to(torch.float64) * (col_g[:, :, None] * col_g[:, None, :])
+                m2_b = lowp_scatter(g, side(sc_all, idx, d), side(dg_all, idx, d), nb, m0._tf32)
+                m2_b = torch.where(pick(ok, idx)[:, None, None], m2_b, 0.0)
             else:
                 xc_g = torch.stack([xc[:, offs[i]:offs[i] + d] for i in idx])  # (S_g, rows, d)
                 m2_b = xc_g.transpose(1, 2) @ xc_g
@@ -509,10 +622,30 @@ def update_concat(moments: list[RunningMoments], x: torch.Tensor, ok: torch.Tens
             sel = torch.randint(nb, (len(idx), sk_rows), generator=gen, device=gen.device).to(dev, non_blocking=True)
             rows = rows.gather(1, sel[:, :, None].expand(-1, -1, d)) * math.sqrt(nb / sk_rows)
         cross = (delta_g * torch.sqrt(c_g)[:, None])[:, None, :]  # (S_g, 1, d) the Chan cross term
-        _append_many([moments[i].sketch for i in idx], torch.cat([rows, cross], 1))  # type: ignore[misc]
+        sketches: list[NystromSketch] = [moments[i].sketch for i in idx]  # type: ignore[misc]
+        if lowp:
+            okg = pick(ok, idx)
+            rows = torch.where(okg[:, None, None], rows, 0.0)  # a rejected stream's NaN rows add nothing
+            _append_many_lowp(sketches, rows, side(sc_all, idx, d), side(dg_all, idx, d), pick(nbs, idx), cross[:, 0])
+        else:
+            _append_many(sketches, torch.cat([rows, cross], 1))
     for i, m in enumerate(moments):
         a, b = offs[i], offs[i + 1]
         m.mean, m.m2d, m.m3, m.m4, m._n = mean[a:b], m2d[a:b], m3[a:b], m4[a:b], ns[i]
+
+
+def _append_many_lowp(sketches: list[NystromSketch], g: torch.Tensor, s: torch.Tensor, d: torch.Tensor,
+                      n: torch.Tensor, cross: torch.Tensor) -> None:
+    """:meth:`NystromSketch.append_lowp` of ``S`` sketches of one dim at once (``g (S, r, dim)``,
+    ``s, d, cross (S, dim)``, ``n (S,)``)."""
+    sk = sketches[0]
+    if g.is_cuda and torch.backends.cuda.matmul.allow_tf32:
+        for s_ in sketches:
+            s_.core_rtol = max(s_.core_rtol, TF32_RTOL)
+    omega = stacked([s_.omega for s_ in sketches])  # (S, dim, k)
+    y = stacked([s_.y for s_ in sketches]) + sketch_increment(g, s, d, n, cross, omega, sk.tf32)
+    for s_, t in zip(sketches, y.unbind(0)):
+        s_.y = t
 
 
 def _append_many(sketches: list[NystromSketch], rows: torch.Tensor) -> None:
