@@ -605,10 +605,14 @@ def update_concat(moments: list[RunningMoments], x: torch.Tensor, ok: torch.Tens
         delta_g = side(delta, idx, d)  # (S_g, d)
         c_g = pick(cs, idx)  # (S_g,)
         if full:
-            if lowp:  # the float32 operands g of every full stream (in (-4, 4)), the shift's term in float64
+            if lowp:  # the float32 operands g of every full stream (in (-4, 4)), merged in place in float64
                 g = torch.stack([g_all[:, offs[i]:offs[i] + d] for i in idx])  # (S_g, rows, d)
-                m2_b = lowp_scatter(g, side(sc_all, idx, d), side(dg_all, idx, d), nb, m0._tf32)
-                m2_b = torch.where(pick(ok, idx)[:, None, None], m2_b, 0.0)
+                g = torch.where(pick(ok, idx)[:, None, None], g, 0.0)  # a rejected stream adds nothing
+                m2 = stacked([moments[i].m2 for i in idx])  # type: ignore[misc]
+                _merge_scatter_lowp(m2, g, side(sc_all, idx, d), side(dg_all, idx, d), nb, delta_g, c_g, m0._tf32)
+                for i, t in zip(idx, m2.unbind(0)):
+                    moments[i].m2 = t
+                continue
             else:
                 xc_g = torch.stack([xc[:, offs[i]:offs[i] + d] for i in idx])  # (S_g, rows, d)
                 m2_b = xc_g.transpose(1, 2) @ xc_g
@@ -623,10 +627,9 @@ def update_concat(moments: list[RunningMoments], x: torch.Tensor, ok: torch.Tens
             rows = rows.gather(1, sel[:, :, None].expand(-1, -1, d)) * math.sqrt(nb / sk_rows)
         cross = (delta_g * torch.sqrt(c_g)[:, None])[:, None, :]  # (S_g, 1, d) the Chan cross term
         sketches: list[NystromSketch] = [moments[i].sketch for i in idx]  # type: ignore[misc]
-        if lowp:
-            okg = pick(ok, idx)
-            rows = torch.where(okg[:, None, None], rows, 0.0)  # a rejected stream's NaN rows add nothing
-            _append_many_lowp(sketches, rows, side(sc_all, idx, d), side(dg_all, idx, d), pick(nbs, idx), cross[:, 0])
+        if lowp:  # a rejected stream's (NaN) increment is masked, not its rows: (S, d, k) is small
+            _append_many_lowp(sketches, rows, side(sc_all, idx, d), side(dg_all, idx, d), pick(nbs, idx), cross[:, 0],
+                              pick(ok, idx))
         else:
             _append_many(sketches, torch.cat([rows, cross], 1))
     for i, m in enumerate(moments):
@@ -634,16 +637,33 @@ def update_concat(moments: list[RunningMoments], x: torch.Tensor, ok: torch.Tens
         m.mean, m.m2d, m.m3, m.m4, m._n = mean[a:b], m2d[a:b], m3[a:b], m4[a:b], ns[i]
 
 
+def _merge_scatter_lowp(m2: torch.Tensor, g: torch.Tensor, s: torch.Tensor, d: torch.Tensor, nb: int,
+                        delta: torch.Tensor, c: torch.Tensor, tf32: bool) -> None:
+    """``m2 (S, d, d)`` float64 += the batch's scatter of ``g (S, rows, d)`` (:func:`lowp_scatter`)
+    and the Chan cross term ``c delta delta^T``, in place: ``diag(s) g^T g diag(s)`` then both
+    rank-1 terms by one rank-2 ``baddbmm`` (``c delta delta^T - n (d s)(d s)^T``). Five passes
+    over ``(S, d, d)`` where building each term apart took a dozen (issue 22: large Wukong has 25
+    full 2,048-dim streams, 840 MB of float64 a pass)."""
+    t = matmul(g.transpose(1, 2), g, tf32).to(torch.float64)
+    t.mul_(s[:, :, None])
+    t.mul_(s[:, None, :])
+    a = delta * torch.sqrt(c)[:, None]  # (S, d)
+    b = d * s * math.sqrt(nb)
+    t.baddbmm_(torch.stack([a, b], 2), torch.stack([a, -b], 1))
+    m2.add_(t)
+
+
 def _append_many_lowp(sketches: list[NystromSketch], g: torch.Tensor, s: torch.Tensor, d: torch.Tensor,
-                      n: torch.Tensor, cross: torch.Tensor) -> None:
+                      n: torch.Tensor, cross: torch.Tensor, ok: torch.Tensor) -> None:
     """:meth:`NystromSketch.append_lowp` of ``S`` sketches of one dim at once (``g (S, r, dim)``,
-    ``s, d, cross (S, dim)``, ``n (S,)``)."""
+    ``s, d, cross (S, dim)``, ``n (S,)``); a stream whose ``ok (S,)`` is False keeps its ``Y``."""
     sk = sketches[0]
     if g.is_cuda and torch.backends.cuda.matmul.allow_tf32:
         for s_ in sketches:
             s_.core_rtol = max(s_.core_rtol, TF32_RTOL)
     omega = stacked([s_.omega for s_ in sketches])  # (S, dim, k)
-    y = stacked([s_.y for s_ in sketches]) + sketch_increment(g, s, d, n, cross, omega, sk.tf32)
+    inc = sketch_increment(g, s, d, n, cross, omega, sk.tf32)
+    y = stacked([s_.y for s_ in sketches]) + torch.where(ok[:, None, None], inc, 0.0)
     for s_, t in zip(sketches, y.unbind(0)):
         s_.y = t
 
