@@ -279,9 +279,10 @@ class Probe:
             over collections, so 2,048 rows x 10 collections already pin a covariance to a
             few percent (``tests/test_probe_cheap.py``), and a collection of large Wukong
             (B = 8192) merges a quarter of each batch. The amax is the whole batch's.
-        precision: dtype of the products of a collection (the ``(d, d)`` scatter GEMM and the
-            sketch's GEMMs): ``"float64"``, ``"float32"`` (rows centred on the batch's
-            float64 mean first, results merged in float64; TF32 if the caller enabled it),
+        precision: dtype of a collection's batch pass and products (the ``(d, d)`` scatter GEMM
+            and the sketch's GEMMs): ``"float64"``, ``"float32"`` (rows scaled and shifted in
+            float32, the shift's rounding corrected and the results merged in float64:
+            :func:`~loka_tune.probe.moments.lowp_batch`; TF32 if the caller enabled it),
             ``"tf32"`` (the same on TF32 tensor cores, the weight model's GEMMs too; the CPU
             emulates it) or ``"auto"`` (default): float64 on the CPU, float32 on a GPU, where
             float64 GEMMs run 15-30x slower, tf32 for ``step_on="batch"`` on a GPU (a

@@ -10,11 +10,12 @@ as independent draws: recommendation models have no cross-batch operation):
   the excess kurtosis of each feature;
 
 everything in float64 on the device of the data, the row count included: an update never
-reads a value back to the host (no GPU sync). With ``precision="float32"`` the one costly
-product, the batch's scatter ``xc^T xc`` (and the sketch's two GEMMs), runs in float32 (TF32
-when the caller enabled it) on rows already centred on the batch's float64 mean, so float32
-rounding does not cancel against a large offset; its result is merged into the float64
-state, and the mean, the diagonal and the third and fourth moments stay float64. The cost:
+reads a value back to the host (no GPU sync). With ``precision="float32"`` the batch's pass is
+float32 (:func:`lowp_batch`): each feature scaled by a power of two, shifted by its float32
+mean, the moments' sums and the costly products (the batch's scatter and the sketch's two
+GEMMs, TF32 when the caller enabled it) on those rows, and what the shift's rounding left
+corrected in float64, so float32 rounding does not cancel against a large offset; everything is
+merged into the float64 state (mean, scatter, diagonal, third and fourth moments). The cost:
 a relative error ~1e-6 per batch scatter (float32; ~1e-3 with TF32), far below the sampling
 error of any row count the probe merges; the gain: float64 GEMMs run 15-30x slower than
 float32 on a data-centre GPU. The float32 operands are scaled per feature to [-1, 1] first and
@@ -406,7 +407,7 @@ class RunningMoments:
         self._n = torch.zeros((), **f64)  # rows merged, on the device (exact in float64 up to 2^53)
         self.mean = torch.zeros(self.dim, **f64)
         self.m2: torch.Tensor | None = torch.zeros(self.dim, self.dim, **f64) if self.full else None  # scatter
-        self.m2d = torch.zeros(self.dim, **f64)  # its diagonal (always exact)
+        self.m2d = torch.zeros(self.dim, **f64)  # its diagonal (never approximated: float64 sums, float32 for float32/tf32)
         self.m3 = torch.zeros(self.dim, **f64)
         self.m4 = torch.zeros(self.dim, **f64)
         self.sketch: NystromSketch | None = None if self.full else NystromSketch(
