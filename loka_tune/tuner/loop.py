@@ -233,19 +233,65 @@ def _tell_interrupted(ctx: StudyContext, study: Any, trial: Any, tracker: Tracke
 
     params = dict(trial.params)
     attrs = {"status": "failed", "reason": "interrupted (Ctrl-C or SIGTERM); re-queued"}
-    try:
-        again = requeue_attrs(study._storage.get_trial(trial._trial_id))  # the frozen trial: its system attrs
-        for k, v in attrs.items():
-            trial.set_user_attr(k, v)
-        study.tell(trial, state=TrialState.FAIL)
-        study.enqueue_trial(params, user_attrs=again)
-        keep_queue_order(study)  # it runs first on resuming, as it would have without the stop
-        log(f"[loka-tune] trial {trial.number}: interrupted; marked failed, its configuration re-queued")
-        if tracker is not None:
+    done: dict[str, Any] = {}  # the steps already recorded: a retry does not repeat them
+    error: Exception | None = None
+    for attempt in range(INTERRUPT_ATTEMPTS):
+        try:
+            if "again" not in done:
+                frozen = study._storage.get_trial(trial._trial_id)
+                if frozen.state.is_finished():  # the interrupt came after the trial was told
+                    log(f"[loka-tune] trial {trial.number}: interrupted after it was recorded ({frozen.state.name})")
+                    return
+                done["again"] = requeue_attrs(frozen)  # the frozen trial: its system attrs
+            if "attrs" not in done:
+                for k, v in attrs.items():
+                    trial.set_user_attr(k, v)
+                done["attrs"] = True
+            if "tell" not in done:
+                study.tell(trial, state=TrialState.FAIL)
+                done["tell"] = True
+            if "enqueue" not in done:
+                study.enqueue_trial(params, user_attrs=done["again"])
+                done["enqueue"] = True
+            keep_queue_order(study)  # it runs first on resuming, as it would have without the stop
+            break
+        except Exception as e:  # noqa: BLE001 - the interrupt may have broken the storage's session mid-write
+            error = e
+            reset_storage_sessions(study._storage)
+            time.sleep(0.2 * (attempt + 1))
+    else:
+        log(f"[loka-tune] trial {trial.number}: interrupted; could not record it after {INTERRUPT_ATTEMPTS}"
+            f" attempts ({error})")
+        return
+    log(f"[loka-tune] trial {trial.number}: interrupted; marked failed, its configuration re-queued")
+    if tracker is not None:
+        try:
             tracker.log_trial(trial.number, params, config_from_params(ctx.space, params), attrs, "FAIL", ctx,
                               run_status="KILLED")
-    except Exception as e:  # noqa: BLE001 - report and let the interrupt through
-        log(f"[loka-tune] trial {trial.number}: interrupted; could not record it ({e})")
+        except Exception as e:  # noqa: BLE001 - report and let the interrupt through
+            log(f"[loka-tune] trial {trial.number}: interrupted; its MLflow run could not be ended ({e})")
+
+
+INTERRUPT_ATTEMPTS = 3  # tries to record an interrupted trial (a fresh storage session each)
+
+
+def reset_storage_sessions(storage: Any) -> None:
+    """Drop the database sessions and pooled connections of ``storage`` (and of the storages it
+    wraps): a Ctrl-C that lands inside a commit can leave them mid-transaction, and every later
+    write on them then fails. The next call opens fresh ones. Best effort."""
+    for _ in range(4):
+        if storage is None:
+            return
+        try:
+            sess = getattr(storage, "scoped_session", None)
+            if sess is not None:
+                sess.remove()
+            engine = getattr(storage, "engine", None)
+            if engine is not None:
+                engine.dispose()
+        except Exception:  # noqa: BLE001, S110 - nothing to reset, or nothing left to save
+            pass
+        storage = getattr(storage, "_backend", None)
 
 
 def _tell_copy(study: Any, trial: Any, dup: Any, budget: float, *, wall_s: float) -> tuple[str, dict[str, Any]]:
