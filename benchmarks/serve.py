@@ -18,7 +18,11 @@ Variants (``--variants``, comma list; each a copy of that model):
   on every call), for comparison;
 - ``torchao_rowwise`` / ``torchao_tensorwise``: torchao's float8 inference,
   ``torchao.quantization.quantize_(model, Float8DynamicActivationFloat8WeightConfig(granularity=
-  PerRow() | PerTensor()))`` on every ``nn.Linear`` it accepts (in and out features multiples of 16).
+  PerRow() | PerTensor()))`` on every ``nn.Linear`` it accepts (in and out features multiples of 16);
+- ``loka_rowwise`` / ``loka_tensorwise``: our serving form on exactly those sites, every one
+  ``e4m3.row.fa.torch_scaled_mm`` / ``e4m3.tensor.torch_scaled_mm`` with a static FP8 weight (no
+  plan): the kernels against torchao's on the same sites, apart from the plan's choice of sites
+  (``--device cpu``: ``e4m3.row.emulated`` / ``e4m3.tensor.emulated``, the same sites).
 
 Each (variant, batch) row: a fresh copy, ``torch.compile(mode=--compile-mode, dynamic=False)``
 (default ``reduce-overhead``: CUDA graphs, static shapes) under
@@ -70,8 +74,11 @@ from loka_tune.config import ModsConfig, PrecisionConfig  # noqa: E402
 from loka_tune.data.base import model_inputs  # noqa: E402
 from loka_tune.kernels.quant import sqnr_db  # noqa: E402
 
-VARIANTS = ("bf16_mods", "config", "config_dynamic", "torchao_rowwise", "torchao_tensorwise")
-DEFAULT_VARIANTS = ("bf16_mods", "config", "torchao_tensorwise", "torchao_rowwise")
+VARIANTS = ("bf16_mods", "config", "config_dynamic", "torchao_rowwise", "torchao_tensorwise", "loka_rowwise",
+            "loka_tensorwise")
+DEFAULT_VARIANTS = ("bf16_mods", "config", "loka_tensorwise", "torchao_tensorwise", "torchao_rowwise")
+_LOKA = {"loka_rowwise": "e4m3.row.fa.torch_scaled_mm", "loka_tensorwise": "e4m3.tensor.torch_scaled_mm"}
+_LOKA_CPU = {"loka_rowwise": "e4m3.row.emulated", "loka_tensorwise": "e4m3.tensor.emulated"}
 _GPU_ONLY = {"torchao_rowwise", "torchao_tensorwise"}
 DEFAULT_MODS = ModsConfig(no_bias=True, blocknorm=256, hardswish=True)
 REF = "bf16_mods"
@@ -98,6 +105,19 @@ def torchao_inference(model: nn.Module, granularity: str) -> dict[str, Any]:
     return {"fp8_sites": len(seen)}
 
 
+def torchao_sites(model: nn.Module) -> list[str]:
+    """The Linears torchao's float8 inference accepts (in and out features multiples of 16)."""
+    return [fqn for fqn, m in model.named_modules()
+            if isinstance(m, nn.Linear) and m.in_features % 16 == 0 and m.out_features % 16 == 0]
+
+
+def uniform_serving(name: str, base: nn.Module, mods: ModsConfig, cuda: bool) -> PrecisionConfig:
+    """``loka_*``: one fwd choice (a static FP8 weight) on every site torchao's inference takes, bf16 elsewhere."""
+    choice = (_LOKA if cuda else _LOKA_CPU)[name]
+    return PrecisionConfig.from_sites({fqn: f"{choice}|bf16|bf16" for fqn in torchao_sites(base)}, default="bf16",
+                                      mods=mods, provenance={"recipe": f"{name}: torchao's inference sites"})
+
+
 def build_variant(name: str, base: nn.Module, served: PrecisionConfig, config: PrecisionConfig, batch: int,
                   plan: str) -> tuple[nn.Module, dict[str, Any]]:
     """A copy of ``base`` (bf16 + Mods) turned into variant ``name`` for ``batch`` rows."""
@@ -105,6 +125,12 @@ def build_variant(name: str, base: nn.Module, served: PrecisionConfig, config: P
 
     if name == "bf16_mods":
         return base, {"fp8_sites": 0}
+    if name in _LOKA:
+        model = shared_copy(base)
+        cfg = uniform_serving(name, base, config.mods, next(base.parameters()).is_cuda)
+        s = apply(model, cfg, serving=True, batch=None, strict=False)
+        return model, {"fp8_sites": len(s.replaced), "fallbacks": {k: v.get("fwd", "") for k, v in s.fallbacks.items()},
+                       "fused": list(s.fused)}
     if name == "config":
         model = shared_copy(base)
         s = apply(model, served, serving=True, batch=None if plan == "none" else batch, strict=False)

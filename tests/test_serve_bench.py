@@ -22,6 +22,17 @@ def _load():  # type: ignore[no-untyped-def]
     return mod
 
 
+def serve_model(serve):  # noqa: ANN001, ANN201 - the tiny study model the smoke serves
+    from dataclasses import replace
+
+    from loka_tune.tuner.build import make_model, make_source
+    from loka_tune.tuner.study import load_study
+
+    cfg = load_study(REPO / "studies" / "wukong_h200.toml")
+    cfg = replace(cfg, model=replace(cfg.model, preset="tiny"))
+    return make_model(cfg, make_source(cfg), seed=0)
+
+
 def _config(tmp_path: Path) -> Path:
     cfg = PrecisionConfig(default=SitePrecision.parse("e4m3.row.emulated|bf16|bf16"),
                           mods=ModsConfig(no_bias=True, blocknorm=8, hardswish=True))
@@ -34,15 +45,20 @@ def test_serve_bench_smoke_on_the_cpu(tmp_path: Path) -> None:
     out = tmp_path / "serve.json"
     rc = serve.main(["--preset", "tiny", "--device", "cpu", "--config", str(_config(tmp_path)), "--batches", "8,32",
                      "--reps", "3", "--warmup", "1", "--plan", "none",
-                     "--variants", "config,bf16_mods,config_dynamic,torchao_rowwise", "--out", str(out)])
+                     "--variants", "config,bf16_mods,config_dynamic,torchao_rowwise,loka_tensorwise", "--out", str(out)])
     assert rc == 0
     res = json.loads(out.read_text())
     assert res["meta"]["device"] and res["meta"]["compile_mode"] == "none" and res["meta"]["argv"][0] == "--preset"
     rows = {(r["variant"], r["batch"]): r for r in res["rows"]}
     order = [(r["variant"], r["batch"]) for r in res["rows"]]
-    assert order == [(v, b) for b in (8, 32) for v in ("bf16_mods", "config", "config_dynamic", "torchao_rowwise")]
+    assert order == [(v, b) for b in (8, 32)
+                     for v in ("bf16_mods", "config", "config_dynamic", "torchao_rowwise", "loka_tensorwise")]
     for b in (8, 32):
         assert rows[("torchao_rowwise", b)]["skipped"] == "needs a CUDA GPU"
+        # our static-weight kernels on exactly the sites torchao's inference takes (emulated on the CPU)
+        lk = rows[("loka_tensorwise", b)]
+        assert lk["fp8_sites"] == len(serve.torchao_sites(serve_model(serve))) > 0 and not lk["fallbacks"]
+        assert 20.0 <= lk["sqnr_db"] < 80.0
         ref, cfg = rows[("bf16_mods", b)], rows[("config", b)]
         assert ref["sqnr_db"] is None and ref["fp8_sites"] == 0
         assert cfg["fp8_sites"] > 0 and cfg["bucket"] is None and not cfg["fallbacks"]
