@@ -19,11 +19,12 @@ import pytest
 from loka_tune.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
+N_TRIALS = 2  # the two starts (all-bf16, bf16 + Mods): every trial runs twice below, once per process count
 
 
 def _study_text(tmp_path: Path, name: str, regime: str) -> str:
     text = (REPO / "studies" / "quickstart.toml").read_text()
-    for pattern, repl in ((r"(?m)^n_trials = \d+", "n_trials = 3"), (r"(?m)^samples = \d+", "samples = 2"),
+    for pattern, repl in ((r"(?m)^n_trials = \d+", f"n_trials = {N_TRIALS}"), (r"(?m)^samples = \d+", "samples = 2"),
                           (r"(?m)^steps = \d+", "steps = 20"), (r'(?m)^name = "quickstart"', f'name = "{name}"')):
         text, n = re.subn(pattern, repl, text)
         assert n == 1, f"studies/quickstart.toml has no {pattern!r} line any more: update this test"
@@ -127,11 +128,11 @@ def _tune(tmp_path: Path, name: str, nproc: int) -> dict[str, Any]:
 
     cfg = load_study(study)
     stored = optuna.load_study(study_name=cfg.name, storage=cfg.storage.url)
-    # the 3 configurations evaluated, in order (a cache copy of one is a trial too, not counted;
+    # the N_TRIALS configurations evaluated, in order (a cache copy of one is a trial too, not counted;
     # an enqueued start the budget left waiting is not run)
     trials = [dict(t.user_attrs) for t in stored.get_trials(deepcopy=False)
               if t.state.is_finished() and not t.user_attrs.get("cache_hit")]
-    assert len(trials) == 3
+    assert len(trials) == N_TRIALS
     best = tmp_path / f"{name}-best.json"
     rc = subprocess.run([sys.executable, "-m", "loka_tune", "export", str(study), "--out", str(best)], cwd=tmp_path,
                         env=env, capture_output=True, text=True, timeout=300)
@@ -146,13 +147,13 @@ def test_a_study_of_nproc_2_matches_one_process(tmp_path: Path) -> None:
     of the log loss."""
     one = _tune(tmp_path, "one", 1)
     two = _tune(tmp_path, "two", 2)
-    for n in range(3):  # for the record (pytest -s)
+    for n in range(N_TRIALS):  # for the record (pytest -s)
         print(f"trial {n}: rel. log loss {one['trials'][n]['rel_logloss_pct']:+.4f}% (1 process)"
               f" {two['trials'][n]['rel_logloss_pct']:+.4f}% (2), eval log loss {one['trials'][n]['eval_logloss']:.6f}"
               f" {two['trials'][n]['eval_logloss']:.6f}")
     assert two["best"]["regime"]["nproc"] == 2 and "nproc" not in one["best"]["regime"]
     assert abs(two["best"]["baseline_logloss"] - one["best"]["baseline_logloss"]) / one["best"]["baseline_logloss"] < 5e-3
-    for n in range(3):
+    for n in range(N_TRIALS):
         a, b = one["trials"][n], two["trials"][n]
         assert abs(b["eval_logloss"] - a["eval_logloss"]) / a["eval_logloss"] < 5e-3, (n, a, b)
         assert abs(b["rel_logloss_pct"] - a["rel_logloss_pct"]) < 0.5, (n, a["rel_logloss_pct"], b["rel_logloss_pct"])
