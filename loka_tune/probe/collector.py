@@ -317,8 +317,9 @@ class Probe:
         loss_fn: ``step_on="batch"``: ``loss_fn(output, target)``, the training loss as a mean
             over the batch's rows (default: binary cross-entropy on logits, the trainer's).
         graphs: ``step_on="batch"`` on a CUDA GPU: run a side collection's statistics as one
-            CUDA graph, captured on the first real collection (~2,000 launches, ~30 ms of host
-            time on large Wukong, become one; :mod:`loka_tune.probe.graphs`). ``None``
+            CUDA graph, captured at the warm-up (without one: at the second collection of the
+            same shapes) and replayed by every collection (~2,000 launches, ~30 ms of host time
+            on large Wukong, become one; :mod:`loka_tune.probe.graphs`). ``None``
             (default) or ``True``: where supported (a capture that fails warns once and stays
             eager: :attr:`graph_note`); ``False``: always eager.
     """
