@@ -257,8 +257,8 @@ def test_a_compiled_wrapper_is_unwrapped_and_misuse_is_named() -> None:
     assert r.collections == 1 and r.stats.sites["c"].dy.count == 10
 
 
-def test_the_probed_baseline_of_a_compiled_regime_runs_compiled(tmp_path: Path,
-                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_probed_baseline_of_a_compiled_regime_runs_compiled(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
     """run_baseline on a compiled regime: the probed run is compiled (the same graphs as a plain
     compiled run, no break), it collects every ``[probe] every`` steps, its step time counts,
     and it trains exactly as the unprobed compiled run of the same seed (its twin's init aside)."""
@@ -284,8 +284,11 @@ def test_the_probed_baseline_of_a_compiled_regime_runs_compiled(tmp_path: Path,
 
     monkeypatch.setattr(baseline, "train_in_study", spy)
     source = make_source(cfg)
-    bl, stats, _model = baseline.run_baseline(cfg, source, "cpu")
+    with caplog.at_level("INFO", logger="loka_tune"):
+        bl, stats, _model = baseline.run_baseline(cfg, source, "cpu")
     assert [(t.compile, probed) for t, _, probed in runs] == [(True, True), (True, False)]
+    # the study says how the side collections' statistics ran (a CUDA graph on a GPU; eager here)
+    assert "[loka-tune] probe: 2 side collection(s); their statistics ran eager" in caplog.messages
     (_, probed_report, _), (_, twin_report, _) = runs
     assert probed_report["graph_breaks"] == 0
     assert (probed_report["unique_graphs"], probed_report["frames_total"]) == (
