@@ -207,7 +207,8 @@ def probe_report(case: SmokeCase, source: SyntheticCTR, out: Path | None = None)
         report.save(out)
     info = {"status": res.status, "sites": len(stats.sites), "collections": stats.collections,
             "results": len(report.results), "collect_s": round(t1 - t0, 2),
-            "measure_s": round(time.perf_counter() - t1, 2)}
+            "measure_s": round(time.perf_counter() - t1, 2),
+            "statistics": probe.graph_note if tcfg.compile else "in-step (eager)"}
     return report, stats, info
 
 

@@ -48,6 +48,7 @@ def test_the_smoke_probe_of_a_compiled_case_collects_in_the_regime() -> None:
     report, stats, info = probe_report(case, source)
     assert info["status"] == "ok" and info["collections"] == 2 and report_problem(report, stats) is None
     assert all(s.x.count == 2 * case.batch_size for s in stats.sites.values())  # the whole batch on the CPU
+    assert info["statistics"] == "eager"  # the side probe's statistics: a CUDA graph on a GPU only
 
 
 def test_the_smoke_helpers_run_a_tiny_model_on_the_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -61,6 +62,7 @@ def test_the_smoke_helpers_run_a_tiny_model_on_the_cpu(tmp_path: Path, monkeypat
     assert report_problem(report, stats) is None
     assert info["status"] == "ok" and info["collections"] == 2 and info["sites"] == len(stats.sites) > 0
     assert len(ProbeReport.load(out).results) == len(report.results) == info["results"]
+    assert info["statistics"] in ("eager", "in-step (eager)")  # no CUDA graph on the CPU
     record({"what": "probe dlrm/tiny", **info, "problem": None})
     results = {}
     for variant in VARIANTS:
