@@ -116,15 +116,7 @@ class ApplySummary:
             if self.unmatched:
                 lines.append(f"skipped {len(self.unmatched)} rule(s) / plan site(s) that match no linear layer"
                              " (strict=False): " + ", ".join(repr(r) for r in self.unmatched))
-            if self.mods is not None:
-                lines.append(str(self.mods))
-            elif self.mods_note:
-                lines.append(f"Mods: {self.mods_note}")
-            if self.fuse_epilogue:
-                lines.append(f"Fused epilogue (Linear -> BlockNorm -> Hard Swish): {len(self.fused)} chain(s) fused,"
-                             f" {len(self.fuse_skipped)} skipped" + (f" ({self.fuse_note})" if self.fuse_note else ""))
-                lines += [f"  skipped {c}: {r}" for c, r in self.fuse_skipped.items()]
-            return "\n".join(lines)
+            return "\n".join(lines + self._mods_and_fuse_lines(list_fused=False))
         rows = [(s, self.replaced.get(s)) for s in self.shapes]
         fused_sites = {f"{c}.linear" for c in self.fused}
         head = ("site", "K x N", "fwd", "dgrad", "wgrad", "note")
@@ -152,6 +144,12 @@ class ApplySummary:
         if self.unmatched:
             lines.append(f"skipped {len(self.unmatched)} rule(s) that match no linear layer (strict=False): "
                          + ", ".join(repr(r) for r in self.unmatched))
+        return "\n".join(lines + self._mods_and_fuse_lines(list_fused=True))
+
+    def _mods_and_fuse_lines(self, *, list_fused: bool) -> list[str]:
+        """The summary's closing lines: the Mods applied (or why none) and the fused chains
+        (``list_fused``: each fused chain named, as well as each skipped one)."""
+        lines = []
         if self.mods is not None:
             lines.append(str(self.mods))
         elif self.mods_note:
@@ -159,9 +157,10 @@ class ApplySummary:
         if self.fuse_epilogue:
             lines.append(f"Fused epilogue (Linear -> BlockNorm -> Hard Swish): {len(self.fused)} chain(s) fused,"
                          f" {len(self.fuse_skipped)} skipped" + (f" ({self.fuse_note})" if self.fuse_note else ""))
-            lines += [f"  fused   {c}" for c in self.fused]
+            if list_fused:
+                lines += [f"  fused   {c}" for c in self.fused]
             lines += [f"  skipped {c}: {r}" for c, r in self.fuse_skipped.items()]
-        return "\n".join(lines)
+        return lines
 
 
 def as_config(config: PrecisionConfig | Mapping[str, Any] | str | Path) -> PrecisionConfig:
