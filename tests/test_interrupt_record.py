@@ -25,6 +25,21 @@ def _study(tmp_path: Path) -> Any:
     return optuna.create_study(study_name="s", storage=f"sqlite:///{tmp_path / 's.db'}")
 
 
+def _interrupted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, fails: int = 0,
+                 told: bool = False) -> tuple[Any, Any, list[str], dict[str, int]]:
+    """A study with one running trial (``told``: already told COMPLETE), ``_tell_interrupted`` run
+    on it with the storage's writes failing ``fails`` times; ``(study, trial, logged lines, counts)``."""
+    study = _study(tmp_path)
+    trial = study.ask(fixed_distributions=DISTS)
+    if told:
+        study.tell(trial, 1.0)
+    lines: list[str] = []
+    monkeypatch.setattr(loop, "log", lines.append)
+    seen = _broken_writes(monkeypatch, fails=fails)
+    loop._tell_interrupted(None, study, trial, tracker=None)  # type: ignore[arg-type]  # never raises
+    return study, trial, lines, seen
+
+
 def _broken_writes(monkeypatch: pytest.MonkeyPatch, fails: int) -> dict[str, int]:
     """The storage's user-attribute writes fail ``fails`` times (a session the interrupt broke);
     counts the writes tried and the session resets."""
@@ -50,12 +65,7 @@ def _broken_writes(monkeypatch: pytest.MonkeyPatch, fails: int) -> dict[str, int
 
 def test_an_interrupted_trial_is_failed_and_requeued_after_a_broken_session(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    study = _study(tmp_path)
-    trial = study.ask(fixed_distributions=DISTS)
-    lines: list[str] = []
-    monkeypatch.setattr(loop, "log", lines.append)
-    seen = _broken_writes(monkeypatch, fails=1)
-    loop._tell_interrupted(None, study, trial, tracker=None)  # type: ignore[arg-type]
+    study, trial, lines, seen = _interrupted(tmp_path, monkeypatch, fails=1)
     assert seen["resets"] == 1
     trials = study.get_trials(deepcopy=False)
     assert trials[0].state.name == "FAIL" and trials[0].user_attrs["status"] == "failed"
@@ -66,23 +76,14 @@ def test_an_interrupted_trial_is_failed_and_requeued_after_a_broken_session(
 
 def test_a_storage_that_stays_broken_is_reported_and_the_interrupt_goes_on(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    study = _study(tmp_path)
-    trial = study.ask(fixed_distributions=DISTS)
-    lines: list[str] = []
-    monkeypatch.setattr(loop, "log", lines.append)
-    seen = _broken_writes(monkeypatch, fails=10**6)
-    loop._tell_interrupted(None, study, trial, tracker=None)  # type: ignore[arg-type]  # does not raise
+    _, _, lines, seen = _interrupted(tmp_path, monkeypatch, fails=10**6)
     assert seen["resets"] == loop.INTERRUPT_ATTEMPTS
     assert len(lines) == 1 and "could not record it after 3 attempts" in lines[0] and "broken session" in lines[0]
 
 
 def test_an_interrupt_after_the_trial_was_told_changes_nothing(tmp_path: Path,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    study = _study(tmp_path)
-    trial = study.ask(fixed_distributions=DISTS)
-    study.tell(trial, 1.0)
-    lines: list[str] = []
-    monkeypatch.setattr(loop, "log", lines.append)
-    loop._tell_interrupted(None, study, trial, tracker=None)  # type: ignore[arg-type]
+    study, trial, lines, seen = _interrupted(tmp_path, monkeypatch, told=True)
+    assert seen == {"writes": 0, "resets": 0}  # nothing written, nothing to retry
     assert [t.state.name for t in study.get_trials(deepcopy=False)] == ["COMPLETE"]
     assert lines == [f"[loka-tune] trial {trial.number}: interrupted after it was recorded (COMPLETE)"]
