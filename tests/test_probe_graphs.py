@@ -16,7 +16,7 @@ import torch
 
 from loka_tune.errors import ProbeError
 from loka_tune.probe import Probe
-from loka_tune.probe.graphs import Pinned, SideGraph
+from loka_tune.probe.graphs import Pinned, SideGraph, _host_values
 from tests.test_probe_compiled import Net, _batches, _step, _tensor_fields
 
 
@@ -72,6 +72,40 @@ def test_pinned_collections_keep_every_state_tensor_in_place_and_change_nothing(
         ids = now
     assert pinned.collections == plain.collections == 4
     _assert_same_stats(plain, pinned)
+
+
+def test_a_layout_fixes_the_host_scalars_a_replay_sets_again() -> None:
+    """A graph replay runs no Python: the plain values a collection sets on the state objects
+    (an accumulator's ``rows``) are set again from the capture's (``SideGraph.host``). That is
+    right only if a collection of the same layout sets the same values; a smaller batch in
+    between sets others (the GPU test's 512-row collection), which the next replay undoes."""
+    torch.manual_seed(0)
+    model = Net()
+    probe = Probe(model, every=1, step_on="batch", max_full_dim=8, sketch_rank=2, weight_every=2)
+
+    def host() -> dict[tuple[int, str], Any]:
+        sites = list(probe._sites.values())
+        return _host_values(list({id(o): o for o, _ in probe._graph_refs(sites)}.values()))
+
+    seen = None
+    for i, (x, seq, y) in enumerate(_batches(4, 256)):
+        probe.step(x, seq, target=y)
+        now = host()
+        if seen is not None:
+            changed = sorted(k for k, v in now.items() if seen.get(k) != v)
+            assert changed == [], f"collection {i + 1} of the same layout set other host values: {changed}"
+        seen = now
+    x, seq, y = _batches(1, 128, seed=9)[0]
+    probe.step(x, seq, target=y)
+    assert host() != seen  # another layout: its own rows
+    acc = next(iter(probe._sites.values())).x
+
+    class Replay:
+        def replay(self) -> None:
+            pass
+
+    SideGraph(key="k", graph=Replay(), inputs=[], outputs=[], host=[(acc, "rows", 256)]).run([])
+    assert acc.rows == 256
 
 
 def test_pinned_restores_what_a_failed_update_replaced() -> None:

@@ -14,6 +14,11 @@ graph launch. What the capture needs, and what this module gives:
   part of the graph) and puts that tensor back: the graph reads and writes the same state at
   every replay. An attribute that was ``None`` before (the real rows of a first collection) is
   an output only: it stays the graph's own tensor, rewritten by each replay.
+- **Host scalars**: a plain value the captured code sets on a state object (an accumulator's
+  ``rows``, a Python int) is not replayed by the graph. A layout fixes them (a collection of
+  the same layout sets the same values), so :func:`capture` records the state objects' plain
+  values after the capture and :meth:`SideGraph.run` sets them again after every replay (an
+  eager collection of another layout in between may have set its own).
 - **Random draws**: the probe's CUDA generator is registered with the graph, so each replay
   draws new rows and elements (its offset advances as in eager mode).
 - **No host traffic** in the captured code: the small index and constant tensors a collection
@@ -90,8 +95,10 @@ class SideGraph:
     output-only attributes it rewrites."""
 
     def __init__(self, key: Any, graph: Any, inputs: list[torch.Tensor | None],
-                 outputs: list[tuple[Any, str, torch.Tensor]]) -> None:
+                 outputs: list[tuple[Any, str, torch.Tensor]],
+                 host: Sequence[tuple[Any, str, Any]] = ()) -> None:
         self.key, self.graph, self.inputs, self.outputs = key, graph, inputs, outputs
+        self.host = list(host)  # (object, attribute, value): the plain values the captured code set
         self.replays = 0
 
     def run(self, tensors: Sequence[torch.Tensor | None]) -> None:
@@ -101,7 +108,17 @@ class SideGraph:
         self.graph.replay()
         for o, a, t in self.outputs:
             setattr(o, a, t)
+        for o, a, v in self.host:
+            setattr(o, a, v)
         self.replays += 1
+
+
+_SCALARS = (bool, int, float, str, type(None))
+
+
+def _host_values(objs: Sequence[Any]) -> dict[tuple[int, str], Any]:
+    """The plain scalar attributes of ``objs`` (keyed by object id and name)."""
+    return {(id(o), k): v for o in objs for k, v in vars(o).items() if isinstance(v, _SCALARS)}
 
 
 def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
@@ -131,6 +148,7 @@ def capture(fn: Callable[[list[torch.Tensor | None]], None], key: Any, inputs: S
     graph = torch.cuda.CUDAGraph()
     graph.register_generator_state(generator)
     pin = Pinned(refs)
+    objs = list({id(o): o for o, _ in refs}.values())
     stream = torch.cuda.Stream(dev)
     stream.wait_stream(torch.cuda.current_stream(dev))
     outputs: list[tuple[Any, str, torch.Tensor]] | None = None
@@ -151,4 +169,6 @@ def capture(fn: Callable[[list[torch.Tensor | None]], None], key: Any, inputs: S
         raise
     finally:
         torch.cuda.current_stream(dev).wait_stream(stream)
-    return SideGraph(key, graph, static, outputs)
+    by_id = {id(o): o for o in objs}
+    host = [(by_id[i], k, v) for (i, k), v in _host_values(objs).items()]
+    return SideGraph(key, graph, static, outputs, host)
