@@ -20,9 +20,12 @@ Variants (``--variants``, comma list; each a copy of that model):
   ``torchao.quantization.quantize_(model, Float8DynamicActivationFloat8WeightConfig(granularity=
   PerRow() | PerTensor()))`` on every ``nn.Linear`` it accepts (in and out features multiples of 16);
 - ``loka_rowwise`` / ``loka_tensorwise``: our serving form on exactly those sites, every one
-  ``e4m3.row.fa.torch_scaled_mm`` / ``e4m3.tensor.torch_scaled_mm`` with a static FP8 weight (no
-  plan): the kernels against torchao's on the same sites, apart from the plan's choice of sites
-  (``--device cpu``: ``e4m3.row.emulated`` / ``e4m3.tensor.emulated``, the same sites).
+  ``e4m3.row.fa.torch_scaled_mm`` / ``e4m3.tensor.fa.torch_scaled_mm`` with a static FP8 weight (no
+  plan): the kernels against torchao's on the same sites, apart from the plan's choice of sites.
+  Both with fast accumulation, as torchao's inference GEMMs (its ``Float8MMConfig`` default on
+  CUDA; the fifth session's tensorwise row without it served 7.76 ms to torchao's 8.07 p50, but
+  6.56 ms back to back to our 7.35) (``--device cpu``: ``e4m3.row.emulated`` /
+  ``e4m3.tensor.emulated``, the same sites).
 
 Each (variant, batch) row: a fresh copy, ``torch.compile(mode=--compile-mode, dynamic=False)``
 (default ``reduce-overhead``: CUDA graphs, static shapes) under
@@ -77,7 +80,7 @@ from loka_tune.kernels.quant import sqnr_db  # noqa: E402
 VARIANTS = ("bf16_mods", "config", "config_dynamic", "torchao_rowwise", "torchao_tensorwise", "loka_rowwise",
             "loka_tensorwise")
 DEFAULT_VARIANTS = ("bf16_mods", "config", "loka_tensorwise", "torchao_tensorwise", "torchao_rowwise")
-_LOKA = {"loka_rowwise": "e4m3.row.fa.torch_scaled_mm", "loka_tensorwise": "e4m3.tensor.torch_scaled_mm"}
+_LOKA = {"loka_rowwise": "e4m3.row.fa.torch_scaled_mm", "loka_tensorwise": "e4m3.tensor.fa.torch_scaled_mm"}
 _LOKA_CPU = {"loka_rowwise": "e4m3.row.emulated", "loka_tensorwise": "e4m3.tensor.emulated"}
 _GPU_ONLY = {"torchao_rowwise", "torchao_tensorwise"}
 DEFAULT_MODS = ModsConfig(no_bias=True, blocknorm=256, hardswish=True)

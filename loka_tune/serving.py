@@ -347,6 +347,23 @@ def site_rows(model: nn.Module, inputs: Sequence[Any]) -> dict[str, tuple[float,
 Timer = Callable[..., Mapping[str, Any]]
 
 
+def _shape_refusal(choice: GemmChoice, m: int, k: int, n: int) -> str | None:
+    """Why ``choice``'s backend cannot run the fwd GEMM ``(m, k, n)`` (its alignment of ``k`` and
+    ``n``, its per-shape limits), or None: asked before a serving price is timed, so that a shape
+    no kernel takes is skipped in one line instead of failing inside a compile."""
+    from loka_tune.kernels.registry import get_backend
+
+    try:
+        backend = get_backend(choice.backend)
+    except Exception:  # noqa: BLE001 - an unknown backend is the price's error to report
+        return None
+    align = int(getattr(backend, "alignment", 1))
+    for dim, v in (("k", k), ("n", n)):
+        if align > 1 and v % align:
+            return f"{dim}={v} is not a multiple of {align}, as {choice.backend} needs"
+    return backend.runtime_reason(choice, GemmRole.FWD, (m, k, n))
+
+
 def plan_serving(model: nn.Module, config: PrecisionConfig | Mapping[str, Any] | str, inputs: Sequence[Any], *,
                  buckets: Iterable[int] = DEFAULT_BUCKETS, candidates: Iterable[GemmChoice | str] = (),
                  min_speedup: float = 1.0, cost_device: str = "h200", measure: bool = False,
@@ -359,7 +376,9 @@ def plan_serving(model: nn.Module, config: PrecisionConfig | Mapping[str, Any] |
     example. Per bucket and site, the fwd GEMM of the site's own fwd choice (and of each of
     ``candidates``) with a static weight is priced against bf16 at those rows, and the fastest
     is kept if it beats bf16 by more than ``min_speedup`` (else ``bf16``). Sites whose every
-    option is bf16 are not priced (they serve bf16).
+    option is bf16 are not priced (they serve bf16). An option whose kernel cannot take the
+    site's shape (``torch._scaled_mm``: ``k`` and ``n`` multiples of 16) is not priced there
+    (``source`` says why): the site serves another option, or bf16.
 
     Prices: the cost model for ``cost_device`` (``estimate_gemm_seconds(..., static_b=True)``,
     time source "modeled"), or with ``measure=True`` GPU timings on ``device`` of the compiled,
@@ -427,6 +446,7 @@ def plan_serving(model: nn.Module, config: PrecisionConfig | Mapping[str, Any] |
 
     plan: dict[int, dict[str, GemmChoice]] = {}
     prices: dict[str, dict[str, Any]] = {}
+    refused: set[tuple[int, int, GemmChoice]] = set()
     for rows in sorted(sizes, reverse=True):  # the largest bucket first: timed first when the budget is short
         plan[rows], prices[str(rows)] = {}, {}
         for site, (per_example, k, n) in shapes.items():
@@ -440,6 +460,14 @@ def plan_serving(model: nn.Module, config: PrecisionConfig | Mapping[str, Any] |
                                     "source": {"bf16": src}}
             best, best_t = BF16, t_bf16
             for c in options:
+                why = _shape_refusal(c, m, k, n)
+                if why is not None:  # the kernel cannot take this shape: the site cannot serve it
+                    cell[f"{c.short_str()}_us"] = None
+                    cell["source"][c.short_str()] = f"unsupported: {why}"
+                    if (k, n, c) not in refused:
+                        refused.add((k, n, c))
+                        say(f"serving price {m}x{k}x{n} {c.short_str()}: not priced ({why})")
+                    continue
                 t, src = price(c, m, k, n)
                 cell[f"{c.short_str()}_us"] = None if t is None else t * 1e6
                 cell["source"][c.short_str()] = src

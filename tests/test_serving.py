@@ -376,6 +376,35 @@ def test_a_measured_plan_uses_the_timer_and_its_cache(tmp_path: Path) -> None:
     assert modeled is not None and modeled.time_source == "modeled"  # no time left: the cost model
 
 
+def test_a_plan_skips_a_shape_the_kernel_cannot_take_and_serves_the_next_option() -> None:
+    """``torch._scaled_mm`` needs k and n multiples of 16: large Wukong's 2048 x 44 and 64 x 1
+    sites failed inside a compile on the H200, each cell a page of fake-tensor trace. The plan
+    now asks the backend first: the cell is never timed, says why, and the site serves the next
+    option that runs (here an emulated candidate), or bf16."""
+    calls: list[tuple[int, int, int, str]] = []
+
+    def fake(m: int, k: int, n: int, choice: str, *, device: str) -> dict[str, float]:
+        calls.append((m, k, n, choice))
+        return {"gpu_s": (m * k * n) * (0.5 if choice != "bf16" else 1.0) * 1e-15 + 1e-6, "host_s": 0.0}
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1024, 4096, bias=False), nn.Hardswish(), nn.Linear(4096, 44, bias=False))
+    cfg = PrecisionConfig(default=SitePrecision.parse("e4m3.tensor.fa.torch_scaled_mm|bf16|bf16"))
+    inputs = (torch.randn(4, 1024),)
+    msgs: list[str] = []
+    plan = plan_serving(model, cfg, inputs, buckets=(8192,), measure=True, timer=fake, progress=msgs.append).serving
+    assert plan is not None
+    assert (8192, 4096, 44, "e4m3.tensor.fa.torch_scaled_mm") not in calls  # never timed
+    cell = plan.prices["cells"]["8192"]["2"]
+    assert cell["source"]["e4m3.tensor.fa.torch_scaled_mm"] == (
+        "unsupported: n=44 is not a multiple of 16, as torch_scaled_mm needs")
+    assert plan.choices(8192)["2"].is_bf16 and plan.choices(8192)["0"].short_str() == "e4m3.tensor.fa.torch_scaled_mm"
+    assert sum("not priced (n=44" in m for m in msgs) == 1
+    with_other = plan_serving(model, cfg, inputs, buckets=(8192,), measure=True, timer=fake,
+                              candidates=["e4m3.row.emulated"]).serving
+    assert with_other is not None and with_other.choices(8192)["2"].short_str() == "e4m3.row.emulated"
+
+
 def test_the_serving_timer_runs_and_a_plan_follows_its_prices() -> None:
     """time_serving_site's code on the CPU (wall time, no CUDA graphs): a price is a GPU's, so the
     test checks the plan's decisions against the recorded cells, not against any speed."""

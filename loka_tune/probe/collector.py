@@ -481,7 +481,7 @@ class Probe:
         self.steps += 1
         if self.steps == 1:
             self._allocate()
-            if self.step_on == "batch" and self.warm_up and self._device().type != "cpu":
+            if self._wants_warm_up():
                 self._warm_up_side(inputs, target)
         if self.step_on == "batch":
             if self._due or self.steps % self.every == 0:
@@ -514,6 +514,10 @@ class Probe:
         if k is None:
             k = SIDE_WEIGHT_EVERY if self.step_on == "batch" and self._device().type != "cpu" else 1
         return (self.collections - 1) % k == 0
+
+    def _wants_warm_up(self) -> bool:
+        """Whether the first step runs :meth:`_warm_up_side`: side collections on an accelerator."""
+        return self.step_on == "batch" and bool(self.warm_up) and self._device().type != "cpu"
 
     def _warm_up_side(self, inputs: tuple[Any, ...], target: Any) -> None:
         """``step_on="batch"`` on an accelerator, at the first step: one side collection whose
@@ -757,7 +761,11 @@ class Probe:
         """Capture the statistics of this layout (:func:`loka_tune.probe.graphs.capture`); on failure
         the probe says why once (:attr:`graph_note`) and stays eager."""
         def region(static: list[torch.Tensor | None]) -> None:
-            self._side_stats_eager(sites, static, want, rows, full)
+            # the capture bakes in the autocast state it runs under: the statistics' own precision,
+            # whoever captures (the warm-up's capture runs outside the collection's _exact)
+            dev = next((t.device for t in static if t is not None), self._device())
+            with torch.no_grad(), _exact(dev):
+                self._side_stats_eager(sites, static, want, rows, full)
 
         try:
             self._graph = capture(region, key, tensors, self._graph_refs(sites), self._gen)
