@@ -33,7 +33,7 @@ def readme_commands(section: str) -> list[str]:
 def test_ci_runs_the_readme_install_and_test_commands_in_order() -> None:
     ci = _commands((REPO / ".ci" / "run").read_text())
     wanted = readme_commands("Install") + readme_commands("Tests")
-    assert any(c.startswith("pip install torch") for c in wanted) and wanted[-1] == "python -m pytest"
+    assert any(c.startswith("pip install torch") for c in wanted) and wanted[-1] == "python -m pytest -n auto"
     at = -1
     for cmd in wanted:
         assert cmd in ci, f"the README's `{cmd}` is not run by .ci/run"
@@ -43,4 +43,4 @@ def test_ci_runs_the_readme_install_and_test_commands_in_order() -> None:
     venv = next(i for i, c in enumerate(ci) if c.startswith("python3 -m venv "))
     assert venv < ci.index(wanted[0]) and any(c.startswith(". ") and "bin/activate" in c for c in ci[venv:])
     # the PostgreSQL tests run there: .ci/run gives them a server
-    assert any("LOKA_TEST_POSTGRES_URL=" in c for c in ci[:ci.index("python -m pytest")])
+    assert any("LOKA_TEST_POSTGRES_URL=" in c for c in ci[:ci.index("python -m pytest -n auto")])
