@@ -99,6 +99,28 @@ def test_serve_bench_rejects_bad_arguments(tmp_path: Path) -> None:
         serve.main(base + ["--variants", "config"])
     with pytest.raises(SystemExit, match="has no serving section"):
         serve.main(base + ["--variants", "config", "--config", str(_config(tmp_path)), "--plan", "config"])
+    with pytest.raises(SystemExit, match="--compile-mode graph captures CUDA graphs: it needs a CUDA device"):
+        serve.main(base + ["--variants", "bf16_mods", "--compile-mode", "graph"])
+
+
+@pytest.mark.gpu
+def test_serve_bench_captured_graph_serves_what_the_compiled_model_does(tmp_path: Path) -> None:
+    """``--compile-mode graph`` on a GPU: each row's model compiled, captured as one CUDA graph
+    and replayed on a copy of the request; the logits it serves are the compiled model's (bf16
+    + Mods: identical; our FP8 serving: an FP8 SQNR, not noise)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    serve = _load()
+    out = tmp_path / "serve.json"
+    rc = serve.main(["--preset", "tiny", "--device", "cuda", "--batches", "256", "--reps", "5", "--warmup", "2",
+                     "--variants", "bf16_mods,loka_tensorwise", "--compile-mode", "graph", "--out", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert res["meta"]["compile_mode"] == "graph"
+    rows = {r["variant"]: r for r in res["rows"]}
+    assert all("error" not in r for r in rows.values()), rows
+    assert 0 < rows["bf16_mods"]["p50_ms"] <= rows["bf16_mods"]["p99_ms"]
+    assert rows["loka_tensorwise"]["fp8_sites"] > 0 and 15.0 <= rows["loka_tensorwise"]["sqnr_db"] < 80.0
 
 
 def test_serve_bench_over_the_budget_records_skipped_rows(tmp_path: Path) -> None:
