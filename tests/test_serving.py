@@ -34,7 +34,7 @@ from loka_tune.kernels.registry import Backend, get_backend, register_backend, u
 from loka_tune.kernels.scaled import cast_to_fp8, scaled_mm_gemm, scaled_mm_static
 from loka_tune.kernels.serving import ServingFusedBlock, ServingLinear
 from loka_tune.models import build_model
-from loka_tune.serving import ServingBuckets, plan_serving, serve_buckets, serving_form, site_rows
+from loka_tune.serving import CapturedBuckets, ServingBuckets, plan_serving, serve_buckets, serving_form, site_rows
 
 GPU = pytest.mark.gpu
 ROWS = "e4m3.row.emulated|e5m2+e4m3.row.emulated|e4m3.row.emulated"
@@ -306,6 +306,52 @@ def test_serve_buckets_pad_to_the_bucket_and_share_every_other_tensor() -> None:
         assert server(*_batch(10)).shape == (10,)
     with pytest.raises(ServingError, match=r"batch 65 is above every bucket of the serving plan \(16, 64\)"):
         server(*_batch(65))
+
+
+def test_captured_buckets_serve_what_the_buckets_do_padding_included() -> None:
+    """ServingBuckets.captured: the request copied into each bucket's static inputs (zero pad rows,
+    the previous call's rows past a smaller batch cleared), the same logits as the buckets'
+    forward; on the CPU no graph is captured, the static buffers are the GPU path's."""
+    m = _wukong()
+    plan = ServingPlan(buckets=((16, {"head_mlp.0.linear": "bf16"}), (64, {})))
+    # tensorwise: a site's activation scale is the whole padded batch's amax, so a stale pad row
+    # (one the previous call's longer batch left) would change the real rows' rounding
+    cfg = PrecisionConfig.from_sites({"head": "bf16"}, default="e4m3.tensor.emulated|bf16|bf16", mods=MODS)
+    server = serve_buckets(m, cfg.with_serving(plan))
+    cap = server.captured(*_batch(40), compile=False)
+    assert isinstance(cap, CapturedBuckets) and cap.sizes == (16, 64)
+    with torch.no_grad():
+        for n, seed in ((40, 1), (64, 2), (3, 3), (16, 4), (17, 5), (5, 6), (64, 7)):
+            x = _batch(n, seed=seed)
+            got, want = cap(*x), server(*x)
+            assert got.shape == (n,) and torch.equal(got, want), n
+    with pytest.raises(ServingError, match=r"batch 65 is above every bucket"):
+        cap(*_batch(65))
+    dense, sparse = _batch(8)
+    with pytest.raises(ServingError, match=r"input 1: got \(8, 9\); the capture's batch input 1 is \(rows, 8\)"):
+        cap(dense, torch.zeros(8, 9, dtype=torch.long))
+    with pytest.raises(ServingError, match="got 1 input"):
+        cap(dense)
+    with pytest.raises(ServingError, match="warmup=0"):
+        server.captured(*_batch(4), warmup=0)
+
+
+@pytest.mark.gpu
+def test_captured_buckets_on_a_gpu_replay_the_compiled_buckets() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    m = _wukong().cuda()
+    plan = ServingPlan(buckets=((16, {}), (64, {})))
+    mods = ModsConfig(no_bias=True, blocknorm=8, hardswish=True)
+    cfg = PrecisionConfig.from_sites({"head": "bf16"}, default="e4m3.row.torch_scaled_mm|bf16|bf16", mods=mods)
+    server = serve_buckets(m, cfg.with_serving(plan), strict=False)  # sites _scaled_mm cannot take serve bf16
+    dense, sparse = (t.cuda() for t in _batch(40))
+    cap = server.captured(dense, sparse)
+    with torch.no_grad():
+        for n in (40, 3, 64, 17):
+            x = tuple(t.cuda() for t in _batch(n, seed=n))
+            got = cap(*x).clone()
+            torch.testing.assert_close(got, server(*x), rtol=1e-2, atol=1e-2)  # compiled vs eager kernels
 
 
 def test_serving_form_serves_a_trained_model_without_changing_it() -> None:
