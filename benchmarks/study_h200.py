@@ -153,6 +153,14 @@ def _prepare_s(study_file: Path, out_dir: Path) -> float | None:
     return None if v is None else float(v)
 
 
+def _prepare_phases(study_file: Path, out_dir: Path) -> dict[str, float] | None:
+    """Seconds per part of that preparation (``loka.prepare_phases``: baselines, sites, probe, prices)."""
+    from loka_tune.tuner.results import ATTR_PREPARE_PHASES
+
+    v = _stored_study(study_file, out_dir).user_attrs.get(ATTR_PREPARE_PHASES)
+    return None if v is None else {str(k): float(x) for k, x in v.items()}
+
+
 def _inductor_cache(study_file: Path, out_dir: Path) -> dict[str, Any] | None:
     """Inductor's cache counts over the study's compiled trial runs and its confirmation's."""
     from loka_tune.tuner.results import compile_cache_summary
@@ -213,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
                        commands=[" ".join(c[1:]) for c in (tune, export, e2e)],
                        inductor_cache=_inductor_cache(args.study, study_dir), study_s=study_s,
                        budget_pct=load_study(args.study).objective.budget_pct)
+    receipt["prepare_phases"] = _prepare_phases(args.study, study_dir)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(receipt, indent=1))
     print(json.dumps({k: receipt[k] for k in ("study_s", "prepare_s", "compile", "study_speedup", "confirmed_speedup",

@@ -140,3 +140,19 @@ def test_a_changed_regime_is_a_changed_study(tmp_path: Path) -> None:
     f.write_text(f.read_text() + "[regime]\nbatch_size = 64\nnproc = 2\n")
     with pytest.raises(StudyError, match=r"regime.batch_size: 0 -> 64; regime.nproc: 1 -> 2"):
         open_study(load_study(f))
+
+
+def test_the_preparation_stores_and_logs_its_parts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 21's prepare_s <= 60 on the H200 needs to know where its seconds go: the study stores
+    each part (ATTR_PREPARE_PHASES) beside the total and the space line names them."""
+    from loka_tune.tuner.results import ATTR_PREPARE_PHASES, ATTR_PREPARE_S
+
+    f = _write(tmp_path / "s.toml")
+    assert main(["tune", str(f), "--no-tracking"]) == 0
+    attrs = _study(f).user_attrs
+    phases, total = attrs[ATTR_PREPARE_PHASES], attrs[ATTR_PREPARE_S]
+    assert list(phases) == ["baselines", "sites", "baseline_price", "prices"]  # probe off in this study
+    assert all(v >= 0 for v in phases.values()) and sum(phases.values()) <= total + 1e-6
+    assert phases["baselines"] > 0
+    line = next(ln for ln in capsys.readouterr().err.splitlines() if "s to prepare: " in ln)
+    assert "baselines " in line and "baseline price " in line and line.endswith("s)")

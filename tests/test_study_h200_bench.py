@@ -91,6 +91,9 @@ def test_receipt_keeps_inductors_cache_hit_rate_read_from_the_work_folders_study
     study.set_user_attr("loka.prepare_s", 41.5)
     cache = bench._inductor_cache(study_file, work)
     assert bench._prepare_s(study_file, work) == 41.5
+    assert bench._prepare_phases(study_file, work) is None  # a study prepared before the parts were stored
+    study.set_user_attr("loka.prepare_phases", {"baselines": 30.0, "probe": 11.5})
+    assert bench._prepare_phases(study_file, work) == {"baselines": 30.0, "probe": 11.5}
     assert cache is not None and (cache["runs"], cache["hits"], cache["misses"]) == (2, 3, 5)
     prov = {"claimed_speedup": 1.10, "confirmed_regime": {"compile": True, "batch_size": 8192}}
     r = bench.assemble(prov, _e2e_results({"bf16": 50.0, "bf16_mods": 47.0, "config": 43.0}), 41.5,

@@ -41,7 +41,7 @@ from loka_tune.tuner.baseline import Baseline, check_budget, price_baseline, run
 from loka_tune.tuner.build import first_batch, make_model, make_source, speed_source
 from loka_tune.tuner.log import log
 from loka_tune.tuner.optuna_setup import ATTR_SETTINGS, check_settings
-from loka_tune.tuner.results import ATTR_BASELINE, ATTR_PREPARE_S, ATTR_SPACE, ATTR_STUDY
+from loka_tune.tuner.results import ATTR_BASELINE, ATTR_PREPARE_PHASES, ATTR_PREPARE_S, ATTR_SPACE, ATTR_STUDY
 from loka_tune.tuner.starts import enqueue_mods_starts, recipe_starts
 from loka_tune.tuner.study import StudyConfig
 
@@ -278,11 +278,21 @@ def _prepare(cfg: StudyConfig, study: Any, *, device: str, force: bool = False,
     prep = _private_dir(cfg)
     prep.mkdir(parents=True, exist_ok=True)
     curves: dict[int, tuple[float, ...]] = {}
+    phases: dict[str, float] = {}  # seconds per part of the preparation (logged, stored: ATTR_PREPARE_PHASES)
+    mark = time.perf_counter()
+
+    def lap(name: str) -> None:
+        nonlocal mark
+        now = time.perf_counter()
+        phases[name] = phases.get(name, 0.0) + now - mark
+        mark = now
+
     # the probe's raw statistics stay in memory: nothing reads them back (the report does), and
     # their float64 covariances were 134 MB for the quickstart's 2048-wide layers
     baseline, stats, _model = run_baseline(cfg, source, device, force=force,
                                            on_run=lambda seed, res: curves.__setitem__(seed, res.step_losses))
     check_budget(cfg, baseline, force=force)
+    lap("baselines")
 
     # sites on a fresh (unapplied) model, candidates, eligibility
     model = make_model(cfg, source)
@@ -293,17 +303,22 @@ def _prepare(cfg: StudyConfig, study: Any, *, device: str, force: bool = False,
                         min_dim=cfg.space.min_dim, device=device, per_role=cfg.space.per_role,
                         mods=mods_dims(cfg.space.mods, blocknorm_sizes=cfg.space.blocknorm_sizes,
                                        pad_multiples=cfg.space.pad_multiples))
+    lap("sites")
     baseline = price_baseline(cfg, baseline, source, batch, speed=speed, device=device)
+    lap("baseline_price")
     report = None
     if stats is not None:
         report = _probe_report(cfg, stats, candidates, device, prep / "probe_report.json")
         space = _prune(cfg, space, report, speed)
+        lap("probe")
     n_fp8 = space.n_fp8_candidates()
     if not cfg.space.per_gemm:
         space = _recipe_space(cfg, space, report, device)
+        lap("prices")
     values = f", {space.n_recipe_values()} FP8 site recipes" if not space.per_gemm else ""
     log(f"[loka-tune] space: {len(space.sites)} sites, {n_fp8} FP8 candidates after pruning{values},"
-         f" {len(distributions(space))} parameters ({time.perf_counter() - t0:.1f}s to prepare)")
+         f" {len(distributions(space))} parameters ({time.perf_counter() - t0:.1f}s to prepare: "
+         + ", ".join(f"{k.replace('_', ' ')} {v:.1f}s" for k, v in phases.items()) + ")")
     if n_fp8 == 0:
         log("[loka-tune] " + no_fp8_reason(space, cfg))
 
@@ -320,6 +335,7 @@ def _prepare(cfg: StudyConfig, study: Any, *, device: str, force: bool = False,
     study.set_user_attr(ATTR_SETTINGS, cfg.settings())  # what later runs of the study are checked against
     study.set_user_attr(ATTR_BASELINE, baseline.to_dict())
     study.set_user_attr(ATTR_PREPARE_S, time.perf_counter() - t0)  # baselines + probe + space (a receipt's prepare_s)
+    study.set_user_attr(ATTR_PREPARE_PHASES, {k: round(v, 3) for k, v in phases.items()})
     ctx = StudyContext(cfg, study, source, baseline, space, device, speed, tracker, batch)
     _enqueue_starts(cfg, study, space, report)
     if tracker is not None:
