@@ -28,10 +28,11 @@ Variants (``--variants``, comma list; each a copy of that model):
   ``e4m3.tensor.emulated``, the same sites).
 
 Each (variant, batch) row: a fresh copy, ``torch.compile(mode=--compile-mode, dynamic=False)``
-(default ``reduce-overhead``: CUDA graphs, static shapes; ``graph``: compiled in the default mode,
-then captured as one CUDA graph by :func:`captured`, each call copying the request into its static
-inputs and replaying, without cudagraph trees' per-call Python: the fifth session's p50 at 8192 sat
-0.26 ms (bf16), 0.40 ms (ours) and 1.50 ms (torchao) above the back-to-back time) under
+(default ``reduce-overhead``: CUDA graphs, static shapes; ``graph``: the product's
+:meth:`loka_tune.serving.ServingBuckets.captured`, compiled in the default mode and captured as
+one CUDA graph, each call copying the request into its static inputs and replaying, without
+cudagraph trees' per-call Python: the fifth session's p50 at 8192 sat 0.26 ms (bf16), 0.40 ms
+(ours) and 1.50 ms (torchao) above the back-to-back time) under
 :func:`loka_tune.objectives.compiled.strict_compile` (a graph break or an eager fallback fails
 the row), ``--warmup`` calls, then ``--reps`` calls each timed between two CUDA events after a
 sync (``p50_ms``, ``p99_ms``, ``mean_ms``), and ``--reps`` calls back to back between two events
@@ -158,34 +159,6 @@ def _to_device_inputs(model: nn.Module, source: Any, batch: int, dev: torch.devi
                  for t in model_inputs(model, b))
 
 
-def captured(fn: Callable[..., torch.Tensor], inputs: tuple[Any, ...], dev: torch.device, *,
-             warmup: int = 3) -> tuple[Callable[[], torch.Tensor], torch.Tensor]:
-    """``--compile-mode graph``: ``fn`` (the model compiled without cudagraph trees) captured as
-    one CUDA graph on static copies of ``inputs``; returns ``(call, output)``. A call copies the
-    request (``inputs``) into the static buffers, as a server receiving a new batch must, and
-    replays: no per-call Python between the request and the kernels but the copies and one
-    ``cudaGraphLaunch``."""
-    static = tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in inputs)
-    side = torch.cuda.Stream(dev)
-    side.wait_stream(torch.cuda.current_stream(dev))
-    with torch.cuda.stream(side):
-        for _ in range(warmup):
-            fn(*static)
-    torch.cuda.current_stream(dev).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn(*static)
-    pairs = [(d, t) for d, t in zip(static, inputs) if isinstance(t, torch.Tensor)]
-
-    def call() -> torch.Tensor:
-        for d, t in pairs:
-            d.copy_(t, non_blocking=True)
-        graph.replay()
-        return out
-
-    return call, out
-
-
 def time_calls(fn: Callable[[], Any], dev: torch.device, *, warmup: int, reps: int) -> dict[str, float]:
     """Per-call latencies (synced, CUDA events on a GPU) and back-to-back throughput of ``fn``."""
     for _ in range(warmup):
@@ -295,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from loka_tune.objectives.compiled import strict_compile
-    from loka_tune.serving import plan_serving
+    from loka_tune.serving import ServingBuckets, plan_serving
     from loka_tune.tuner.build import make_model, make_source, resolve_device
     from loka_tune.tuner.study import load_study
 
@@ -380,17 +353,18 @@ def main(argv: list[str] | None = None) -> int:
                     with guard as dynamo:
                         model, info = build_variant(name, base, served, config, batch, plan_kind)
                         row.update(info)
-                        fn = model if mode == "none" else torch.compile(
-                            model, mode="default" if mode == "graph" else mode, dynamic=False)
                         with torch.no_grad():
-                            out = fn(*inputs).float().clone()  # compiles (and records the graph on later calls)
-                            if mode == "graph":
-                                call, graph_out = captured(fn, inputs, dev)
-                                call()
-                                out = graph_out.float().clone()  # what the captured graph serves
+                            if mode == "graph":  # the product's path: compiled, one CUDA graph per bucket
+                                server = ServingBuckets({batch: model}).captured(*inputs)
+
+                                def call() -> Any:
+                                    return server(*inputs)
                             else:
+                                fn = model if mode == "none" else torch.compile(model, mode=mode, dynamic=False)
+
                                 def call() -> Any:
                                     return fn(*inputs)
+                            out = call().float().clone()  # compiles (and records the graph on later calls)
                             row["compile_s"] = time.perf_counter() - t0
                             tm = time_calls(call, dev, warmup=args.warmup, reps=args.reps)
                     if mode != "none":
@@ -406,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
                         row["sqnr_db"] = s if math.isfinite(s) else None
                         row["sqnr_centered_db"] = c if math.isfinite(c) else None
                         row["identical_to_ref"] = not math.isfinite(s)
-                    del model, fn
+                    del model, call
                 except Exception as e:  # noqa: BLE001 - record it and go on: one broken row must not hide the rest
                     row["error"] = f"{type(e).__name__}: {e}"[:400]
                     failed += 1

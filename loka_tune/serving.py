@@ -56,7 +56,8 @@ from loka_tune.errors import BackendError, ConfigError, ServingError, Unsupporte
 if TYPE_CHECKING:
     from loka_tune.applying import ApplySummary
 
-__all__ = ["serving_form", "ServingBuckets", "CapturedBuckets", "serve_buckets", "plan_serving", "site_rows", "DEFAULT_BUCKETS"]
+__all__ = ["serving_form", "ServingBuckets", "CapturedBuckets", "serve_buckets", "plan_serving", "site_rows",
+           "DEFAULT_BUCKETS"]
 
 DEFAULT_BUCKETS = (512, 2048, 8192)  # the serving batch sizes of issue 23 (small, medium, production)
 
@@ -315,9 +316,10 @@ class CapturedBuckets:
     request into its bucket's static inputs (the rows past the batch zero, as
     :class:`ServingBuckets` pads), replays the graph and returns the real rows of the graph's
     output, with no per-call Python between the request and the kernels but those copies and
-    one ``cudaGraphLaunch`` (``torch.compile``'s ``reduce-overhead`` mode checks and copies its
-    inputs in Python on every call: 0.26 ms at large Wukong's 8192 rows on an H200, 1.5 ms for
-    torchao's float8 model).
+    one ``cudaGraphLaunch`` (``torch.compile``'s ``reduce-overhead`` mode runs cudagraph trees'
+    Python on every call; on an H200 at large Wukong's 8192 rows a call's latency sat 0.26 ms
+    (bf16), 0.40 ms (our FP8 serving) and 1.5 ms (torchao's float8 model) above the back-to-back
+    time per call).
 
     Built by :meth:`ServingBuckets.captured` from example inputs: every tensor whose first
     dimension is the example's batch is a batch input (padded per bucket); any other argument
@@ -345,7 +347,8 @@ class CapturedBuckets:
         for rows in self.sizes:
             model = buckets.models[str(rows)]
             fn = torch.compile(model, mode="default", dynamic=False) if compile else model
-            static = tuple(t.new_zeros((rows, *t.shape[1:])) if is_batch else (t.clone() if isinstance(t, torch.Tensor) else t)
+            static = tuple(t.new_zeros((rows, *t.shape[1:])) if is_batch
+                           else (t.clone() if isinstance(t, torch.Tensor) else t)
                            for t, is_batch in zip(example_inputs, batch_args))
             self._buckets[rows] = self._capture(_Bucket(rows, fn, static, batch_args), warmup)
 
