@@ -41,6 +41,7 @@ bf16, listed in ``summary.fallbacks``); ``batch`` above every bucket -> :class:`
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import math
 import time
@@ -463,6 +464,21 @@ def site_rows(model: nn.Module, inputs: Sequence[Any]) -> dict[str, tuple[float,
 Timer = Callable[..., Mapping[str, Any]]
 
 
+def _fast_accum_twin(choice: GemmChoice) -> GemmChoice | None:
+    """``choice`` with fast accumulation, where its backend has a fast-accumulation kernel that
+    ``choice`` does not use (not bf16, not an emulation, whose ``fa`` changes nothing); else None."""
+    from loka_tune.kernels.registry import get_backend
+
+    if choice.is_bf16 or choice.fast_accum:
+        return None
+    try:
+        backend = get_backend(choice.backend)
+    except Exception:  # noqa: BLE001 - an unknown backend is the price's error to report
+        return None
+    modes = backend.enumerated_fast_accum if backend.enumerated_fast_accum is not None else backend.fast_accum_modes
+    return dataclasses.replace(choice, fast_accum=True) if True in modes else None
+
+
 def _shape_refusal(choice: GemmChoice, m: int, k: int, n: int) -> str | None:
     """Why ``choice``'s backend cannot run the fwd GEMM ``(m, k, n)`` (its alignment of ``k`` and
     ``n``, its per-shape limits), or None: asked before a serving price is timed, so that a shape
@@ -484,7 +500,8 @@ def plan_serving(model: nn.Module, config: PrecisionConfig | Mapping[str, Any] |
                  buckets: Iterable[int] = DEFAULT_BUCKETS, candidates: Iterable[GemmChoice | str] = (),
                  min_speedup: float = 1.0, cost_device: str = "h200", measure: bool = False,
                  device: str = "cuda", timer: Timer | None = None, cache: Any = None,
-                 budget_s: float | None = None, progress: Callable[[str], None] | None = None) -> PrecisionConfig:
+                 budget_s: float | None = None, progress: Callable[[str], None] | None = None,
+                 fast_accum: bool = True) -> PrecisionConfig:
     """``config`` with a serving plan (:class:`ServingPlan`) priced for ``model``'s sites.
 
     Each site's shape comes from one eval forward of ``model(*inputs)`` (a copy with the config's
@@ -494,7 +511,10 @@ def plan_serving(model: nn.Module, config: PrecisionConfig | Mapping[str, Any] |
     is kept if it beats bf16 by more than ``min_speedup`` (else ``bf16``). Sites whose every
     option is bf16 are not priced (they serve bf16). An option whose kernel cannot take the
     site's shape (``torch._scaled_mm``: ``k`` and ``n`` multiples of 16) is not priced there
-    (``source`` says why): the site serves another option, or bf16.
+    (``source`` says why): the site serves another option, or bf16. ``fast_accum`` (default):
+    each FP8 option without fast accumulation on a backend that has it is priced beside its
+    ``.fa`` twin (serving runs only the forward GEMM, which torchao's float8 inference runs with
+    fast accumulation by default; the logits' SQNR is ``benchmarks/serve.py``'s to check).
 
     Prices: the cost model for ``cost_device`` (``estimate_gemm_seconds(..., static_b=True)``,
     time source "modeled"), or with ``measure=True`` GPU timings on ``device`` of the compiled,
@@ -567,6 +587,8 @@ def plan_serving(model: nn.Module, config: PrecisionConfig | Mapping[str, Any] |
         plan[rows], prices[str(rows)] = {}, {}
         for site, (per_example, k, n) in shapes.items():
             options = [cfg.resolve(site).fwd, *extra]
+            if fast_accum:
+                options += [t for t in map(_fast_accum_twin, options) if t is not None]
             options = [c for i, c in enumerate(options) if not c.is_bf16 and c not in options[:i]]
             if not options:
                 continue

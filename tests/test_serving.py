@@ -451,6 +451,34 @@ def test_a_plan_skips_a_shape_the_kernel_cannot_take_and_serves_the_next_option(
     assert with_other is not None and with_other.choices(8192)["2"].short_str() == "e4m3.row.emulated"
 
 
+def test_a_plan_prices_the_fast_accumulation_twin_of_each_fp8_option() -> None:
+    """Serving runs only the forward GEMM, which torchao's float8 inference runs with fast
+    accumulation: a site whose option has none is also priced with it (where its backend has such
+    a kernel: not the emulation, whose 'fa' changes nothing), unless fast_accum=False."""
+    calls: list[str] = []
+
+    def fake(m: int, k: int, n: int, choice: str, *, device: str) -> dict[str, float]:
+        calls.append(choice)
+        speed = {"bf16": 1.0, "e4m3.tensor.torch_scaled_mm": 0.7, "e4m3.tensor.fa.torch_scaled_mm": 0.6}
+        return {"gpu_s": m * k * n * speed.get(choice, 0.8) * 1e-15, "host_s": 0.0}
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1024, 4096, bias=False))
+    inputs = (torch.randn(4, 1024),)
+    cfg = PrecisionConfig(default=SitePrecision.parse("e4m3.tensor.torch_scaled_mm|bf16|bf16"))
+    plan = plan_serving(model, cfg, inputs, buckets=(8192,), measure=True, timer=fake).serving
+    assert plan is not None and plan.choices(8192)["0"].short_str() == "e4m3.tensor.fa.torch_scaled_mm"
+    assert sorted(calls) == ["bf16", "e4m3.tensor.fa.torch_scaled_mm", "e4m3.tensor.torch_scaled_mm"]
+    calls.clear()
+    plain = plan_serving(model, cfg, inputs, buckets=(8192,), measure=True, timer=fake, fast_accum=False).serving
+    assert plain is not None and plain.choices(8192)["0"].short_str() == "e4m3.tensor.torch_scaled_mm"
+    assert sorted(calls) == ["bf16", "e4m3.tensor.torch_scaled_mm"]
+    calls.clear()
+    emulated = PrecisionConfig(default=SitePrecision.parse("e4m3.tensor.emulated|bf16|bf16"))
+    plan_serving(model, emulated, inputs, buckets=(8192,), measure=True, timer=fake)
+    assert sorted(calls) == ["bf16", "e4m3.tensor.emulated"]  # no twin: the emulation's 'fa' changes nothing
+
+
 def test_the_serving_timer_runs_and_a_plan_follows_its_prices() -> None:
     """time_serving_site's code on the CPU (wall time, no CUDA graphs): a price is a GPU's, so the
     test checks the plan's decisions against the recorded cells, not against any speed."""
