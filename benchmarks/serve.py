@@ -44,6 +44,10 @@ fails records its error and the run goes on; ``--budget`` seconds of wall time s
 On a CPU (``--device cpu``) nothing is compiled (``--compile-mode none``) and torchao's variants
 are skipped: the smoke mode that ``tests/test_serve_bench.py`` runs with ``--preset tiny``.
 
+``--merge A.json B.json --out serve_h200.json`` runs nothing: it merges the receipts of earlier
+runs of one setup (one device call per batch bucket: torchao's compile alone takes minutes a row)
+into one (:func:`merge_receipts`).
+
 Output: ``--out`` JSON with ``meta`` (device, versions, date, argv), ``rows`` of ``{variant, batch,
 p50_ms, p99_ms, mean_ms, throughput, sqnr_db, fp8_sites, ...}``, ``plan`` (the serving plan used)
 and ``summary`` (speed-ups vs ``bf16_mods`` per batch and issue 23's checks). The H200 command:
@@ -237,6 +241,53 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+#: what receipts merged into one must share (rows timed otherwise do not compare)
+_SAME = ("model", "preset", "mods", "compile_mode", "dtype", "device", "versions")
+
+
+def merge_receipts(paths: list[Path]) -> dict[str, Any]:
+    """One receipt from several runs of this script (e.g. one device call per batch bucket): their
+    rows in order (a later file's row replaces an earlier one of the same variant and batch), the
+    serving plans' buckets and priced cells together, the summary over every batch. The runs must
+    share :data:`_SAME` (model, Mods, compile mode, dtype, device, versions); each row keeps the
+    SQNR of its own run's reference."""
+    if len(paths) < 2:
+        raise SystemExit(f"--merge takes two or more receipts, got {len(paths)}")
+    docs = []
+    for p in paths:
+        try:
+            docs.append(json.loads(Path(p).read_text()))
+        except (OSError, json.JSONDecodeError) as e:
+            raise SystemExit(f"--merge: cannot read {p}: {e}") from None
+        if not {"meta", "rows"} <= set(docs[-1]):
+            raise SystemExit(f"--merge: {p} is not a serve.py receipt (no 'meta' and 'rows')")
+    first = docs[0]["meta"]
+    for p, d in zip(paths[1:], docs[1:]):
+        meta = d["meta"]
+        diff = [k for k in _SAME if meta.get(k) != first.get(k)]
+        if diff:
+            what = ", ".join(f"{k}: {first.get(k)!r} vs {meta.get(k)!r}" for k in diff)
+            raise SystemExit(f"--merge: {p} differs from {paths[0]} in {what}; merge only runs of one setup")
+    rows: dict[tuple[str, int], dict[str, Any]] = {}
+    plan: dict[str, Any] | None = None
+    for d in docs:
+        for r in d["rows"]:
+            rows[(r["variant"], int(r["batch"]))] = r
+        pl = d.get("plan")
+        if pl:
+            if plan is None:
+                plan = copy.deepcopy(pl)
+            else:
+                plan.setdefault("buckets", {}).update(pl.get("buckets", {}))
+                cells = plan.setdefault("prices", {}).setdefault("cells", {})
+                cells.update((pl.get("prices") or {}).get("cells", {}))
+    batches = sorted({b for _, b in rows}, reverse=True)
+    merged = sorted(rows.values(), key=lambda r: (-int(r["batch"]), r["variant"] != REF))
+    meta = {**first, "batches": batches, "merged_from": [str(p) for p in paths],
+            "argv_each": [d["meta"].get("argv") for d in docs]}
+    return {"meta": meta, "rows": merged, "plan": plan, "summary": summarize(merged, batches)}
+
+
 def _versions() -> dict[str, str]:
     from loka_tune.kernels.timing import environment
 
@@ -265,7 +316,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="the served model's dtype")
     ap.add_argument("--budget", type=float, default=float("inf"), help="seconds: start no new row after this")
     ap.add_argument("--out", type=Path, required=True, help="output JSON file")
+    ap.add_argument("--merge", type=Path, nargs="+", default=None, metavar="RECEIPT",
+                    help="merge these receipts of earlier runs into --out (nothing is run): e.g. one device call at"
+                         " 8192 and one at 2048,512")
     args = ap.parse_args(argv)
+    if args.merge is not None:
+        merged = merge_receipts(args.merge)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(merged, indent=1, default=str))
+        print(table(merged["rows"]))
+        for what, ok in merged["summary"]["checks"].items():
+            print(f"check: {what}: {ok}")
+        return 0
 
     from loka_tune.objectives.compiled import strict_compile
     from loka_tune.serving import ServingBuckets, plan_serving

@@ -131,3 +131,31 @@ def test_serve_bench_over_the_budget_records_skipped_rows(tmp_path: Path) -> Non
     assert rc == 0
     rows = json.loads(out.read_text())["rows"]
     assert rows == [{"variant": "bf16_mods", "batch": 8, "skipped": "over the --budget"}]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU smoke mode")
+def test_serve_bench_merges_the_receipts_of_two_calls(tmp_path: Path) -> None:
+    """One device call per batch bucket (torchao's compile alone takes minutes a row): --merge
+    makes the one receipt issue 23 asks for, with every batch's rows, the plans' buckets and the
+    summary over all batches; runs of another setup are refused, naming what differs."""
+    serve = _load()
+    common = ["--preset", "tiny", "--device", "cpu", "--config", str(_config(tmp_path)), "--reps", "2",
+              "--warmup", "0", "--variants", "bf16_mods,config", "--budget", "1e9"]
+    a, b, out = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "merged.json"
+    assert serve.main(common + ["--batches", "32", "--out", str(a)]) == 0
+    assert serve.main(common + ["--batches", "8", "--out", str(b)]) == 0
+    assert serve.main(["--merge", str(a), str(b), "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert [(r["variant"], r["batch"]) for r in res["rows"]] == [
+        ("bf16_mods", 32), ("config", 32), ("bf16_mods", 8), ("config", 8)]
+    assert res["meta"]["batches"] == [32, 8] and res["meta"]["merged_from"] == [str(a), str(b)]
+    assert set(res["plan"]["buckets"]) == {"32", "8"}
+    assert set(res["summary"]["speedup_vs_bf16_mods"]["config"]) == {"32", "8"}
+    assert "config >= 1.20x bf16_mods at 32" in res["summary"]["checks"]
+    other = json.loads(b.read_text())
+    other["meta"]["compile_mode"] = "reduce-overhead"
+    (tmp_path / "c.json").write_text(json.dumps(other))
+    with pytest.raises(SystemExit, match=r"c.json differs from .*a.json in compile_mode: 'none' vs 'reduce-overhead'"):
+        serve.main(["--merge", str(a), str(tmp_path / "c.json"), "--out", str(out)])
+    with pytest.raises(SystemExit, match="takes two or more receipts"):
+        serve.main(["--merge", str(a), "--out", str(out)])
