@@ -77,12 +77,19 @@ def run_model(name: str, args: argparse.Namespace, source) -> dict:
         return build_model(name, args.preset, num_dense=source.num_dense, cardinalities=list(source.cardinalities))
 
     base: dict[int, float] = {}
-    stats = None
+    stats = stats_cheap = None
+    cheap = _cheap(args.cheap)
     for seed in seeds:
         model = fresh(seed)
         if stats is None:
-            with Probe(model, every=args.every, seed=seed) as p:
-                r = train(model, source, cfg(seed), progress=False)
+            if cheap is None:
+                with Probe(model, every=args.every, seed=seed) as p:
+                    r = train(model, source, cfg(seed), progress=False)
+            else:  # the same collections through the cheap statistics too, in the same run
+                with Probe(model, every=args.every, seed=seed) as p, \
+                        Probe(model, every=args.every, seed=seed, precision=cheap[0], max_rows=cheap[1]) as pc:
+                    r = train(model, source, cfg(seed), progress=False)
+                stats_cheap = pc.stats
             stats = p.stats
         else:
             r = train(model, source, cfg(seed), progress=False)
@@ -93,13 +100,16 @@ def run_model(name: str, args: argparse.Namespace, source) -> dict:
     cands = sorted({c for chs in CONFIGS.values() for c in chs})
     rep = measure(stats, cands, samples=args.samples, dists=("learned", "normal"), seed=0, e5m2_anywhere=args.harsh)
     mere = {(r.site, r.role, r.choice, r.dist): r.mere for r in rep.results}
+    if stats_cheap is not None:
+        rep_c = measure(stats_cheap, cands, samples=args.samples, dists=("learned",), seed=0, e5m2_anywhere=args.harsh)
+        mere.update({(r.site, r.role, r.choice, "cheap"): r.mere for r in rep_c.results})
     head = getattr(fresh(seeds[0]), "prediction_head", "head")
     sites = [s for s in stats.sites if s != head]
 
     rows = []
     for cname, choices in CONFIGS.items():
         pred = {}
-        for dist in ("learned", "normal"):
+        for dist in ("learned", "normal") + (("cheap",) if stats_cheap is not None else ()):
             vals = [mere[(s, role.value, ch, dist)] for s in sites for role, ch in zip(ROLES, choices)]
             pred[dist] = _geo(vals)
         rel = []
@@ -111,15 +121,34 @@ def run_model(name: str, args: argparse.Namespace, source) -> dict:
             rel.append((ll - base[seed]) / base[seed])
         row = {"config": cname, "choices": list(choices), "pred_learned": pred["learned"],
                "pred_normal": pred["normal"], "rel_logloss": sum(rel) / len(rel), "rel_logloss_seeds": rel}
+        if "cheap" in pred:
+            row["pred_cheap"] = pred["cheap"]
         rows.append(row)
         print(f"{name} {cname:22s} pred {pred['learned']:.4f} (normal {pred['normal']:.4f})"
               f"  rel logloss {100 * row['rel_logloss']:+.3f}%  seeds {[f'{100 * x:+.3f}' for x in rel]}",
               file=sys.stderr)
     rho_l = spearmanr([r["pred_learned"] for r in rows], [r["rel_logloss"] for r in rows])
     rho_n = spearmanr([r["pred_normal"] for r in rows], [r["rel_logloss"] for r in rows])
-    return {"model": name, "baseline_logloss": base, "rows": rows,
-            "spearman_learned": {"rho": rho_l.statistic, "p": rho_l.pvalue},
-            "spearman_normal": {"rho": rho_n.statistic, "p": rho_n.pvalue}}
+    out = {"model": name, "baseline_logloss": base, "rows": rows,
+           "spearman_learned": {"rho": rho_l.statistic, "p": rho_l.pvalue},
+           "spearman_normal": {"rho": rho_n.statistic, "p": rho_n.pvalue}}
+    if stats_cheap is not None:
+        rho_c = spearmanr([r["pred_cheap"] for r in rows], [r["rel_logloss"] for r in rows])
+        out["spearman_cheap"] = {"rho": rho_c.statistic, "p": rho_c.pvalue, "precision": cheap[0], "max_rows": cheap[1]}
+    return out
+
+
+def _cheap(spec: str | None) -> tuple[str, int | None] | None:
+    """``--cheap PRECISION[:ROWS]`` -> (precision, max_rows)."""
+    if not spec:
+        return None
+    prec, _, rows = spec.partition(":")
+    if prec not in ("float64", "float32", "tf32"):
+        raise SystemExit(f"--cheap {spec!r}: the precision is one of float64, float32, tf32 (e.g. tf32:128)")
+    try:
+        return prec, int(rows) if rows else None
+    except ValueError:
+        raise SystemExit(f"--cheap {spec!r}: ROWS is a whole number of rows (e.g. tf32:128)") from None
 
 
 def main() -> int:
@@ -135,6 +164,10 @@ def main() -> int:
     ap.add_argument("--samples", type=int, default=16)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--harsh", action="store_true", help="also the e5m2-everywhere configs (larger errors)")
+    ap.add_argument("--cheap", default=None, metavar="PRECISION[:ROWS]",
+                    help="also a second probe on the same collections with the cheap statistics (e.g. tf32:128: TF32"
+                         " products, 128 random rows a collection, as a GPU side collection's defaults do): its"
+                         " prediction's rank correlation beside the float64 one's (issue 22)")
     ap.add_argument("--out", type=Path, default=Path("/tmp/probe_vs_loss"))
     args = ap.parse_args()
     if args.harsh:
@@ -155,6 +188,9 @@ def main() -> int:
         "models": results,
         "pooled_spearman_learned": {"rho": rho.statistic, "p": rho.pvalue},
     }
+    if all("pred_cheap" in r for _, r in pooled_rows):
+        rc = spearmanr([r["pred_cheap"] for _, r in pooled_rows], [r["rel_logloss"] for _, r in pooled_rows])
+        out["pooled_spearman_cheap"] = {"rho": rc.statistic, "p": rc.pvalue, "cheap": args.cheap}
     (args.out / "probe_vs_loss.json").write_text(json.dumps(out, indent=2, default=str) + "\n")
     for m in results:
         print(f"\n{m['model']}/{args.preset}: {args.steps} steps, seeds {args.seeds}\n")
@@ -169,6 +205,13 @@ def main() -> int:
         print(f"\nSpearman(predicted, rel. log loss): learned rho = {sl['rho']:.3f} (p = {sl['p']:.3f}),"
               f" normal rho = {sn['rho']:.3f} (p = {sn['p']:.3f})")
     print(f"\npooled over models (learned): rho = {rho.statistic:.3f} (p = {rho.pvalue:.3f})")
+    for m in results:
+        if "spearman_cheap" in m:
+            sc = m["spearman_cheap"]
+            print(f"{m['model']}: the cheap statistics ({args.cheap}): rho = {sc['rho']:.3f} (p = {sc['p']:.3f})")
+    if "pooled_spearman_cheap" in out:
+        pc = out["pooled_spearman_cheap"]
+        print(f"pooled over models (cheap {args.cheap}): rho = {pc['rho']:.3f} (p = {pc['p']:.3f})")
     return 0
 
 
