@@ -489,11 +489,8 @@ def _shape_refusal(choice: GemmChoice, m: int, k: int, n: int) -> str | None:
         backend = get_backend(choice.backend)
     except Exception:  # noqa: BLE001 - an unknown backend is the price's error to report
         return None
-    align = int(getattr(backend, "alignment", 1))
-    for dim, v in (("k", k), ("n", n)):
-        if align > 1 and v % align:
-            return f"{dim}={v} is not a multiple of {align}, as {choice.backend} needs"
-    return backend.runtime_reason(choice, GemmRole.FWD, (m, k, n))
+    return (backend.shape_reason(GemmRole.FWD, (m, k, n))
+            or backend.runtime_reason(choice, GemmRole.FWD, (m, k, n)))
 
 
 def plan_serving(model: nn.Module, config: PrecisionConfig | Mapping[str, Any] | str, inputs: Sequence[Any], *,

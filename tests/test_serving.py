@@ -443,7 +443,7 @@ def test_a_plan_skips_a_shape_the_kernel_cannot_take_and_serves_the_next_option(
     assert (8192, 4096, 44, "e4m3.tensor.fa.torch_scaled_mm") not in calls  # never timed
     cell = plan.prices["cells"]["8192"]["2"]
     assert cell["source"]["e4m3.tensor.fa.torch_scaled_mm"] == (
-        "unsupported: n=44 is not a multiple of 16, as torch_scaled_mm needs")
+        "unsupported: n=44 of the fwd GEMM (m, k, n)=(8192, 4096, 44) is not a multiple of 16")
     assert plan.choices(8192)["2"].is_bf16 and plan.choices(8192)["0"].short_str() == "e4m3.tensor.fa.torch_scaled_mm"
     assert sum("not priced (n=44" in m for m in msgs) == 1
     with_other = plan_serving(model, cfg, inputs, buckets=(8192,), measure=True, timer=fake,

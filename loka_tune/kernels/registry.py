@@ -133,11 +133,17 @@ class Backend(ABC):
         dev = device_type(device)
         if dev not in self.devices:
             return f"device {dev!r} not supported"
+        return self.shape_reason(role, shape)
+
+    def shape_reason(self, role: GemmRole | str, shape: Shape | None) -> str | None:
+        """Why ``shape`` (canonical ``(m, k, n)``) breaks this backend's alignment of ``k`` and
+        ``n``, or None (the shape part of :meth:`supports`)."""
         if shape is not None and self.alignment > 1:
             _, k, n = shape
             for dim, v in (("k", k), ("n", n)):
                 if v is not None and v % self.alignment:
-                    return f"{dim}={v} of the {role.value} GEMM (m, k, n)={tuple(shape)} is not a multiple of {self.alignment}"
+                    return (f"{dim}={v} of the {GemmRole(role).value} GEMM (m, k, n)={tuple(shape)} is not a multiple"
+                            f" of {self.alignment}")
         return None
 
     def describe(self) -> str:
