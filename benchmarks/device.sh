@@ -45,7 +45,8 @@
 # (120 s of per-site timing), SERVE_BUDGET (400 s: no row starts after it), SERVE_BATCHES (8192,2048,512),
 # SERVE_CANDIDATES (extra fwd choices the plan prices at every site, comma list; default
 # e4m3.tensor.fa.torch_scaled_mm,e4m3.row.fa.torch_scaled_mm: fast accumulation, as torchao's inference),
-# SERVE_MODE (reduce-overhead; graph: one captured CUDA graph per row, see serve.py);
+# SERVE_MODE (reduce-overhead; graph: one captured CUDA graph per row, see serve.py), SERVE_VERIFY
+# (unset; 1: --verify, the plan checked against whole-model alternatives, ~15 s each at 8192);
 # for e2e: CONFIG (benchmarks/results/<model>_large_modeled_plan[_b<BATCH>].json, <model> the study file's
 # name up to its first "_"), E2E_WARMUP (25), E2E_VARIANTS (e2e.py's own list), INFER_BATCHES
 # (512,2048,8192; empty: no serving rows), INFER_VARIANTS (bf16_mods,config), E2E_CAP (560 s);
@@ -96,7 +97,7 @@ case "$part" in
       --config "${CONFIG:-benchmarks/results/wukong_large_modeled_plan.json}" --batches "${SERVE_BATCHES:-8192,2048,512}" \
       --plan measured --plan-budget "${PLAN_BUDGET:-120}" --budget "${SERVE_BUDGET:-400}" \
       --candidates "${SERVE_CANDIDATES-e4m3.tensor.fa.torch_scaled_mm,e4m3.row.fa.torch_scaled_mm}" \
-      --compile-mode "${SERVE_MODE:-reduce-overhead}" --out "$out/serve_h200.json" "$@" 2>&1 | tee "$out/serve.log" | tail -45
+      --compile-mode "${SERVE_MODE:-reduce-overhead}" ${SERVE_VERIFY:+--verify} --out "$out/serve_h200.json" "$@" 2>&1 | tee "$out/serve.log" | tail -45
     exit "${PIPESTATUS[0]}" ;;
   scaling)  # the same global batch, steps and seeds at 1 and NPROC GPUs (kind nvidia-h200-x2)
     env_txt

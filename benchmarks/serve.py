@@ -13,7 +13,10 @@ Variants (``--variants``, comma list; each a copy of that model):
   plan's bucket for ``B`` (``--plan``: ``modeled`` from the cost model with static weights,
   ``measured`` from per-site GPU timings under CUDA graphs (``--plan-budget`` seconds, the rest
   modeled), ``config`` the ``--config`` file's own ``serving`` section, ``none`` every site's own
-  fwd choice at every batch). The priced config is written beside ``--out`` (``*_config.json``);
+  fwd choice at every batch). ``--verify`` then checks each bucket's per-site plan against
+  whole-model alternatives (``--alternatives``: every FP8 site tensorwise, every site torchao's
+  inference would take tensorwise, all bf16, ...), each served and timed as a whole, and keeps
+  the fastest (:func:`loka_tune.serving.verify_serving_plan`; the plan's ``whole_model`` record). The priced config is written beside ``--out`` (``*_config.json``);
 - ``config_dynamic``: the config's training form (``apply`` without ``serving``: weights quantized
   on every call), for comparison;
 - ``torchao_rowwise`` / ``torchao_tensorwise``: torchao's float8 inference,
@@ -41,6 +44,8 @@ batch (:func:`loka_tune.kernels.quant.sqnr_db`; ``null`` for the reference itsel
 ``sqnr_centered_db`` the same with the reference's mean logit taken off both (an untrained model's
 logits sit near ``logit(base rate)``, a constant that would flatter the plain SQNR). A row that
 fails records its error and the run goes on; ``--budget`` seconds of wall time stop starting rows.
+``--profile N`` then profiles N more calls of each row (``profile``: the GPU's busy time per call,
+its GEMM part and the 40 largest kernels), to see where one variant's time goes against another's.
 On a CPU (``--device cpu``) nothing is compiled (``--compile-mode none``) and torchao's variants
 are skipped: the smoke mode that ``tests/test_serve_bench.py`` runs with ``--preset tiny``.
 
@@ -84,6 +89,7 @@ from loka_tune.applier import apply  # noqa: E402
 from loka_tune.config import ModsConfig, PrecisionConfig  # noqa: E402
 from loka_tune.data.base import model_inputs  # noqa: E402
 from loka_tune.kernels.quant import sqnr_db  # noqa: E402
+from loka_tune.serving import WHOLE_MODEL_ALTERNATIVES  # noqa: E402
 
 VARIANTS = ("bf16_mods", "config", "config_dynamic", "torchao_rowwise", "torchao_tensorwise", "loka_rowwise",
             "loka_tensorwise")
@@ -245,6 +251,22 @@ def table(rows: list[dict[str, Any]]) -> str:
 _SAME = ("model", "preset", "mods", "compile_mode", "dtype", "device", "versions")
 
 
+def profile_calls(fn: Callable[[], Any], dev: torch.device, calls: int) -> dict[str, Any]:
+    """``calls`` calls of ``fn`` under ``torch.profiler``: per call, the GPU's busy time (``gpu_ms``), its
+    GEMM part (``gemm_ms``), the kernel count and the 40 largest kernels
+    (:class:`~loka_tune.objectives.profiling.StepProfiler`; on a CPU ``gpu_ms`` is None)."""
+    from loka_tune.objectives.profiling import StepProfiler
+
+    prof = StepProfiler(calls, dev, top=40)
+    prof.start()
+    try:
+        for _ in range(calls):
+            fn()
+    finally:
+        out = prof.stop()
+    return out
+
+
 def merge_receipts(paths: list[Path]) -> dict[str, Any]:
     """One receipt from several runs of this script (e.g. one device call per batch bucket): their
     rows in order (a later file's row replaces an earlier one of the same variant and batch), the
@@ -306,12 +328,23 @@ def main(argv: list[str] | None = None) -> int:
                     help="the serving plan of the config variant (default: measured on CUDA, modeled elsewhere)")
     ap.add_argument("--plan-budget", type=float, default=120.0, help="seconds of per-site GPU timing for --plan measured")
     ap.add_argument("--candidates", default="", help="comma list of extra fwd choices the plan may pick per site")
+    ap.add_argument("--verify", action="store_true",
+                    help="check each bucket's per-site plan against whole-model alternatives, each served and timed"
+                         " as a whole (loka_tune.serving.verify_serving_plan), and keep the fastest")
+    ap.add_argument("--alternatives", default=",".join(WHOLE_MODEL_ALTERNATIVES),
+                    help="comma list of the whole-model alternatives --verify times (sites, tensor, row, tensor_all,"
+                         " row_all, bf16)")
+    ap.add_argument("--verify-budget", type=float, default=None,
+                    help="seconds: --verify starts no alternative after this (default: no limit)")
     ap.add_argument("--cost-device", default="h200", help="the cost model's device for a modeled plan")
     ap.add_argument("--compile-mode", default=None,
                     help="torch.compile mode (default reduce-overhead on CUDA, none on a CPU: eager), or graph:"
                          " compiled without cudagraph trees, then one captured CUDA graph per row (CUDA only)")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--reps", type=int, default=100)
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="after timing, profile N more calls of each row: its GPU kernels per call (gpu_ms, gemm_ms,"
+                         " kernels_per_step, the top 40 by time) in the row's 'profile'")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="the served model's dtype")
     ap.add_argument("--budget", type=float, default=float("inf"), help="seconds: start no new row after this")
@@ -386,7 +419,9 @@ def main(argv: list[str] | None = None) -> int:
         served = plan_serving(base, config, probe_inputs, buckets=batches, candidates=cands,
                               cost_device=args.cost_device, measure=plan_kind == "measured", device=str(dev),
                               cache=cache, budget_s=args.plan_budget,
-                              progress=lambda msg: print(f"[plan] {msg}", flush=True))
+                              progress=lambda msg: print(f"[plan] {msg}", flush=True), verify=args.verify,
+                              alternatives=[a.strip() for a in args.alternatives.split(",") if a.strip()],
+                              verify_budget_s=args.verify_budget)
         plan_s = time.perf_counter() - t0
         served.save(args.out.with_name(args.out.stem + "_config.json"))
     meta["plan_s"] = plan_s
@@ -429,6 +464,8 @@ def main(argv: list[str] | None = None) -> int:
                             out = call().float().clone()  # compiles (and records the graph on later calls)
                             row["compile_s"] = time.perf_counter() - t0
                             tm = time_calls(call, dev, warmup=args.warmup, reps=args.reps)
+                            if args.profile > 0:
+                                row["profile"] = profile_calls(call, dev, args.profile)
                     if mode != "none":
                         row["dynamo"] = dynamo
                     row.update(p50_ms=tm["p50_s"] * 1e3, p99_ms=tm["p99_s"] * 1e3, mean_ms=tm["mean_s"] * 1e3,

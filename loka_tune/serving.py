@@ -58,9 +58,15 @@ if TYPE_CHECKING:
     from loka_tune.applying import ApplySummary
 
 __all__ = ["serving_form", "ServingBuckets", "CapturedBuckets", "serve_buckets", "plan_serving", "site_rows",
-           "DEFAULT_BUCKETS"]
+           "verify_serving_plan", "time_served_model", "DEFAULT_BUCKETS", "WHOLE_MODEL_ALTERNATIVES"]
 
 DEFAULT_BUCKETS = (512, 2048, 8192)  # the serving batch sizes of issue 23 (small, medium, production)
+
+#: ``timer(served_model, rows, inputs) -> seconds`` of :func:`verify_serving_plan`
+ModelTimer = Callable[[nn.Module, int, Sequence[Any]], float]
+#: the whole-model alternatives :func:`verify_serving_plan` times per bucket, by default
+WHOLE_MODEL_ALTERNATIVES = ("sites", "tensor", "tensor_all", "bf16")
+_ALTERNATIVES = ("sites", "tensor", "row", "tensor_all", "row_all", "bf16")
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -498,7 +504,9 @@ def plan_serving(model: nn.Module, config: PrecisionConfig | Mapping[str, Any] |
                  min_speedup: float = 1.0, cost_device: str = "h200", measure: bool = False,
                  device: str = "cuda", timer: Timer | None = None, cache: Any = None,
                  budget_s: float | None = None, progress: Callable[[str], None] | None = None,
-                 fast_accum: bool = True) -> PrecisionConfig:
+                 fast_accum: bool = True, verify: bool = False, model_timer: ModelTimer | None = None,
+                 alternatives: Iterable[str] = WHOLE_MODEL_ALTERNATIVES,
+                 verify_budget_s: float | None = None) -> PrecisionConfig:
     """``config`` with a serving plan (:class:`ServingPlan`) priced for ``model``'s sites.
 
     Each site's shape comes from one eval forward of ``model(*inputs)`` (a copy with the config's
@@ -521,6 +529,12 @@ def plan_serving(model: nn.Module, config: PrecisionConfig | Mapping[str, Any] |
     remaining cells are modeled (the plan is then "mixed"; ``prices`` says per cell); buckets are
     priced from the largest down, so a short budget times the largest batches.
     A choice the cost model cannot price is kept (recorded as unpriced).
+
+    ``verify=True``: each bucket's per-site plan is then checked against whole-model
+    alternatives (:func:`verify_serving_plan`: ``model_timer``, ``alternatives``,
+    ``verify_budget_s``), because sites priced one at a time do not add up to the model (on an
+    H200 at large Wukong's 8192 rows, the per-site plan of 16 rowwise sites served 7.49 ms, every
+    torchao site tensorwise 7.41 ms, although each site alone priced rowwise faster).
     """
     from loka_tune.applying import as_config, run_mods
     from loka_tune.kernels.costmodel import estimate_gemm_seconds
@@ -624,5 +638,203 @@ def plan_serving(model: nn.Module, config: PrecisionConfig | Mapping[str, Any] |
         d = torch.device(device)
         dev_name = torch.cuda.get_device_name(d) if d.type == "cuda" and torch.cuda.is_available() else d.type
     cells = {str(b): prices[str(b)] for b in sizes}
-    return cfg.with_serving(ServingPlan(buckets=tuple(plan.items()), time_source=source, device=dev_name,
-                                        prices={"min_speedup": min_speedup, "cells": cells}))
+    planned = cfg.with_serving(ServingPlan(buckets=tuple(plan.items()), time_source=source, device=dev_name,
+                                           prices={"min_speedup": min_speedup, "cells": cells}))
+    if not verify:
+        return planned
+    return verify_serving_plan(model, planned, inputs, alternatives=alternatives, timer=model_timer,
+                               budget_s=verify_budget_s, progress=progress)
+
+
+# ----------------------------------------------------------------------------- the plan, checked whole
+
+
+def _tile_rows(inputs: Sequence[Any], rows: int) -> tuple[Any, ...]:
+    """``inputs`` (one batch of a model's inputs) repeated along the batch to ``rows`` rows."""
+    first = next((t for t in inputs if isinstance(t, torch.Tensor) and t.dim() > 0), None)
+    if first is None:
+        raise ServingError("the plan's check needs example inputs with the batch as their first dimension")
+    batch = int(first.shape[0])
+
+    def tile(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != batch:
+            return t
+        reps = -(-rows // batch)
+        return t.repeat(reps, *([1] * (t.dim() - 1)))[:rows].contiguous()
+
+    return tuple(tile(t) for t in inputs)
+
+
+def time_served_model(model: nn.Module, rows: int, inputs: Sequence[Any], *, iters: int = 20, reps: int = 3,
+                      warmup: int = 3) -> float:
+    """Seconds per call of a served ``model`` at ``rows`` rows (``inputs``: that many rows), as
+    serving runs it: on a GPU compiled and captured as one CUDA graph
+    (:meth:`ServingBuckets.captured`), each call copying the request in and replaying, timed
+    between CUDA events (the median of ``reps`` windows of ``iters`` calls); on a CPU the eager
+    model's wall time. Resets dynamo first (each alternative compiles the same ``forward``)."""
+    dev = next((t.device for t in inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
+    cuda = dev.type == "cuda"
+    torch._dynamo.reset()
+    with torch.no_grad():
+        if cuda:
+            server: Callable[..., Any] = ServingBuckets({rows: model}).captured(*inputs, warmup=warmup)
+        else:
+            server = model
+        for _ in range(warmup):
+            server(*inputs)
+        times = []
+        for _ in range(reps):
+            if cuda:
+                torch.cuda.synchronize(dev)
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record()
+                for _ in range(iters):
+                    server(*inputs)
+                e1.record()
+                e1.synchronize()
+                times.append(e0.elapsed_time(e1) / 1e3 / iters)
+            else:
+                t0 = time.perf_counter()
+                for _ in range(iters):
+                    server(*inputs)
+                times.append((time.perf_counter() - t0) / iters)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def _regranular(c: GemmChoice, gran: str) -> GemmChoice | None:
+    """``c`` with granularity ``gran`` (format, backend, rounding and fast accumulation kept),
+    where its backend serves that with a static weight; else None."""
+    from loka_tune.config import Granularity
+    from loka_tune.kernels.serving import static_support_reason
+
+    if c.is_bf16:
+        return None
+    if c.granularity == Granularity(gran):
+        return c
+    try:
+        alt = dataclasses.replace(c, granularity=Granularity(gran))
+    except (ValueError, ConfigError):
+        return None
+    return alt if static_support_reason(alt) is None else None
+
+
+def _alternative(name: str, cells: Mapping[str, Mapping[str, Any]], sites: Mapping[str, GemmChoice],
+                 options: Mapping[str, list[GemmChoice]]) -> dict[str, GemmChoice]:
+    """One whole-model alternative of a bucket's per-site plan ``sites`` (see :func:`verify_serving_plan`)."""
+    if name == "sites":
+        return dict(sites)
+    if name == "bf16":
+        return {s: BF16 for s in sites}
+    gran, _, scope = name.partition("_")
+    out: dict[str, GemmChoice] = {}
+    for site, chosen in sites.items():
+        if scope != "all" and chosen.is_bf16:
+            out[site] = BF16
+            continue
+        cell = cells.get(site, {})
+        pick: GemmChoice | None = None
+        best = math.inf
+        for c in options.get(site, []):
+            alt = _regranular(c, gran)
+            if alt is None:
+                continue
+            src = str(cell.get("source", {}).get(alt.short_str(), ""))
+            if src.startswith("unsupported"):
+                continue
+            t = cell.get(f"{alt.short_str()}_us")
+            t = math.inf if t is None else float(t)
+            if pick is None or t < best:
+                pick, best = alt, t
+        out[site] = pick if pick is not None else BF16
+    return out
+
+
+def verify_serving_plan(model: nn.Module, config: PrecisionConfig | Mapping[str, Any] | str,
+                        inputs: Sequence[Any], *, alternatives: Iterable[str] = WHOLE_MODEL_ALTERNATIVES,
+                        timer: ModelTimer | None = None, budget_s: float | None = None,
+                        progress: Callable[[str], None] | None = None) -> PrecisionConfig:
+    """``config``'s serving plan (priced per site by :func:`plan_serving`) with each bucket's
+    choices replaced by the fastest of whole-model alternatives, each served and timed as a
+    whole (``timer(model, rows, inputs)`` -> seconds; default :func:`time_served_model`: the
+    captured CUDA graph on a GPU).
+
+    Alternatives per bucket (``alternatives``, in this order of preference on a tie):
+    ``sites`` (the per-site plan as priced), ``tensor`` / ``row`` (each site the plan puts in
+    FP8 at that granularity: the option of it priced fastest there, on the same backend),
+    ``tensor_all`` / ``row_all`` (every priced site whose kernel takes its shape at that
+    granularity, FP8 or not in the per-site plan: torchao's inference takes every Linear it can)
+    and ``bf16`` (no FP8 site: the bucket is never slower than bf16 + Mods). Alternatives equal
+    to an earlier one are not timed again. The inputs are ``inputs`` repeated to each bucket's
+    rows (on ``inputs``' device). ``budget_s``: no alternative starts after that many seconds
+    (the bucket keeps the fastest timed so far; ``sites`` is always timed first). The record
+    goes into the plan's ``prices["whole_model"]``: per bucket the seconds of each alternative,
+    its FP8 sites and the one chosen. ``model`` is not changed.
+    """
+    from loka_tune.applying import as_config
+
+    cfg = as_config(config)
+    if cfg.serving is None or not cfg.serving.buckets:
+        raise ConfigError("verify_serving_plan checks a serving plan; price one first with"
+                          " loka_tune.serving.plan_serving(model, config, inputs)", key="serving")
+    names = list(dict.fromkeys(alternatives))
+    bad = [a for a in names if a not in _ALTERNATIVES]
+    if bad or not names:
+        raise ConfigError(f"got alternatives={list(alternatives)!r}; choose from {', '.join(_ALTERNATIVES)}"
+                          " (e.g. sites,tensor,tensor_all,bf16)", key="alternatives")
+    if "sites" in names:
+        names.remove("sites")
+    names.insert(0, "sites")
+    say = progress or (lambda _msg: None)
+    timer = timer or (lambda m, rows, inp: time_served_model(m, rows, inp))
+    plan = cfg.serving
+    cells_all = plan.prices.get("cells", {}) if isinstance(plan.prices, Mapping) else {}
+    extra_opts: dict[str, list[GemmChoice]] = {}
+    for _b, by_site in cells_all.items():
+        for site, cell in by_site.items():
+            for key in cell:
+                if key.endswith("_us") and key != "bf16_us":
+                    c = GemmChoice.parse(key[:-3])
+                    if c not in extra_opts.setdefault(site, []):
+                        extra_opts[site].append(c)
+    t0 = time.perf_counter()
+    new_buckets: list[tuple[int, dict[str, GemmChoice]]] = []
+    record: dict[str, Any] = {}
+    for rows, sites in sorted(plan.buckets, reverse=True):
+        cells = cells_all.get(str(rows), {})
+        tiled = _tile_rows(inputs, rows)
+        tried: list[tuple[str, dict[str, GemmChoice]]] = []
+        timed: dict[str, Any] = {}
+        best_name, best_t = "sites", math.inf
+        for name in names:
+            alt = _alternative(name, cells, sites, extra_opts)
+            same = next((n for n, a in tried if a == alt), None)
+            if same is not None:
+                timed[name] = {"same_as": same}
+                continue
+            tried.append((name, alt))
+            if name != "sites" and budget_s is not None and time.perf_counter() - t0 > budget_s:
+                timed[name] = {"skipped": "over the budget"}
+                continue
+            served = shared_copy(model)
+            one = cfg.with_serving(dataclasses.replace(plan, buckets=((rows, alt),)))
+            try:
+                apply_serving(served, one, strict=False, batch=rows)
+                sec = float(timer(served.eval(), rows, tiled))
+            except Exception as e:  # noqa: BLE001 - one alternative that fails must not stop the plan
+                timed[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+                say(f"whole model @ {rows} {name}: failed ({type(e).__name__}: {str(e)[:120]})")
+                continue
+            finally:
+                del served
+            n_fp8 = sum(not c.is_bf16 for c in alt.values())
+            timed[name] = {"ms": sec * 1e3, "fp8_sites": n_fp8}
+            say(f"whole model @ {rows} {name}: {sec * 1e3:.3f} ms ({n_fp8} FP8 sites)")
+            if sec < best_t:
+                best_name, best_t = name, sec
+        chosen = dict(next(a for n, a in tried if n == best_name))
+        new_buckets.append((rows, chosen))
+        record[str(rows)] = {"alternatives": timed, "chosen": best_name}
+        say(f"whole model @ {rows}: {best_name}")
+    prices = {**dict(plan.prices), "whole_model": record}
+    return cfg.with_serving(dataclasses.replace(plan, buckets=tuple(sorted(new_buckets)), prices=prices))

@@ -90,6 +90,23 @@ def test_serve_bench_prices_a_plan_and_writes_the_served_config(tmp_path: Path) 
     assert cfg_row["fp8_sites"] == 0 and all(c == "bf16" for c in res["plan"]["buckets"]["16"].values())
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's modeled plan")
+def test_serve_bench_verify_checks_the_plan_against_whole_model_alternatives(tmp_path: Path) -> None:
+    """--verify: each bucket's plan timed whole beside its alternatives (on a CPU the eager
+    model's wall time); the record is in the receipt's plan and the served config."""
+    serve = _load()
+    out = tmp_path / "serve.json"
+    rc = serve.main(["--preset", "tiny", "--device", "cpu", "--config", str(_config(tmp_path)), "--batches", "16",
+                     "--reps", "1", "--warmup", "0", "--variants", "bf16_mods,config", "--verify",
+                     "--alternatives", "sites,tensor_all,bf16", "--out", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    rec = res["plan"]["prices"]["whole_model"]["16"]
+    assert set(rec["alternatives"]) == {"sites", "tensor_all", "bf16"} and rec["chosen"] in rec["alternatives"]
+    cfg_row = next(r for r in res["rows"] if r["variant"] == "config")
+    assert cfg_row["fp8_sites"] == rec["alternatives"][rec["chosen"]].get("fp8_sites", cfg_row["fp8_sites"])
+
+
 def test_serve_bench_rejects_bad_arguments(tmp_path: Path) -> None:
     serve = _load()
     base = ["--preset", "tiny", "--device", "cpu", "--out", str(tmp_path / "x.json")]
@@ -121,6 +138,20 @@ def test_serve_bench_captured_graph_serves_what_the_compiled_model_does(tmp_path
     assert all("error" not in r for r in rows.values()), rows
     assert 0 < rows["bf16_mods"]["p50_ms"] <= rows["bf16_mods"]["p99_ms"]
     assert rows["loka_tensorwise"]["fp8_sites"] > 0 and 15.0 <= rows["loka_tensorwise"]["sqnr_db"] < 80.0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU smoke mode")
+def test_serve_bench_profile_records_each_rows_calls(tmp_path: Path) -> None:
+    """``--profile N``: each row keeps the profile of N more calls (no GPU here: no kernels, the
+    host time of the calls)."""
+    serve = _load()
+    out = tmp_path / "serve.json"
+    rc = serve.main(["--preset", "tiny", "--device", "cpu", "--batches", "8", "--reps", "1", "--warmup", "0",
+                     "--variants", "bf16_mods,loka_tensorwise", "--profile", "2", "--out", str(out)])
+    assert rc == 0
+    for r in json.loads(out.read_text())["rows"]:
+        prof = r["profile"]
+        assert prof["steps"] == 2 and prof["gpu_ms"] is None and prof["host_ms"] > 0, r
 
 
 def test_serve_bench_over_the_budget_records_skipped_rows(tmp_path: Path) -> None:

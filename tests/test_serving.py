@@ -700,3 +700,122 @@ def test_gpu_serving_prices_and_the_fused_triton_epilogue() -> None:
     with torch.no_grad():
         want, got = trained(*x), served(*x)
     assert sqnr_db(want, got) >= 30.0
+
+
+def _served_counts(model: nn.Module) -> dict[str, int]:
+    from loka_tune.kernels.serving import ServingLinear
+
+    out = {"tensor": 0, "row": 0}
+    for m in model.modules():
+        if isinstance(m, ServingLinear):
+            out[m.choice.granularity.value] += 1
+    return out
+
+
+def _three_sites() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128, bias=False), nn.Hardswish(), nn.Linear(128, 128, bias=False),
+                          nn.Hardswish(), nn.Linear(128, 32, bias=False))
+    return model, (torch.randn(4, 64),)
+
+
+def _per_site(m: int, k: int, n: int, choice: str, *, device: str) -> dict[str, float]:
+    """Alone, each site serves rowwise fastest; the last (n = 32) site does not pay at all."""
+    speed = {"bf16": 1.0, "e4m3.row.emulated": 0.5, "e4m3.tensor.emulated": 0.6}[choice]
+    if n == 32 and choice != "bf16":
+        speed = 1.5
+    return {"gpu_s": m * k * n * speed * 1e-12, "host_s": 0.0}
+
+
+def test_the_whole_model_check_keeps_the_fastest_alternative_of_each_bucket() -> None:
+    """Sites priced one at a time do not add up to the model (on the H200 the per-site rowwise
+    plan served 7.49 ms, every site tensorwise 7.41): verify=True times the per-site plan beside
+    whole-model alternatives and keeps the fastest per bucket, recording each one's time."""
+    model, inputs = _three_sites()
+    cfg = PrecisionConfig(default=SitePrecision.parse("e4m3.row.emulated|bf16|bf16"))
+    seen: list[tuple[int, dict[str, int], int]] = []
+
+    def whole(m: nn.Module, rows: int, inp: tuple[torch.Tensor, ...]) -> float:
+        counts = _served_counts(m)
+        seen.append((rows, counts, int(inp[0].shape[0])))
+        return 1.0 - 0.1 * counts["tensor"] - 0.01 * counts["row"]  # in the model, tensorwise wins
+
+    planned = plan_serving(model, cfg, inputs, buckets=(16, 64), measure=True, timer=_per_site, verify=True,
+                           model_timer=whole, candidates=["e4m3.tensor.emulated"])
+    plan = planned.serving
+    assert plan is not None
+    rec = plan.prices["whole_model"]
+    for rows in (16, 64):
+        alts = rec[str(rows)]["alternatives"]
+        assert rec[str(rows)]["chosen"] == "tensor_all"
+        assert alts["sites"]["fp8_sites"] == 2 and alts["tensor"]["fp8_sites"] == 2
+        assert alts["tensor_all"]["fp8_sites"] == 3 and alts["bf16"]["fp8_sites"] == 0
+        assert alts["tensor_all"]["ms"] < alts["tensor"]["ms"] < alts["sites"]["ms"] < alts["bf16"]["ms"]
+        assert {c.short_str() for c in plan.choices(rows).values()} == {"e4m3.tensor.emulated"}
+    assert [r for r, _, _ in seen] == [64] * 4 + [16] * 4  # the largest bucket first
+    assert all(r == n for r, _, n in seen)  # each alternative timed on inputs of its bucket's rows
+    assert model[0].__class__ is nn.Linear  # the model itself is not changed
+
+
+def test_the_whole_model_check_falls_back_to_bf16_and_respects_its_budget() -> None:
+    model, inputs = _three_sites()
+    cfg = PrecisionConfig(default=SitePrecision.parse("e4m3.row.emulated|bf16|bf16"))
+
+    def fp8_hurts(m: nn.Module, rows: int, inp: tuple[torch.Tensor, ...]) -> float:
+        c = _served_counts(m)
+        return 1.0 + c["tensor"] + c["row"]
+
+    plan = plan_serving(model, cfg, inputs, buckets=(16,), measure=True, timer=_per_site, verify=True,
+                        model_timer=fp8_hurts, alternatives=["bf16", "row"]).serving
+    assert plan is not None
+    alts = plan.prices["whole_model"]["16"]["alternatives"]
+    assert list(alts) == ["sites", "bf16", "row"] and alts["row"] == {"same_as": "sites"}  # timed once
+    assert plan.prices["whole_model"]["16"]["chosen"] == "bf16"
+    assert all(c.is_bf16 for c in plan.choices(16).values())
+    short = plan_serving(model, cfg, inputs, buckets=(16,), measure=True, timer=_per_site, verify=True,
+                         model_timer=fp8_hurts, verify_budget_s=0.0).serving
+    assert short is not None
+    rec = short.prices["whole_model"]["16"]
+    assert rec["chosen"] == "sites" and rec["alternatives"]["bf16"] == {"skipped": "over the budget"}
+    with pytest.raises(ConfigError, match="alternatives=.*choose from sites, tensor, row"):
+        plan_serving(model, cfg, inputs, buckets=(16,), measure=True, timer=_per_site, verify=True,
+                     alternatives=["fastest"])
+
+
+def test_the_whole_model_check_runs_the_real_timer_on_the_cpu() -> None:
+    """time_served_model's CPU path (the eager model's wall time; a GPU captures a CUDA graph):
+    every alternative timed, one chosen, the verified config applies at each bucket."""
+    model, inputs = _three_sites()
+    cfg = PrecisionConfig(default=SitePrecision.parse("e4m3.row.emulated|bf16|bf16"))
+    planned = plan_serving(model, cfg, inputs, buckets=(8,), measure=True, timer=_per_site, verify=True)
+    rec = planned.serving.prices["whole_model"]["8"]
+    assert rec["chosen"] in rec["alternatives"]
+    assert all(v.get("ms", 1.0) > 0 for v in rec["alternatives"].values())
+    served = copy.deepcopy(model)
+    apply(served, planned, serving=True, batch=8)
+    with torch.no_grad():
+        assert served(inputs[0]).shape == (4, 32)
+
+
+@GPU
+def test_the_whole_model_check_times_captured_graphs_on_a_gpu() -> None:
+    """time_served_model's GPU path: each alternative compiled, captured as one CUDA graph and
+    timed between events; the verified plan serves through CapturedBuckets."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 512, bias=False), nn.Hardswish(), nn.Linear(512, 256, bias=False)).cuda()
+    model = model.to(torch.bfloat16).eval()
+    inputs = (torch.randn(8, 256, device="cuda", dtype=torch.bfloat16),)
+    cfg = PrecisionConfig(default=SitePrecision.parse("e4m3.row.fa.torch_scaled_mm|bf16|bf16"))
+    planned = plan_serving(model, cfg, inputs, buckets=(1024,), measure=True, device="cuda", verify=True,
+                           candidates=["e4m3.tensor.fa.torch_scaled_mm"])
+    rec = planned.serving.prices["whole_model"]["1024"]
+    assert rec["chosen"] in ("sites", "tensor", "tensor_all", "bf16")
+    timed = [v for v in rec["alternatives"].values() if "ms" in v]
+    assert timed and all(0 < v["ms"] < 1e3 for v in timed), rec
+    server = serve_buckets(copy.deepcopy(model), planned).captured(inputs[0].repeat(128, 1))
+    with torch.no_grad():
+        out = server(inputs[0].repeat(100, 1)).float()
+        ref = model(inputs[0].repeat(100, 1)).float()
+    assert sqnr_db(ref, out) > 20.0

@@ -53,8 +53,8 @@ class StepProfiler:
     operators per step). On a CPU-only run ``gpu_ms`` is None.
     """
 
-    def __init__(self, steps: int, device: torch.device) -> None:
-        self.steps, self.device = steps, device
+    def __init__(self, steps: int, device: torch.device, *, top: int = 15) -> None:
+        self.steps, self.device, self.top = steps, device, top
         self._prof: Any = None
 
     @property
@@ -76,7 +76,7 @@ class StepProfiler:
         prof.__exit__(None, None, None)
         events = prof.events()
         gpu = [(e.name, e.time_range.elapsed_us()) for e in events if is_gpu_activity(e)]
-        out = kernel_summary(gpu, self.steps) if gpu else {"gpu_ms": None, "gemm_ms": None, "gemm_share": None,
+        out = kernel_summary(gpu, self.steps, top=self.top) if gpu else {"gpu_ms": None, "gemm_ms": None, "gemm_share": None,
                                                            "kernels_per_step": 0, "top": []}
         roots = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU and e.cpu_parent is None]
         out["host_ms"] = sum(e.time_range.elapsed_us() for e in roots) / 1e3 / self.steps
