@@ -16,7 +16,11 @@ Variants (``--variants``, comma list; each a copy of that model):
   fwd choice at every batch). ``--verify`` then checks each bucket's per-site plan against
   whole-model alternatives (``--alternatives``: every FP8 site tensorwise, every site torchao's
   inference would take tensorwise, all bf16, ...), each served and timed as a whole, and keeps
-  the fastest (:func:`loka_tune.serving.verify_serving_plan`; the plan's ``whole_model`` record). The priced config is written beside ``--out`` (``*_config.json``);
+  the fastest (:func:`loka_tune.serving.verify_serving_plan`; the plan's ``whole_model`` record).
+  ``--calibrate N``: the config and ``loka_*`` rows (and each ``--verify`` alternative) serve
+  their tensorwise sites with calibrated activation scales (:func:`loka_tune.serving.calibrate`
+  over N eval batches of another seed than the timed inputs; ``calibrated_sites`` per row): an
+  elementwise cast per call instead of an amax reduction and a cast. The priced config is written beside ``--out`` (``*_config.json``);
 - ``config_dynamic``: the config's training form (``apply`` without ``serving``: weights quantized
   on every call), for comparison;
 - ``torchao_rowwise`` / ``torchao_tensorwise``: torchao's float8 inference,
@@ -89,7 +93,7 @@ from loka_tune.applier import apply  # noqa: E402
 from loka_tune.config import ModsConfig, PrecisionConfig  # noqa: E402
 from loka_tune.data.base import model_inputs  # noqa: E402
 from loka_tune.kernels.quant import sqnr_db  # noqa: E402
-from loka_tune.serving import WHOLE_MODEL_ALTERNATIVES  # noqa: E402
+from loka_tune.serving import WHOLE_MODEL_ALTERNATIVES, calibrate  # noqa: E402
 
 VARIANTS = ("bf16_mods", "config", "config_dynamic", "torchao_rowwise", "torchao_tensorwise", "loka_rowwise",
             "loka_tensorwise")
@@ -248,7 +252,8 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 #: what receipts merged into one must share (rows timed otherwise do not compare)
-_SAME = ("model", "preset", "mods", "compile_mode", "dtype", "device", "versions")
+_SAME = ("model", "preset", "mods", "compile_mode", "dtype", "device", "versions", "calibrate")
+_UNSET = {"calibrate": 0}  # receipts written before the key existed
 
 
 def profile_calls(fn: Callable[[], Any], dev: torch.device, calls: int) -> dict[str, Any]:
@@ -286,7 +291,7 @@ def merge_receipts(paths: list[Path]) -> dict[str, Any]:
     first = docs[0]["meta"]
     for p, d in zip(paths[1:], docs[1:]):
         meta = d["meta"]
-        diff = [k for k in _SAME if meta.get(k) != first.get(k)]
+        diff = [k for k in _SAME if meta.get(k, _UNSET.get(k)) != first.get(k, _UNSET.get(k))]
         if diff:
             what = ", ".join(f"{k}: {first.get(k)!r} vs {meta.get(k)!r}" for k in diff)
             raise SystemExit(f"--merge: {p} differs from {paths[0]} in {what}; merge only runs of one setup")
@@ -336,6 +341,10 @@ def main(argv: list[str] | None = None) -> int:
                          " row_all, bf16)")
     ap.add_argument("--verify-budget", type=float, default=None,
                     help="seconds: --verify starts no alternative after this (default: no limit)")
+    ap.add_argument("--calibrate", type=int, default=0, metavar="N",
+                    help="serve the config and loka_* variants with calibrated activation scales on their tensorwise"
+                         " sites (loka_tune.serving.calibrate over N eval batches of 512 rows, seed 1; the timed"
+                         " inputs are seed 0), and calibrate each --verify alternative the same way (default 0: off)")
     ap.add_argument("--cost-device", default="h200", help="the cost model's device for a modeled plan")
     ap.add_argument("--compile-mode", default=None,
                     help="torch.compile mode (default reduce-overhead on CUDA, none on a CPU: eager), or graph:"
@@ -404,6 +413,18 @@ def main(argv: list[str] | None = None) -> int:
         "versions": _versions(), "python": platform.python_version(), "date": time.strftime("%Y-%m-%d"),
         "argv": sys.argv[1:] if argv is None else argv}
 
+    calib: list[tuple[Any, ...]] | None = None
+    if args.calibrate > 0:
+        it = source.batches("eval", 512, seed=1, device=dev)
+        calib = []
+        for _ in range(args.calibrate):
+            b = next(it, None)
+            if b is None:
+                break
+            calib.append(tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+                               for t in model_inputs(base, b)))
+    meta["calibrate"] = len(calib) if calib else 0
+
     # ---- the serving plan of the config variant
     served = config
     plan_s = 0.0
@@ -421,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
                               cache=cache, budget_s=args.plan_budget,
                               progress=lambda msg: print(f"[plan] {msg}", flush=True), verify=args.verify,
                               alternatives=[a.strip() for a in args.alternatives.split(",") if a.strip()],
-                              verify_budget_s=args.verify_budget)
+                              verify_budget_s=args.verify_budget, calibration=calib)
         plan_s = time.perf_counter() - t0
         served.save(args.out.with_name(args.out.stem + "_config.json"))
     meta["plan_s"] = plan_s
@@ -450,6 +471,8 @@ def main(argv: list[str] | None = None) -> int:
                     with guard as dynamo:
                         model, info = build_variant(name, base, served, config, batch, plan_kind)
                         row.update(info)
+                        if calib and (name == "config" or name in _LOKA):
+                            row["calibrated_sites"] = len(calibrate(model, calib, strict=False).amax)
                         with torch.no_grad():
                             if mode == "graph":  # the product's path: compiled, one CUDA graph per bucket
                                 server = ServingBuckets({batch: model}).captured(*inputs)

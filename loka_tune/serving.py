@@ -58,7 +58,8 @@ if TYPE_CHECKING:
     from loka_tune.applying import ApplySummary
 
 __all__ = ["serving_form", "ServingBuckets", "CapturedBuckets", "serve_buckets", "plan_serving", "site_rows",
-           "verify_serving_plan", "time_served_model", "DEFAULT_BUCKETS", "WHOLE_MODEL_ALTERNATIVES"]
+           "verify_serving_plan", "time_served_model", "calibrate", "Calibration", "DEFAULT_BUCKETS",
+           "WHOLE_MODEL_ALTERNATIVES"]
 
 DEFAULT_BUCKETS = (512, 2048, 8192)  # the serving batch sizes of issue 23 (small, medium, production)
 
@@ -244,6 +245,86 @@ def serving_form(model: nn.Module, *, strict: bool = True) -> nn.Module:
         fuse_serving_epilogues(out)
     out.eval()
     return out
+
+
+# ----------------------------------------------------------------------------- calibrated activation scales
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """What :func:`calibrate` did: per calibrated site the amax seen (before ``margin``), per
+    served site left dynamic why, over how many batches."""
+
+    amax: Mapping[str, float]
+    skipped: Mapping[str, str]
+    batches: int
+    margin: float
+
+
+def calibrate(model: nn.Module, batches: Iterable[Sequence[Any]], *, margin: float = 1.0,
+              strict: bool = True) -> Calibration:
+    """Fix the activation scale of every served site that can take one (tensorwise on
+    ``emulated`` or ``torch_scaled_mm``: :meth:`~loka_tune.kernels.serving.ServingLinear.calibrate_`)
+    from the largest ``|x|`` each sees over ``batches`` (each a tuple of the model's inputs, e.g.
+    a few real requests), run through ``model`` in eval under ``torch.no_grad`` (eagerly: call it
+    before ``torch.compile`` or :meth:`ServingBuckets.captured`). Rowwise and blockwise sites stay
+    dynamic (a row's scale follows its request); ``skipped`` says why per site. ``margin`` (>= 1)
+    widens each scale's range. Calibrating again replaces the scales (they are dropped first, so
+    the batches run the dynamic path). Raises :class:`ServingError` on no batches, a model with
+    no served site, or no site that can be calibrated, and for a site whose activations were
+    never reached or were all zero or non-finite. ``strict=False``: a model with no site to
+    calibrate is returned as it is (an empty ``amax``) instead.
+    """
+    from loka_tune.kernels.serving import ServingLinear
+
+    if not (isinstance(margin, (int, float)) and math.isfinite(margin) and margin >= 1.0):
+        raise ServingError(f"got margin={margin!r}; a calibration margin is a factor >= 1.0 (1.0: the largest"
+                           " activation seen maps to the format's max)")
+    served = {name: m for name, m in model.named_modules() if isinstance(m, ServingLinear)}
+    if not strict and not any(m.calibration_reason() is None for m in served.values()):
+        return Calibration(amax={}, skipped={n: m.calibration_reason() or "" for n, m in served.items()}, batches=0,
+                           margin=float(margin))
+    if not served:
+        raise ServingError("calibrate found no served site in this model: apply the config first with"
+                           " loka_tune.apply(model, config, serving=True, batch=B)")
+    skipped = {name: why for name, m in served.items() if (why := m.calibration_reason()) is not None}
+    sites = {name: m for name, m in served.items() if name not in skipped}
+    if not sites:
+        first = next(iter(skipped.items()))
+        raise ServingError(f"no served site can take a calibrated activation scale ({len(skipped)} served, e.g."
+                           f" {first[0]!r}: {first[1]}); serve tensorwise choices such as"
+                           " e4m3.tensor.fa.torch_scaled_mm to calibrate them")
+    for m in sites.values():
+        m.clear_calibration_()
+    amax: dict[str, torch.Tensor] = {}
+    hooks = []
+    for name, m in sites.items():
+        def hook(mod: nn.Module, args: tuple[Any, ...], name: str = name) -> None:
+            a = args[0].detach().abs().amax().to(torch.float32)
+            amax[name] = a if name not in amax else torch.maximum(amax[name], a)
+        hooks.append(m.register_forward_pre_hook(hook))
+    n = 0
+    was = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for batch in batches:
+                model(*batch)
+                n += 1
+    finally:
+        model.train(was)
+        for h in hooks:
+            h.remove()
+    if n == 0:
+        raise ServingError("calibrate got no batches; pass a few real batches of the model's inputs,"
+                           " e.g. [(dense, sparse), ...]")
+    missing = [name for name in sites if name not in amax]
+    if missing:
+        raise ServingError(f"site {missing[0]!r} saw no activation in {n} calibration batch(es)"
+                           f"{f' ({len(missing) - 1} more)' if len(missing) > 1 else ''}: its forward was never"
+                           " reached; calibrate with batches that run the whole model")
+    seen = {name: float(a) for name, a in amax.items()}  # one host sync per site, after every batch
+    for name, m in sites.items():
+        m.calibrate_(seen[name], margin=margin)
+    return Calibration(amax=seen, skipped=skipped, batches=n, margin=float(margin))
 
 
 # ----------------------------------------------------------------------------- buckets
@@ -506,7 +587,8 @@ def plan_serving(model: nn.Module, config: PrecisionConfig | Mapping[str, Any] |
                  budget_s: float | None = None, progress: Callable[[str], None] | None = None,
                  fast_accum: bool = True, verify: bool = False, model_timer: ModelTimer | None = None,
                  alternatives: Iterable[str] = WHOLE_MODEL_ALTERNATIVES,
-                 verify_budget_s: float | None = None) -> PrecisionConfig:
+                 verify_budget_s: float | None = None,
+                 calibration: Sequence[Sequence[Any]] | None = None) -> PrecisionConfig:
     """``config`` with a serving plan (:class:`ServingPlan`) priced for ``model``'s sites.
 
     Each site's shape comes from one eval forward of ``model(*inputs)`` (a copy with the config's
@@ -532,7 +614,8 @@ def plan_serving(model: nn.Module, config: PrecisionConfig | Mapping[str, Any] |
 
     ``verify=True``: each bucket's per-site plan is then checked against whole-model
     alternatives (:func:`verify_serving_plan`: ``model_timer``, ``alternatives``,
-    ``verify_budget_s``), because sites priced one at a time do not add up to the model (on an
+    ``verify_budget_s``; ``calibration``: batches that calibrate each alternative's tensorwise
+    activation scales before it is timed), because sites priced one at a time do not add up to the model (on an
     H200 at large Wukong's 8192 rows, the per-site plan of 16 rowwise sites served 7.49 ms, every
     torchao site tensorwise 7.41 ms, although each site alone priced rowwise faster).
     """
@@ -643,7 +726,7 @@ def plan_serving(model: nn.Module, config: PrecisionConfig | Mapping[str, Any] |
     if not verify:
         return planned
     return verify_serving_plan(model, planned, inputs, alternatives=alternatives, timer=model_timer,
-                               budget_s=verify_budget_s, progress=progress)
+                               budget_s=verify_budget_s, progress=progress, calibration=calibration)
 
 
 # ----------------------------------------------------------------------------- the plan, checked whole
@@ -753,7 +836,8 @@ def _alternative(name: str, cells: Mapping[str, Mapping[str, Any]], sites: Mappi
 def verify_serving_plan(model: nn.Module, config: PrecisionConfig | Mapping[str, Any] | str,
                         inputs: Sequence[Any], *, alternatives: Iterable[str] = WHOLE_MODEL_ALTERNATIVES,
                         timer: ModelTimer | None = None, budget_s: float | None = None,
-                        progress: Callable[[str], None] | None = None) -> PrecisionConfig:
+                        progress: Callable[[str], None] | None = None,
+                        calibration: Sequence[Sequence[Any]] | None = None, margin: float = 1.0) -> PrecisionConfig:
     """``config``'s serving plan (priced per site by :func:`plan_serving`) with each bucket's
     choices replaced by the fastest of whole-model alternatives, each served and timed as a
     whole (``timer(model, rows, inputs)`` -> seconds; default :func:`time_served_model`: the
@@ -769,7 +853,10 @@ def verify_serving_plan(model: nn.Module, config: PrecisionConfig | Mapping[str,
     rows (on ``inputs``' device). ``budget_s``: no alternative starts after that many seconds
     (the bucket keeps the fastest timed so far; ``sites`` is always timed first). The record
     goes into the plan's ``prices["whole_model"]``: per bucket the seconds of each alternative,
-    its FP8 sites and the one chosen. ``model`` is not changed.
+    its FP8 sites and the one chosen. ``model`` is not changed. ``calibration`` (batches of the
+    model's inputs): each alternative is served with calibrated activation scales on its
+    tensorwise sites (:func:`calibrate`, ``margin``), as it will then be served; the record says
+    ``calibrated``.
     """
     from loka_tune.applying import as_config
 
@@ -820,6 +907,9 @@ def verify_serving_plan(model: nn.Module, config: PrecisionConfig | Mapping[str,
             one = cfg.with_serving(dataclasses.replace(plan, buckets=((rows, alt),)))
             try:
                 apply_serving(served, one, strict=False, batch=rows)
+                n_cal = 0
+                if calibration is not None:
+                    n_cal = len(calibrate(served, calibration, margin=margin, strict=False).amax)
                 sec = float(timer(served.eval(), rows, tiled))
             except Exception as e:  # noqa: BLE001 - one alternative that fails must not stop the plan
                 timed[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
@@ -828,7 +918,7 @@ def verify_serving_plan(model: nn.Module, config: PrecisionConfig | Mapping[str,
             finally:
                 del served
             n_fp8 = sum(not c.is_bf16 for c in alt.values())
-            timed[name] = {"ms": sec * 1e3, "fp8_sites": n_fp8}
+            timed[name] = {"ms": sec * 1e3, "fp8_sites": n_fp8, **({"calibrated": n_cal} if calibration else {})}
             say(f"whole model @ {rows} {name}: {sec * 1e3:.3f} ms ({n_fp8} FP8 sites)")
             if sec < best_t:
                 best_name, best_t = name, sec
@@ -836,5 +926,5 @@ def verify_serving_plan(model: nn.Module, config: PrecisionConfig | Mapping[str,
         new_buckets.append((rows, chosen))
         record[str(rows)] = {"alternatives": timed, "chosen": best_name}
         say(f"whole model @ {rows}: {best_name}")
-    prices = {**dict(plan.prices), "whole_model": record}
+    prices = {**dict(plan.prices), "whole_model": record, **({"calibrated": True} if calibration else {})}
     return cfg.with_serving(dataclasses.replace(plan, buckets=tuple(sorted(new_buckets)), prices=prices))

@@ -107,6 +107,27 @@ def test_serve_bench_verify_checks_the_plan_against_whole_model_alternatives(tmp
     assert cfg_row["fp8_sites"] == rec["alternatives"][rec["chosen"]].get("fp8_sites", cfg_row["fp8_sites"])
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU smoke mode")
+def test_serve_bench_calibrate_serves_calibrated_activation_scales(tmp_path: Path) -> None:
+    """--calibrate N: our tensorwise rows serve calibrated activation scales (N eval batches of
+    another seed); the logits stay an FP8 SQNR away from bf16 + Mods; a receipt of another
+    --calibrate is not merged with this one."""
+    serve = _load()
+    out, dyn = tmp_path / "serve.json", tmp_path / "dyn.json"
+    common = ["--preset", "tiny", "--device", "cpu", "--batches", "16", "--reps", "1", "--warmup", "0",
+              "--variants", "bf16_mods,loka_tensorwise,loka_rowwise"]
+    assert serve.main(common + ["--calibrate", "2", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["meta"]["calibrate"] == 2
+    rows = {r["variant"]: r for r in res["rows"]}
+    assert rows["loka_tensorwise"]["calibrated_sites"] == rows["loka_tensorwise"]["fp8_sites"] > 0
+    assert rows["loka_rowwise"]["calibrated_sites"] == 0  # a row's scale follows its request
+    assert 20.0 <= rows["loka_tensorwise"]["sqnr_db"] < 80.0
+    assert serve.main(common + ["--out", str(dyn)]) == 0
+    with pytest.raises(SystemExit, match="differs from .* in calibrate: 2 vs 0"):
+        serve.main(["--merge", str(out), str(dyn), "--out", str(tmp_path / "m.json")])
+
+
 def test_serve_bench_rejects_bad_arguments(tmp_path: Path) -> None:
     serve = _load()
     base = ["--preset", "tiny", "--device", "cpu", "--out", str(tmp_path / "x.json")]

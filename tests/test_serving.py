@@ -819,3 +819,152 @@ def test_the_whole_model_check_times_captured_graphs_on_a_gpu() -> None:
         out = server(inputs[0].repeat(100, 1)).float()
         ref = model(inputs[0].repeat(100, 1)).float()
     assert sqnr_db(ref, out) > 20.0
+
+
+# ----------------------------------------------------------------------------- calibrated activation scales
+@pytest.mark.parametrize("choice", ["e4m3.tensor.emulated", "e5m2+e4m3.tensor.emulated", "e4m3.tensor.pow2.emulated"])
+@pytest.mark.parametrize("data", ["normal", "huge_range", "constant"])
+def test_a_calibrated_scale_from_the_calls_own_amax_is_the_dynamic_path_bit_for_bit(choice: str, data: str) -> None:
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 48, bias=False)
+    x = torch.randn(32, 64)
+    if data == "huge_range":
+        x = x * torch.logspace(-6, 6, 64)  # 12 decades across the features
+    elif data == "constant":
+        x = torch.full((32, 64), -3.25)
+    dynamic = ServingLinear.from_linear(lin, choice)
+    static = ServingLinear.from_linear(lin, choice).calibrate_(x.abs().amax())
+    assert static.calibrated and not dynamic.calibrated and "calibrated" in repr(static)
+    with torch.no_grad():
+        assert torch.equal(static(x), dynamic(x))
+        # another batch, within the calibration's range: the same scale, so still the same FP8 codes
+        y = x * 0.5
+        half = ServingLinear.from_linear(lin, choice).calibrate_(x.abs().amax())
+        ref = emulated_gemm(torch.cat([x, y]), lin.weight.detach(), GemmChoice.parse(choice), GemmRole.FWD)[32:]
+        assert sqnr_db(ref, half(y)) > 20.0
+    static.clear_calibration_()
+    assert not static.calibrated
+    with torch.no_grad():
+        assert torch.equal(static(x), dynamic(x))
+
+
+def test_a_calibrated_scale_saturates_what_lies_above_its_amax() -> None:
+    torch.manual_seed(0)
+    lin = nn.Linear(16, 8, bias=False)
+    x = torch.randn(4, 16)
+    x[0, 0] = 1e4  # far above the calibration below
+    cal = ServingLinear.from_linear(lin, "e4m3.tensor.emulated").calibrate_(2.0)
+    clamped = x.clamp(-2.0, 2.0)  # saturation at 448 in FP8 = 2.0 in x's units
+    ref = ServingLinear.from_linear(lin, "e4m3.tensor.emulated").calibrate_(2.0)
+    with torch.no_grad():
+        assert torch.equal(cal(x), ref(clamped))
+        assert not torch.equal(cal(x), ServingLinear.from_linear(lin, "e4m3.tensor.emulated")(x))
+
+
+def _served_mixed() -> tuple[nn.Module, PrecisionConfig]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64, bias=False), nn.Hardswish(), nn.Linear(64, 64, bias=False),
+                          nn.Hardswish(), nn.Linear(64, 16, bias=False))
+    cfg = PrecisionConfig.from_sites({"0": "e4m3.tensor.emulated|bf16|bf16", "2": "e4m3.row.emulated|bf16|bf16",
+                                      "4": "e4m3.tensor.emulated|bf16|bf16"}, default="bf16")
+    return model, cfg
+
+
+def test_calibrate_fixes_each_tensorwise_sites_scale_from_real_batches() -> None:
+    from loka_tune.serving import calibrate
+
+    model, cfg = _served_mixed()
+    plain = copy.deepcopy(model)
+    apply(model, cfg, serving=True)
+    batches = [(torch.randn(8, 32) * s,) for s in (1.0, 3.0, 0.5)]
+    cal = calibrate(model, batches, margin=1.25)
+    assert cal.batches == 3 and cal.margin == 1.25
+    assert set(cal.amax) == {"0", "4"} and set(cal.skipped) == {"2"} and "row" in cal.skipped["2"]
+    assert cal.amax["0"] == max(float(b[0].abs().amax()) for b in batches)  # site 0 sees the inputs themselves
+    assert model[0].calibrated and model[4].calibrated and not model[2].calibrated
+    expect = 448.0 / (cal.amax["0"] * 1.25)
+    assert float(model[0].act_scale) == pytest.approx(expect, rel=1e-6)
+    x = batches[1][0]
+    with torch.no_grad():
+        assert sqnr_db(plain(x), model(x)) > 20.0
+    # the state dict carries the scales: a fresh served copy loads them and serves the same logits
+    again = copy.deepcopy(plain)
+    apply(again, cfg, serving=True)
+    missing, unexpected = again.load_state_dict(model.state_dict())
+    assert not missing and not unexpected and again[0].calibrated and not again[2].calibrated
+    with torch.no_grad():
+        assert torch.equal(again(x), model(x))
+    # a state dict without the key (dynamic, or from an older version) serves per-call scales
+    old = {k: v for k, v in model.state_dict().items() if not k.endswith("act_scale")}
+    missing, _ = again.load_state_dict(old)
+    assert not missing and not again[0].calibrated
+    # calibrating again starts from the dynamic path and replaces the scales
+    cal2 = calibrate(model, batches[:1])
+    assert cal2.amax["0"] == float(batches[0][0].abs().amax()) < cal.amax["0"]
+
+
+def test_calibrate_refuses_what_it_cannot_calibrate_in_one_line() -> None:
+    from loka_tune.serving import calibrate
+
+    model, cfg = _served_mixed()
+    with pytest.raises(ServingError, match="no served site in this model: apply the config first"):
+        calibrate(copy.deepcopy(model), [(torch.randn(2, 32),)])
+    apply(model, cfg, serving=True)
+    with pytest.raises(ServingError, match="got no batches"):
+        calibrate(model, [])
+    with pytest.raises(ServingError, match="margin=0.5; a calibration margin is a factor >= 1.0"):
+        calibrate(model, [(torch.randn(2, 32),)], margin=0.5)
+    with pytest.raises(ServingError, match="calibration amax of 0.0; it must be finite and > 0"):
+        calibrate(model, [(torch.zeros(2, 32),)])
+    with pytest.raises(UnsupportedChoiceError, match="cannot take a calibrated activation scale.*a row's scale"):
+        model[2].calibrate_(1.0)
+    rows = copy.deepcopy(_served_mixed()[0])
+    apply(rows, PrecisionConfig(default=SitePrecision.parse("e4m3.row.emulated|bf16|bf16")), serving=True)
+    with pytest.raises(ServingError, match="no served site can take a calibrated activation scale .*tensorwise"):
+        calibrate(rows, [(torch.randn(2, 32),)])
+
+
+@GPU
+def test_a_calibrated_scale_on_the_gpu_equals_the_dynamic_path_eager_and_compiled() -> None:
+    """torch_scaled_mm, tensorwise with fast accumulation: calibrated with the call's own amax,
+    the FP8 codes and the GEMM are the dynamic path's, bit for bit (eager), and the compiled
+    form serves the same logits (inductor fuses the cast into the producer)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 512, bias=False), nn.Hardswish(), nn.Linear(512, 256, bias=False))
+    model = model.cuda().to(torch.bfloat16).eval()
+    x = (torch.randn(1024, 256, device="cuda") * torch.logspace(-3, 3, 256, device="cuda")).to(torch.bfloat16)
+    cfg = PrecisionConfig(default=SitePrecision.parse("e4m3.tensor.fa.torch_scaled_mm|bf16|bf16"))
+    dyn, cal = copy.deepcopy(model), copy.deepcopy(model)
+    apply(dyn, cfg, serving=True)
+    apply(cal, cfg, serving=True)
+    from loka_tune.serving import calibrate
+
+    calibrate(cal, [(x,)])
+    with torch.no_grad():
+        assert torch.equal(cal(x), dyn(x))
+        fast = torch.compile(cal, dynamic=False)
+        assert sqnr_db(dyn(x).float(), fast(x).float()) > 40.0
+
+
+def test_the_whole_model_check_times_each_alternative_calibrated_when_given_batches() -> None:
+    """calibration=batches: each alternative is timed as it will be served, its tensorwise sites
+    with calibrated activation scales (the rowwise per-site plan has none to calibrate)."""
+    model, inputs = _three_sites()
+    cfg = PrecisionConfig(default=SitePrecision.parse("e4m3.row.emulated|bf16|bf16"))
+    seen: list[int] = []
+
+    def whole(m: nn.Module, rows: int, inp: tuple[torch.Tensor, ...]) -> float:
+        cal = sum(isinstance(x, ServingLinear) and x.calibrated for x in m.modules())
+        seen.append(cal)
+        return 1.0 - 0.2 * cal
+
+    plan = plan_serving(model, cfg, inputs, buckets=(16,), measure=True, timer=_per_site, verify=True,
+                        model_timer=whole, candidates=["e4m3.tensor.emulated"],
+                        calibration=[(torch.randn(8, 64),)]).serving
+    assert plan is not None and plan.prices["calibrated"] is True
+    alts = plan.prices["whole_model"]["16"]["alternatives"]
+    assert alts["sites"]["calibrated"] == 0 and alts["tensor"]["calibrated"] == 2
+    assert alts["tensor_all"]["calibrated"] == 3 and alts["bf16"]["calibrated"] == 0
+    assert seen == [0, 2, 3, 0] and plan.prices["whole_model"]["16"]["chosen"] == "tensor_all"

@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 
 from loka_tune.config import FP8_FORMATS, GemmChoice, GemmRole, Granularity
-from loka_tune.kernels.quant import QTensor, dequantize, fake_quantize, quantize, tile_shape
+from loka_tune.kernels.quant import FMAX, FP8_DTYPE, QTensor, dequantize, fake_quantize, quantize, tile_shape
 from loka_tune.kernels.registry import Backend, register_backend
 
 __all__ = ["EmulatedBackend", "emulated_gemm", "emulated_static_gemm"]
@@ -56,6 +56,19 @@ def emulated_static_gemm(a: torch.Tensor, data: torch.Tensor, scale: torch.Tenso
     return (qa @ dequantize(qw, torch.float32).t()).to(a.dtype)  # (m, n)
 
 
+def emulated_calibrated_gemm(a: torch.Tensor, act_scale: torch.Tensor, data: torch.Tensor, scale: torch.Tensor,
+                             choice: GemmChoice) -> torch.Tensor:
+    """:func:`emulated_static_gemm` with the activation's tensorwise scale fixed: ``act_scale``
+    (float32 ``()``, a reference multiplier ``fmax / amax``) instead of ``a``'s own amax."""
+    fmax = FMAX[choice.a_format]
+    x = a.to(torch.float32)  # (m, k)
+    qa = (x * act_scale).clamp(-fmax, fmax).to(FP8_DTYPE[choice.a_format]).to(torch.float32) / act_scale
+    n, k = data.shape
+    qw = QTensor(data, scale, choice.b_format, choice.granularity, choice.rounding, True,
+                 tile_shape(choice.granularity, n, k, is_weight=True))
+    return (qa @ dequantize(qw, torch.float32).t()).to(a.dtype)  # (m, n)
+
+
 @register_backend("emulated")
 class EmulatedBackend(Backend):
     """Quantize-dequantize with the reference semantics, then a float32 GEMM (see module doc)."""
@@ -64,6 +77,7 @@ class EmulatedBackend(Backend):
     enumerated_fast_accum = (False,)  # 'fa' changes nothing here: do not list duplicates
     install_hint = "nothing: it is part of loka-tune"
     static_granularities = frozenset({Granularity.TENSOR, Granularity.ROW, Granularity.BLOCK, Granularity.MX})
+    calibrated_granularities = frozenset({Granularity.TENSOR})
 
     def quantize_weight(self, w: torch.Tensor, choice: GemmChoice) -> tuple[torch.Tensor, torch.Tensor]:
         """The reference quantization of the fwd weight (``is_weight``: 128x128 blocks):
@@ -75,6 +89,12 @@ class EmulatedBackend(Backend):
     def static_gemm(self, choice: GemmChoice) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
         def fn(a: torch.Tensor, data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
             return emulated_static_gemm(a, data, scale, choice)
+
+        return fn
+
+    def calibrated_gemm(self, choice: GemmChoice) -> Callable[..., torch.Tensor]:
+        def fn(a: torch.Tensor, act_scale: torch.Tensor, data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+            return emulated_calibrated_gemm(a, act_scale, data, scale, choice)
 
         return fn
 

@@ -104,6 +104,9 @@ class Backend(ABC):
     #: time (:meth:`quantize_weight` + :meth:`static_gemm`: ``apply(..., serving=True)``); empty:
     #: no static-weight path
     static_granularities: ClassVar[frozenset[Granularity]] = frozenset()
+    #: granularities whose serving fwd GEMM also takes the activation's scale fixed ahead of time
+    #: (calibrated: :meth:`calibrated_gemm`); empty: the activation is always scaled per call
+    calibrated_granularities: ClassVar[frozenset[Granularity]] = frozenset()
 
     def supports(
         self,
@@ -200,6 +203,27 @@ class Backend(ABC):
         ``x.dtype``) of a weight quantized by :meth:`quantize_weight`: only ``x`` is quantized
         per call. Resolved once (a layer's serving form keeps it)."""
         raise UnsupportedChoiceError(f"{choice.short_str()!r}: {self.static_reason(choice)}")
+
+    def calibrated_reason(self, choice: GemmChoice) -> str | None:
+        """None when this backend serves ``choice``'s fwd GEMM with a static weight *and* a
+        calibrated (fixed) activation scale (:meth:`calibrated_gemm`); otherwise why not."""
+        why = self.static_reason(choice)
+        if why is not None:
+            return why
+        if choice.granularity not in self.calibrated_granularities:
+            if not self.calibrated_granularities:
+                return f"backend {self.name!r} scales the activation per call only (no calibrated-scale path)"
+            return (f"backend {self.name!r} takes calibrated activation scales with granularities"
+                    f" {sorted(g.value for g in self.calibrated_granularities)}, not {choice.granularity.value!r}"
+                    " (a row's scale follows its request: it cannot be fixed ahead of time)")
+        return None
+
+    def calibrated_gemm(self, choice: GemmChoice) -> Callable[..., torch.Tensor]:
+        """The call path ``f(x, act_scale, data, scale) -> x @ W^T`` of :meth:`static_gemm` with the
+        activation quantized with a fixed multiplier ``act_scale`` (float32 ``()``: the reference
+        ``fmax / amax`` of a calibration) instead of its own amax: no reduction per call.
+        Quantizing with the scale the call's own amax gives is bit for bit the dynamic path."""
+        raise UnsupportedChoiceError(f"{choice.short_str()!r}: {self.calibrated_reason(choice)}")
 
     @abstractmethod
     def gemm(self, a: torch.Tensor, b: torch.Tensor, choice: GemmChoice, role: GemmRole) -> torch.Tensor:

@@ -20,11 +20,20 @@ The quantization is the one the training form's per-call path applies to the sam
 stored (``weight_dtype``): a model in bf16 quantizes its bf16 weights, as a bf16-autocast
 training forward does; fp32 master weights are quantized from fp32 (one rounding, not two).
 
+A tensorwise site on ``emulated`` or ``torch_scaled_mm`` can also fix its activation's scale
+ahead of time (:meth:`ServingLinear.calibrate_`, or :func:`loka_tune.serving.calibrate` over a
+whole model and a few real batches): each call then casts the activation with that scale, one
+elementwise pass that inductor fuses into the activation's producer, instead of a reduction over
+the whole activation before the cast (on an H200 those reductions, and the producers they make
+inductor compute twice, cost large Wukong 0.84 ms of its 7.2 ms tensorwise forward at 8192 rows).
+Activations above the calibration's amax (times ``margin``) saturate at the format's max.
+
 Buffers (the state dict): ``weight_fp8`` ``(N, K)`` in the choice's FP8 dtype,
 ``weight_scale`` float32 in the form its backend's kernel takes (dequantization factors
 ``1 / scale`` for the GPU backends, so that ``W ~ weight_fp8 * weight_scale`` per tile; the
 reference multipliers ``scale`` for ``emulated``, whose dequantization divides, as
-:func:`~loka_tune.kernels.quant.dequantize` does), and ``bias`` (``N``, or absent). Loading a
+:func:`~loka_tune.kernels.quant.dequantize` does), ``act_scale`` (the calibrated multiplier,
+float32 ``()``; only in a calibrated layer's state dict) and ``bias`` (``N``, or absent). Loading a
 state dict that holds the high-precision ``weight`` (a training checkpoint, ``nn.Linear``'s
 key) re-quantizes it; one holding ``weight_fp8`` / ``weight_scale`` loads them as they are.
 
@@ -45,6 +54,7 @@ Triton kernel's FP8 output (``out_fp8``) would need the next layer to take an FP
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import torch
@@ -118,6 +128,8 @@ class ServingLinear(nn.Module):
         self._resolve()
         self.register_buffer("weight_fp8", torch.empty(0, device=weight.device))
         self.register_buffer("weight_scale", torch.empty(0, device=weight.device))
+        # the activation's calibrated multiplier fmax / amax (float32 ()), or empty: scaled per call
+        self.register_buffer("act_scale", torch.empty(0, device=weight.device))
         self.register_buffer("bias", None if bias is None else bias.detach())
         self.quantize_(weight)
 
@@ -146,6 +158,47 @@ class ServingLinear(nn.Module):
         self._backend: Backend = backend
         self._fn: StaticFn = backend.static_gemm(self.choice)
         self._shape_check = backend.runtime_shape_check
+        self._cal_fn: Callable[..., torch.Tensor] | None = (
+            backend.calibrated_gemm(self.choice) if backend.calibrated_reason(self.choice) is None else None)
+
+    @property
+    def calibrated(self) -> bool:
+        """Whether the activation is quantized with a calibrated scale (:meth:`calibrate_`)."""
+        return self.act_scale.numel() == 1
+
+    def calibration_reason(self) -> str | None:
+        """None when this site can take a calibrated activation scale (its choice's backend and
+        granularity: tensorwise on ``emulated`` or ``torch_scaled_mm``), else why not."""
+        return self._backend.calibrated_reason(self.choice)
+
+    @torch.no_grad()
+    def calibrate_(self, amax: torch.Tensor | float, *, margin: float = 1.0) -> "ServingLinear":
+        """Fix the activation's scale from a calibration's ``amax`` (the largest ``|x|`` seen)
+        times ``margin`` (>= 1: headroom; larger values saturate at the format's max): the
+        multiplier ``fmax / (amax * margin)`` of the reference (:func:`~loka_tune.kernels.quant.
+        compute_scale`). Each call then casts ``x`` with it: one elementwise pass that fuses into
+        its producer, no amax reduction. Returns self."""
+        from loka_tune.kernels.quant import compute_scale
+
+        why = self.calibration_reason()
+        if why is not None:
+            raise UnsupportedChoiceError(
+                f"{self._where()}: {self.choice.short_str()!r} cannot take a calibrated activation scale: {why}."
+                " Calibrate tensorwise sites (e4m3.tensor[.fa].torch_scaled_mm), or leave this site dynamic")
+        if not (isinstance(margin, (int, float)) and math.isfinite(margin) and margin >= 1.0):
+            raise ServingError(f"{self._where()}: got margin={margin!r}; a calibration margin is a factor >= 1.0"
+                               " (1.0: the largest activation seen maps to the format's max)")
+        a = torch.as_tensor(amax, dtype=torch.float32).to(self.weight_fp8.device).reshape(())
+        if not bool(torch.isfinite(a)) or float(a) <= 0:
+            raise ServingError(f"{self._where()}: got a calibration amax of {float(a)!r}; it must be finite and > 0"
+                               " (calibrate on real batches whose activations are finite and not all zero)")
+        self.act_scale = compute_scale(a * margin, self.choice.a_format, self.choice.rounding)
+        return self
+
+    def clear_calibration_(self) -> "ServingLinear":
+        """Back to scaling the activation per call (its own amax). Returns self."""
+        self.act_scale = torch.empty(0, device=self.weight_fp8.device)
+        return self
 
     @torch.no_grad()
     def quantize_(self, weight: torch.Tensor) -> "ServingLinear":
@@ -174,7 +227,10 @@ class ServingLinear(nn.Module):
                 raise BackendError(f"{self._where()} ({self.choice.short_str()}) cannot run {shape[0]} rows: {reason};"
                                    " serve batches padded to the serving plan's buckets (loka_tune.serving.ServingBuckets)")
         with torch.autocast(dev, enabled=False):  # the backend decides the GEMM's precision (emulated: fp32)
-            y = self._fn(x2, self.weight_fp8, self.weight_scale)  # (M, N) in dtype
+            if self.act_scale.numel() == 1 and self._cal_fn is not None:  # calibrated: no amax per call
+                y = self._cal_fn(x2, self.act_scale, self.weight_fp8, self.weight_scale)  # (M, N) in dtype
+            else:
+                y = self._fn(x2, self.weight_fp8, self.weight_scale)  # (M, N) in dtype
         if self.bias is not None:
             y = y + self.bias.to(dtype)
         if torch.is_grad_enabled() and x.requires_grad:
@@ -185,6 +241,10 @@ class ServingLinear(nn.Module):
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, local_metadata: dict[str, Any],
                               strict: bool, missing_keys: list[str], unexpected_keys: list[str],
                               error_msgs: list[str]) -> None:
+        act = state_dict.pop(prefix + "act_scale", None)  # absent (an older or dynamic state dict): per call
+        self.act_scale = (torch.empty(0, device=self.weight_fp8.device) if act is None or act.numel() == 0
+                          else act.detach().to(device=self.weight_fp8.device, dtype=torch.float32).reshape(()))
+        state_dict[prefix + "act_scale"] = self.act_scale  # loaded as it now is: never a missing key
         key = prefix + "weight"
         if key in state_dict:  # a high-precision weight (nn.Linear's key): quantize it
             w = state_dict.pop(key)
@@ -202,9 +262,14 @@ class ServingLinear(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
 
+    def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if not self.calibrated:  # a dynamic layer's state dict is what it was before calibration existed
+            destination.pop(prefix + "act_scale", None)
+
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        for k in ("_fn", "_backend"):  # closures and backend objects: resolved again on load
+        for k in ("_fn", "_cal_fn", "_backend"):  # closures and backend objects: resolved again on load
             state.pop(k, None)
         return state
 
@@ -214,7 +279,8 @@ class ServingLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None},"
-                f" choice={self.choice.short_str()}, static weight {str(self.weight_fp8.dtype).removeprefix('torch.')}")
+                f" choice={self.choice.short_str()}, static weight {str(self.weight_fp8.dtype).removeprefix('torch.')}"
+                + (", calibrated activation scale" if self.calibrated else ""))
 
 
 # ----------------------------------------------------------------------------- fused epilogue

@@ -16,7 +16,8 @@ a view).
 Serving (a static weight): the weight is quantized once by :func:`~loka_tune.kernels.scaled.cast_to_fp8`
 (tensor- or rowwise, the reference semantics), and each call quantizes only the activation,
 in traceable torch ops, then ``torch._scaled_mm`` (:func:`~loka_tune.kernels.scaled.scaled_mm_static`),
-compiled or not.
+compiled or not. Tensorwise sites also take a calibrated activation scale
+(:func:`~loka_tune.kernels.scaled.scaled_mm_calibrated`: an elementwise cast, no amax per call).
 
 Not here: blockwise 1x128 / 128x128 scaling (use ``fbgemm`` or ``triton``), mxfp8 (Blackwell),
 e5m2 x e5m2 (no such cuBLASLt kernel). k and n must be multiples of 16 (cuBLASLt FP8
@@ -30,9 +31,10 @@ from typing import Callable
 import torch
 
 from loka_tune.config import Format, GemmChoice, GemmRole, Granularity
+from loka_tune.errors import UnsupportedChoiceError
 from loka_tune.kernels.backends import GPUBackend, quantize_operand
 from loka_tune.kernels.registry import Shape, register_backend
-from loka_tune.kernels.scaled import cast_to_fp8, scaled_mm_gemm, scaled_mm_static
+from loka_tune.kernels.scaled import cast_to_fp8, scaled_mm_calibrated, scaled_mm_gemm, scaled_mm_static
 
 __all__ = ["ScaledMMBackend"]
 
@@ -47,6 +49,7 @@ class ScaledMMBackend(GPUBackend):
     install_hint = "a CUDA build of torch>=2.5 (torch._scaled_mm)"
     static_granularities = frozenset({Granularity.TENSOR, Granularity.ROW})
     static_traceable = True  # torch ops + the aten op, eager or compiled
+    calibrated_granularities = frozenset({Granularity.TENSOR})
 
     def extra_reason(self, choice: GemmChoice, role: GemmRole, shape: Shape | None) -> str | None:
         if choice.a_format == Format.E5M2 and choice.b_format == Format.E5M2:
@@ -88,3 +91,14 @@ class ScaledMMBackend(GPUBackend):
     def static_gemm_impl(self, a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                          choice: GemmChoice) -> torch.Tensor:
         return scaled_mm_static(a, w, w_scale, choice)
+
+    def calibrated_gemm(self, choice: GemmChoice) -> Callable[..., torch.Tensor]:
+        """:func:`~loka_tune.kernels.scaled.scaled_mm_calibrated`: traceable, eager or compiled."""
+        why = self.calibrated_reason(choice)
+        if why is not None:
+            raise UnsupportedChoiceError(f"{choice.short_str()!r}: {why}")
+
+        def fn(a: torch.Tensor, act_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+            return scaled_mm_calibrated(a, act_scale, w, w_scale, choice)
+
+        return fn
