@@ -48,6 +48,12 @@ batch (:func:`loka_tune.kernels.quant.sqnr_db`; ``null`` for the reference itsel
 ``sqnr_centered_db`` the same with the reference's mean logit taken off both (an untrained model's
 logits sit near ``logit(base rate)``, a constant that would flatter the plain SQNR). A row that
 fails records its error and the run goes on; ``--budget`` seconds of wall time stop starting rows.
+Each row runs with the inductor configuration it started with, restored afterwards:
+torchao's ``quantize_`` turns on coordinate-descent tuning of every Triton kernel for the whole
+process (``torchao.quantization.utils.recommended_inductor_config_setter``, hence its rows'
+minutes of compile), which before 2026-12-02 leaked into every later row and gave torchao's
+rows tuned kernels beside our untuned ones; ``inductor`` per row says what it compiled with.
+``--autotune`` compiles every row with that tuning (``meta.autotune``).
 ``--profile N`` then profiles N more calls of each row (``profile``: the GPU's busy time per call,
 its GEMM part and the 40 largest kernels), to see where one variant's time goes against another's.
 On a CPU (``--device cpu``) nothing is compiled (``--compile-mode none``) and torchao's variants
@@ -252,8 +258,26 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 #: what receipts merged into one must share (rows timed otherwise do not compare)
-_SAME = ("model", "preset", "mods", "compile_mode", "dtype", "device", "versions", "calibrate")
-_UNSET = {"calibrate": 0}  # receipts written before the key existed
+_SAME = ("model", "preset", "mods", "compile_mode", "dtype", "device", "versions", "calibrate", "autotune")
+_UNSET = {"calibrate": 0, "autotune": False}  # receipts written before the key existed
+
+
+def _inductor_state() -> tuple[bytes, str]:
+    return torch._inductor.config.save_config(), torch.get_float32_matmul_precision()
+
+
+def _restore_inductor(state: tuple[bytes, str]) -> None:
+    torch._inductor.config.load_config(state[0])
+    torch.set_float32_matmul_precision(state[1])
+
+
+def _inductor_settings() -> dict[str, Any]:
+    """The inductor settings a row compiled with that move kernel speed (torchao's float8 inference
+    turns on coordinate-descent tuning for the whole process: ``recommended_inductor_config_setter``)."""
+    c = torch._inductor.config
+    return {"coordinate_descent_tuning": bool(c.coordinate_descent_tuning),
+            "coordinate_descent_check_all_directions": bool(c.coordinate_descent_check_all_directions),
+            "max_autotune": bool(c.max_autotune), "float32_matmul_precision": torch.get_float32_matmul_precision()}
 
 
 def profile_calls(fn: Callable[[], Any], dev: torch.device, calls: int) -> dict[str, Any]:
@@ -341,6 +365,9 @@ def main(argv: list[str] | None = None) -> int:
                          " row_all, bf16)")
     ap.add_argument("--verify-budget", type=float, default=None,
                     help="seconds: --verify starts no alternative after this (default: no limit)")
+    ap.add_argument("--autotune", action="store_true",
+                    help="compile every row with inductor's coordinate-descent tuning of its Triton kernels (what"
+                         " torchao's float8 inference turns on for its own rows; compiles take minutes a row)")
     ap.add_argument("--calibrate", type=int, default=0, metavar="N",
                     help="serve the config and loka_* variants with calibrated activation scales on their tensorwise"
                          " sites (loka_tune.serving.calibrate over N eval batches of 512 rows, seed 1; the timed"
@@ -424,6 +451,7 @@ def main(argv: list[str] | None = None) -> int:
             calib.append(tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
                                for t in model_inputs(base, b)))
     meta["calibrate"] = len(calib) if calib else 0
+    meta["autotune"] = bool(args.autotune)
 
     # ---- the serving plan of the config variant
     served = config
@@ -466,9 +494,13 @@ def main(argv: list[str] | None = None) -> int:
                 row["skipped"] = "needs a CUDA GPU"
             else:
                 guard = strict_compile() if mode != "none" else contextlib.nullcontext({})
+                inductor = _inductor_state()  # torchao's quantize_ sets inductor's config process-wide: undone after
                 try:
                     t0 = time.perf_counter()
-                    with guard as dynamo:
+                    tuned = (torch._inductor.config.patch(coordinate_descent_tuning=True,
+                                                          coordinate_descent_check_all_directions=True)
+                             if args.autotune else contextlib.nullcontext())
+                    with guard as dynamo, tuned:
                         model, info = build_variant(name, base, served, config, batch, plan_kind)
                         row.update(info)
                         if calib and (name == "config" or name in _LOKA):
@@ -486,6 +518,7 @@ def main(argv: list[str] | None = None) -> int:
                                     return fn(*inputs)
                             out = call().float().clone()  # compiles (and records the graph on later calls)
                             row["compile_s"] = time.perf_counter() - t0
+                            row["inductor"] = _inductor_settings()  # what this row compiled with
                             tm = time_calls(call, dev, warmup=args.warmup, reps=args.reps)
                             if args.profile > 0:
                                 row["profile"] = profile_calls(call, dev, args.profile)
@@ -506,6 +539,8 @@ def main(argv: list[str] | None = None) -> int:
                 except Exception as e:  # noqa: BLE001 - record it and go on: one broken row must not hide the rest
                     row["error"] = f"{type(e).__name__}: {e}"[:400]
                     failed += 1
+                finally:
+                    _restore_inductor(inductor)
                 if cuda:
                     torch.cuda.empty_cache()
             rows.append(row)

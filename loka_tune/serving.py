@@ -382,11 +382,19 @@ class ServingBuckets(nn.Module):
         kw = {"mode": "reduce-overhead", "dynamic": False, **compile_kwargs}
         return ServingBuckets({b: torch.compile(self.models[str(b)], **kw) for b in self.sizes})  # type: ignore[misc]
 
-    def captured(self, *example_inputs: Any, compile: bool = True, warmup: int = 3) -> "CapturedBuckets":
+    def captured(self, *example_inputs: Any, compile: bool = True, warmup: int = 3,
+                 autotune: bool = False) -> "CapturedBuckets":
         """These buckets as :class:`CapturedBuckets`: each bucket's model (compiled with
-        ``torch.compile(mode="default", dynamic=False)`` unless ``compile=False``) captured as
-        one CUDA graph on static inputs shaped like ``example_inputs`` at the bucket's rows."""
-        return CapturedBuckets(self, example_inputs, compile=compile, warmup=warmup)
+        ``torch.compile(mode="default", dynamic=False)`` unless ``compile=False``; ``autotune``:
+        with inductor's coordinate-descent tuning of every Triton kernel instead, minutes of
+        compile for faster kernels) captured as one CUDA graph on static inputs shaped like
+        ``example_inputs`` at the bucket's rows."""
+        return CapturedBuckets(self, example_inputs, compile=compile, warmup=warmup, autotune=autotune)
+
+
+#: inductor options of ``autotune``: coordinate-descent tuning of every Triton kernel (what
+#: torchao's float8 inference turns on process-wide, ``recommended_inductor_config_setter``)
+_AUTOTUNE = {"coordinate_descent_tuning": True, "coordinate_descent_check_all_directions": True}
 
 
 class _Bucket:
@@ -419,7 +427,7 @@ class CapturedBuckets:
     """
 
     def __init__(self, buckets: ServingBuckets, example_inputs: Sequence[Any], *, compile: bool = True,
-                 warmup: int = 3) -> None:
+                 warmup: int = 3, autotune: bool = False) -> None:
         first = next((t for t in example_inputs if isinstance(t, torch.Tensor) and t.dim() > 0), None)
         if first is None:
             raise ServingError("CapturedBuckets needs example inputs with the batch as their first dimension"
@@ -434,7 +442,13 @@ class CapturedBuckets:
         self._buckets: dict[int, _Bucket] = {}
         for rows in self.sizes:
             model = buckets.models[str(rows)]
-            fn = torch.compile(model, mode="default", dynamic=False) if compile else model
+            fn: Callable[..., Any]
+            if not compile:
+                fn = model
+            elif autotune:  # torch.compile takes a mode or inductor options, not both
+                fn = torch.compile(model, dynamic=False, options=dict(_AUTOTUNE))
+            else:
+                fn = torch.compile(model, mode="default", dynamic=False)
             static = tuple(t.new_zeros((rows, *t.shape[1:])) if is_batch
                            else (t.clone() if isinstance(t, torch.Tensor) else t)
                            for t, is_batch in zip(example_inputs, batch_args))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -126,6 +127,37 @@ def test_serve_bench_calibrate_serves_calibrated_activation_scales(tmp_path: Pat
     assert serve.main(common + ["--out", str(dyn)]) == 0
     with pytest.raises(SystemExit, match="differs from .* in calibrate: 2 vs 0"):
         serve.main(["--merge", str(out), str(dyn), "--out", str(tmp_path / "m.json")])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU smoke mode")
+def test_serve_bench_contains_a_variants_inductor_settings_to_its_own_rows(tmp_path: Path, monkeypatch: Any) -> None:
+    """torchao's quantize_ turns on inductor's coordinate-descent tuning for the whole process:
+    each row now starts from the configuration the run started with and records what it compiled
+    with, so a later row is not tuned behind its back; --autotune tunes every row alike."""
+    import torch._inductor.config as inductor
+
+    serve = _load()
+    build = serve.build_variant
+
+    def leaky(name: str, *a: Any, **k: Any) -> Any:
+        if name == "loka_tensorwise":  # as torchao's recommended_inductor_config_setter does
+            inductor.coordinate_descent_tuning = True
+        return build(name, *a, **k)
+
+    monkeypatch.setattr(serve, "build_variant", leaky)
+    out = tmp_path / "serve.json"
+    common = ["--preset", "tiny", "--device", "cpu", "--batches", "8,16", "--reps", "1", "--warmup", "0",
+              "--variants", "bf16_mods,loka_tensorwise"]
+    assert serve.main(common + ["--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    tuned = [(r["variant"], r["batch"], r["inductor"]["coordinate_descent_tuning"]) for r in rows]
+    assert tuned == [("bf16_mods", 8, False), ("loka_tensorwise", 8, True), ("bf16_mods", 16, False),
+                     ("loka_tensorwise", 16, True)]
+    assert inductor.coordinate_descent_tuning is False
+    assert serve.main(common + ["--autotune", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["meta"]["autotune"] is True and all(r["inductor"]["coordinate_descent_tuning"] for r in res["rows"])
+    assert inductor.coordinate_descent_tuning is False
 
 
 def test_serve_bench_rejects_bad_arguments(tmp_path: Path) -> None:

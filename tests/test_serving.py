@@ -336,6 +336,25 @@ def test_captured_buckets_serve_what_the_buckets_do_padding_included() -> None:
         server.captured(*_batch(4), warmup=0)
 
 
+def test_captured_buckets_autotune_compiles_with_coordinate_descent_tuning(monkeypatch: Any) -> None:
+    """autotune=True: each bucket compiled with inductor's coordinate-descent tuning (options, as
+    torch.compile takes them instead of a mode); the default compiles in mode "default"."""
+    seen: list[dict[str, Any]] = []
+
+    def fake_compile(model: nn.Module, **kw: Any) -> nn.Module:
+        seen.append(kw)
+        return model
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    m = _wukong()
+    cfg = PrecisionConfig(default=SitePrecision.parse("e4m3.row.emulated|bf16|bf16"), mods=MODS)
+    server = serve_buckets(m, cfg.with_serving(ServingPlan(buckets=((16, {}), (32, {})))))
+    server.captured(*_batch(8), autotune=True)
+    server.captured(*_batch(8))
+    tuned = {"coordinate_descent_tuning": True, "coordinate_descent_check_all_directions": True}
+    assert seen == [{"dynamic": False, "options": tuned}] * 2 + [{"mode": "default", "dynamic": False}] * 2
+
+
 @pytest.mark.gpu
 def test_captured_buckets_on_a_gpu_replay_the_compiled_buckets() -> None:
     if not torch.cuda.is_available():
