@@ -53,7 +53,8 @@ torchao's ``quantize_`` turns on coordinate-descent tuning of every Triton kerne
 process (``torchao.quantization.utils.recommended_inductor_config_setter``, hence its rows'
 minutes of compile), which before 2026-12-02 leaked into every later row and gave torchao's
 rows tuned kernels beside our untuned ones; ``inductor`` per row says what it compiled with.
-``--autotune`` compiles every row with that tuning (``meta.autotune``).
+``--autotune`` compiles every row with that tuning (``meta.autotune``); ``--no-torchao-tuning``
+builds torchao's rows without it (``set_inductor_config=False``): every row untuned alike.
 ``--profile N`` then profiles N more calls of each row (``profile``: the GPU's busy time per call,
 its GEMM part and the 40 largest kernels), to see where one variant's time goes against another's.
 On a CPU (``--device cpu``) nothing is compiled (``--compile-mode none``) and torchao's variants
@@ -111,8 +112,10 @@ DEFAULT_MODS = ModsConfig(no_bias=True, blocknorm=256, hardswish=True)
 REF = "bf16_mods"
 
 
-def torchao_inference(model: nn.Module, granularity: str) -> dict[str, Any]:
-    """torchao's float8 inference on every ``nn.Linear`` of ``model`` it accepts (in place)."""
+def torchao_inference(model: nn.Module, granularity: str, *, inductor_config: bool = True) -> dict[str, Any]:
+    """torchao's float8 inference on every ``nn.Linear`` of ``model`` it accepts (in place);
+    ``inductor_config=False``: without its ``set_inductor_config`` (the process-wide
+    coordinate-descent tuning it otherwise turns on)."""
     from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, quantize_
 
     try:
@@ -128,8 +131,9 @@ def torchao_inference(model: nn.Module, granularity: str) -> dict[str, Any]:
         return ok
 
     gran = PerRow() if granularity == "rowwise" else PerTensor()
-    quantize_(model, Float8DynamicActivationFloat8WeightConfig(granularity=gran), filter_fn=accept)
-    return {"fp8_sites": len(seen)}
+    quantize_(model, Float8DynamicActivationFloat8WeightConfig(granularity=gran, set_inductor_config=inductor_config),
+              filter_fn=accept)
+    return {"fp8_sites": len(seen), "torchao_inductor_config": inductor_config}
 
 
 def torchao_sites(model: nn.Module) -> list[str]:
@@ -146,7 +150,7 @@ def uniform_serving(name: str, base: nn.Module, mods: ModsConfig, cuda: bool) ->
 
 
 def build_variant(name: str, base: nn.Module, served: PrecisionConfig, config: PrecisionConfig, batch: int,
-                  plan: str) -> tuple[nn.Module, dict[str, Any]]:
+                  plan: str, torchao_tuning: bool = True) -> tuple[nn.Module, dict[str, Any]]:
     """A copy of ``base`` (bf16 + Mods) turned into variant ``name`` for ``batch`` rows."""
     from loka_tune.serving import shared_copy
 
@@ -169,7 +173,7 @@ def build_variant(name: str, base: nn.Module, served: PrecisionConfig, config: P
         return model, info
     if name.startswith("torchao_"):
         model = copy.deepcopy(base)
-        return model, torchao_inference(model, name.split("_", 1)[1])
+        return model, torchao_inference(model, name.split("_", 1)[1], inductor_config=torchao_tuning)
     raise SystemExit(f"unknown variant {name!r}; choose from {', '.join(VARIANTS)}")
 
 
@@ -258,8 +262,9 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 #: what receipts merged into one must share (rows timed otherwise do not compare)
-_SAME = ("model", "preset", "mods", "compile_mode", "dtype", "device", "versions", "calibrate", "autotune")
-_UNSET = {"calibrate": 0, "autotune": False}  # receipts written before the key existed
+_SAME = ("model", "preset", "mods", "compile_mode", "dtype", "device", "versions", "calibrate", "autotune",
+         "torchao_tuning")
+_UNSET = {"calibrate": 0, "autotune": False, "torchao_tuning": True}  # receipts written before the key existed
 
 
 def _inductor_state() -> tuple[bytes, str]:
@@ -368,6 +373,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--autotune", action="store_true",
                     help="compile every row with inductor's coordinate-descent tuning of its Triton kernels (what"
                          " torchao's float8 inference turns on for its own rows; compiles take minutes a row)")
+    ap.add_argument("--no-torchao-tuning", action="store_true",
+                    help="torchao's rows without its set_inductor_config (no coordinate-descent tuning: every row"
+                         " untuned alike, and torchao's compile in seconds, not minutes)")
     ap.add_argument("--calibrate", type=int, default=0, metavar="N",
                     help="serve the config and loka_* variants with calibrated activation scales on their tensorwise"
                          " sites (loka_tune.serving.calibrate over N eval batches of 512 rows, seed 1; the timed"
@@ -452,6 +460,7 @@ def main(argv: list[str] | None = None) -> int:
                                for t in model_inputs(base, b)))
     meta["calibrate"] = len(calib) if calib else 0
     meta["autotune"] = bool(args.autotune)
+    meta["torchao_tuning"] = not args.no_torchao_tuning
 
     # ---- the serving plan of the config variant
     served = config
@@ -501,7 +510,8 @@ def main(argv: list[str] | None = None) -> int:
                                                           coordinate_descent_check_all_directions=True)
                              if args.autotune else contextlib.nullcontext())
                     with guard as dynamo, tuned:
-                        model, info = build_variant(name, base, served, config, batch, plan_kind)
+                        model, info = build_variant(name, base, served, config, batch, plan_kind,
+                                                    torchao_tuning=not args.no_torchao_tuning)
                         row.update(info)
                         if calib and (name == "config" or name in _LOKA):
                             row["calibrated_sites"] = len(calibrate(model, calib, strict=False).amax)
