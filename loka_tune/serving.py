@@ -767,14 +767,16 @@ def time_served_model(model: nn.Module, rows: int, inputs: Sequence[Any], *, ite
     """Seconds per call of a served ``model`` at ``rows`` rows (``inputs``: that many rows), as
     serving runs it: on a GPU compiled and captured as one CUDA graph
     (:meth:`ServingBuckets.captured`), each call copying the request in and replaying, timed
-    between CUDA events (the median of ``reps`` windows of ``iters`` calls); on a CPU the eager
-    model's wall time. Resets dynamo first (each alternative compiles the same ``forward``)."""
+    between CUDA events (the median of ``reps`` windows of ``iters`` calls; ``fullgraph=True``: a
+    graph break raises); on a CPU the eager model's wall time. Resets dynamo first (each
+    alternative compiles the same ``forward``)."""
     dev = next((t.device for t in inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
     cuda = dev.type == "cuda"
     torch._dynamo.reset()
     with torch.no_grad():
-        if cuda:
-            server: Callable[..., Any] = ServingBuckets({rows: model}).captured(*inputs, warmup=warmup)
+        if cuda:  # fullgraph: a graph break fails the alternative instead of timing glue code
+            fn = torch.compile(model, mode="default", dynamic=False, fullgraph=True)
+            server: Callable[..., Any] = ServingBuckets({rows: fn}).captured(*inputs, compile=False, warmup=warmup)
         else:
             server = model
         for _ in range(warmup):
