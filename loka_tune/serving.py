@@ -776,6 +776,7 @@ def time_served_model(model: nn.Module, rows: int, inputs: Sequence[Any], *, ite
     with torch.no_grad():
         if cuda:  # fullgraph: a graph break fails the alternative instead of timing glue code
             fn = torch.compile(model, mode="default", dynamic=False, fullgraph=True)
+            assert isinstance(fn, nn.Module)  # an OptimizedModule
             server: Callable[..., Any] = ServingBuckets({rows: fn}).captured(*inputs, compile=False, warmup=warmup)
         else:
             server = model
