@@ -46,7 +46,7 @@ import itertools
 import math
 import time
 from collections import Counter
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence, cast
 
 import torch
 from torch import nn
@@ -775,8 +775,7 @@ def time_served_model(model: nn.Module, rows: int, inputs: Sequence[Any], *, ite
     torch._dynamo.reset()
     with torch.no_grad():
         if cuda:  # fullgraph: a graph break fails the alternative instead of timing glue code
-            fn = torch.compile(model, mode="default", dynamic=False, fullgraph=True)
-            assert isinstance(fn, nn.Module)  # an OptimizedModule
+            fn = cast(nn.Module, torch.compile(model, mode="default", dynamic=False, fullgraph=True))  # an OptimizedModule
             server: Callable[..., Any] = ServingBuckets({rows: fn}).captured(*inputs, compile=False, warmup=warmup)
         else:
             server = model
