@@ -26,6 +26,9 @@ Variants (``--variants``, comma list; each a copy of that model):
 - ``torchao_rowwise`` / ``torchao_tensorwise``: torchao's float8 inference,
   ``torchao.quantization.quantize_(model, Float8DynamicActivationFloat8WeightConfig(granularity=
   PerRow() | PerTensor()))`` on every ``nn.Linear`` it accepts (in and out features multiples of 16);
+- ``torchao_static``: torchao's float8 inference with calibrated per-tensor activation scales
+  (``Float8StaticActivationFloat8WeightConfig``: prepare, the ``--calibrate`` batches, convert) on
+  the same sites: the like-for-like rival of our calibrated serving;
 - ``loka_rowwise`` / ``loka_tensorwise``: our serving form on exactly those sites, every one
   ``e4m3.row.fa.torch_scaled_mm`` / ``e4m3.tensor.fa.torch_scaled_mm`` with a static FP8 weight (no
   plan): the kernels against torchao's on the same sites, apart from the plan's choice of sites.
@@ -102,12 +105,12 @@ from loka_tune.data.base import model_inputs  # noqa: E402
 from loka_tune.kernels.quant import sqnr_db  # noqa: E402
 from loka_tune.serving import WHOLE_MODEL_ALTERNATIVES, calibrate  # noqa: E402
 
-VARIANTS = ("bf16_mods", "config", "config_dynamic", "torchao_rowwise", "torchao_tensorwise", "loka_rowwise",
-            "loka_tensorwise")
+VARIANTS = ("bf16_mods", "config", "config_dynamic", "torchao_rowwise", "torchao_tensorwise", "torchao_static",
+            "loka_rowwise", "loka_tensorwise")
 DEFAULT_VARIANTS = ("bf16_mods", "config", "loka_tensorwise", "torchao_tensorwise", "torchao_rowwise")
 _LOKA = {"loka_rowwise": "e4m3.row.fa.torch_scaled_mm", "loka_tensorwise": "e4m3.tensor.fa.torch_scaled_mm"}
 _LOKA_CPU = {"loka_rowwise": "e4m3.row.emulated", "loka_tensorwise": "e4m3.tensor.emulated"}
-_GPU_ONLY = {"torchao_rowwise", "torchao_tensorwise"}
+_GPU_ONLY = {"torchao_rowwise", "torchao_tensorwise", "torchao_static"}
 DEFAULT_MODS = ModsConfig(no_bias=True, blocknorm=256, hardswish=True)
 REF = "bf16_mods"
 
@@ -136,6 +139,27 @@ def torchao_inference(model: nn.Module, granularity: str, *, inductor_config: bo
     return {"fp8_sites": len(seen), "torchao_inductor_config": inductor_config}
 
 
+def torchao_static_inference(model: nn.Module, calib: list[tuple[Any, ...]] | None, *,
+                             inductor_config: bool = True) -> dict[str, Any]:
+    """torchao's float8 inference with *static* (calibrated) per-tensor activation scales, on the
+    Linears :func:`torchao_inference` takes: ``Float8StaticActivationFloat8WeightConfig``'s
+    observer flow (prepare, run the calibration batches, convert; in place). The like-for-like
+    rival of our calibrated tensorwise serving (``--calibrate N``)."""
+    from torchao.quantization import Float8StaticActivationFloat8WeightConfig, quantize_
+
+    if not calib:
+        raise ValueError("torchao_static calibrates its activation scales: run with --calibrate N (N >= 1)")
+    sites = set(torchao_sites(model))
+    quantize_(model, Float8StaticActivationFloat8WeightConfig(step="prepare"),
+              filter_fn=lambda mod, fqn: fqn in sites)
+    with torch.no_grad():
+        for b in calib:
+            model(*b)
+    quantize_(model, Float8StaticActivationFloat8WeightConfig(step="convert", set_inductor_config=inductor_config),
+              filter_fn=lambda mod, fqn: type(mod).__name__ == "Float8ObservedLinear")
+    return {"fp8_sites": len(sites), "torchao_inductor_config": inductor_config, "calibration_batches": len(calib)}
+
+
 def torchao_sites(model: nn.Module) -> list[str]:
     """The Linears torchao's float8 inference accepts (in and out features multiples of 16)."""
     return [fqn for fqn, m in model.named_modules()
@@ -150,7 +174,8 @@ def uniform_serving(name: str, base: nn.Module, mods: ModsConfig, cuda: bool) ->
 
 
 def build_variant(name: str, base: nn.Module, served: PrecisionConfig, config: PrecisionConfig, batch: int,
-                  plan: str, torchao_tuning: bool = True) -> tuple[nn.Module, dict[str, Any]]:
+                  plan: str, torchao_tuning: bool = True,
+                  calib: list[tuple[Any, ...]] | None = None) -> tuple[nn.Module, dict[str, Any]]:
     """A copy of ``base`` (bf16 + Mods) turned into variant ``name`` for ``batch`` rows."""
     from loka_tune.serving import shared_copy
 
@@ -171,6 +196,9 @@ def build_variant(name: str, base: nn.Module, served: PrecisionConfig, config: P
         model = copy.deepcopy(base)
         info = e2e.prepare("config", model, config)
         return model, info
+    if name == "torchao_static":
+        model = copy.deepcopy(base)
+        return model, torchao_static_inference(model, calib, inductor_config=torchao_tuning)
     if name.startswith("torchao_"):
         model = copy.deepcopy(base)
         return model, torchao_inference(model, name.split("_", 1)[1], inductor_config=torchao_tuning)
@@ -511,7 +539,7 @@ def main(argv: list[str] | None = None) -> int:
                              if args.autotune else contextlib.nullcontext())
                     with guard as dynamo, tuned:
                         model, info = build_variant(name, base, served, config, batch, plan_kind,
-                                                    torchao_tuning=not args.no_torchao_tuning)
+                                                    torchao_tuning=not args.no_torchao_tuning, calib=calib)
                         row.update(info)
                         if calib and (name == "config" or name in _LOKA):
                             row["calibrated_sites"] = len(calibrate(model, calib, strict=False).amax)
