@@ -103,7 +103,7 @@ from loka_tune.applier import apply  # noqa: E402
 from loka_tune.config import ModsConfig, PrecisionConfig  # noqa: E402
 from loka_tune.data.base import model_inputs  # noqa: E402
 from loka_tune.kernels.quant import sqnr_db  # noqa: E402
-from loka_tune.serving import WHOLE_MODEL_ALTERNATIVES, calibrate  # noqa: E402
+from loka_tune.serving import ALL_ALTERNATIVES, WHOLE_MODEL_ALTERNATIVES, calibrate  # noqa: E402
 
 VARIANTS = ("bf16_mods", "config", "config_dynamic", "torchao_rowwise", "torchao_tensorwise", "torchao_static",
             "loka_rowwise", "loka_tensorwise")
@@ -452,6 +452,16 @@ def main(argv: list[str] | None = None) -> int:
     plan_kind = args.plan or ("measured" if cuda else "modeled")
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     batches = [int(b) for b in args.batches.split(",") if b.strip()]
+    for flag, value in (("--calibrate", args.calibrate), ("--profile", args.profile)):
+        if value < 0:
+            raise SystemExit(f"{flag} {value}: give a count of batches / calls >= 0 (0: off)")
+    alts = [a.strip() for a in args.alternatives.split(",") if a.strip()]
+    bad_alts = [a for a in alts if a not in ALL_ALTERNATIVES]
+    if bad_alts or not alts:
+        raise SystemExit(f"--alternatives {args.alternatives!r}: unknown {bad_alts or 'empty list'}; choose from"
+                         f" {', '.join(ALL_ALTERNATIVES)}")
+    if "torchao_static" in args.variants and args.calibrate < 1:
+        raise SystemExit("the torchao_static variant calibrates its activation scales: add --calibrate N (N >= 1)")
     names = [v.strip() for v in args.variants.split(",") if v.strip()]
     bad = [v for v in names if v not in VARIANTS]
     if bad:
@@ -506,7 +516,7 @@ def main(argv: list[str] | None = None) -> int:
                               cost_device=args.cost_device, measure=plan_kind == "measured", device=str(dev),
                               cache=cache, budget_s=args.plan_budget,
                               progress=lambda msg: print(f"[plan] {msg}", flush=True), verify=args.verify,
-                              alternatives=[a.strip() for a in args.alternatives.split(",") if a.strip()],
+                              alternatives=alts,
                               verify_budget_s=args.verify_budget, calibration=calib)
         plan_s = time.perf_counter() - t0
         served.save(args.out.with_name(args.out.stem + "_config.json"))

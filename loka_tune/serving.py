@@ -59,7 +59,7 @@ if TYPE_CHECKING:
 
 __all__ = ["serving_form", "ServingBuckets", "CapturedBuckets", "serve_buckets", "plan_serving", "site_rows",
            "verify_serving_plan", "time_served_model", "calibrate", "Calibration", "DEFAULT_BUCKETS",
-           "WHOLE_MODEL_ALTERNATIVES"]
+           "WHOLE_MODEL_ALTERNATIVES", "ALL_ALTERNATIVES"]
 
 DEFAULT_BUCKETS = (512, 2048, 8192)  # the serving batch sizes of issue 23 (small, medium, production)
 
@@ -67,7 +67,8 @@ DEFAULT_BUCKETS = (512, 2048, 8192)  # the serving batch sizes of issue 23 (smal
 ModelTimer = Callable[[nn.Module, int, Sequence[Any]], float]
 #: the whole-model alternatives :func:`verify_serving_plan` times per bucket, by default
 WHOLE_MODEL_ALTERNATIVES = ("sites", "tensor", "tensor_all", "bf16")
-_ALTERNATIVES = ("sites", "tensor", "row", "tensor_all", "row_all", "bf16")
+#: every alternative verify_serving_plan knows
+ALL_ALTERNATIVES = ("sites", "tensor", "row", "tensor_all", "row_all", "bf16")
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -881,9 +882,9 @@ def verify_serving_plan(model: nn.Module, config: PrecisionConfig | Mapping[str,
         raise ConfigError("verify_serving_plan checks a serving plan; price one first with"
                           " loka_tune.serving.plan_serving(model, config, inputs)", key="serving")
     names = list(dict.fromkeys(alternatives))
-    bad = [a for a in names if a not in _ALTERNATIVES]
+    bad = [a for a in names if a not in ALL_ALTERNATIVES]
     if bad or not names:
-        raise ConfigError(f"got alternatives={list(alternatives)!r}; choose from {', '.join(_ALTERNATIVES)}"
+        raise ConfigError(f"got alternatives={list(alternatives)!r}; choose from {', '.join(ALL_ALTERNATIVES)}"
                           " (e.g. sites,tensor,tensor_all,bf16)", key="alternatives")
     if "sites" in names:
         names.remove("sites")

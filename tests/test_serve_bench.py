@@ -169,6 +169,12 @@ def test_serve_bench_rejects_bad_arguments(tmp_path: Path) -> None:
         serve.main(base + ["--variants", "config"])
     with pytest.raises(SystemExit, match="has no serving section"):
         serve.main(base + ["--variants", "config", "--config", str(_config(tmp_path)), "--plan", "config"])
+    with pytest.raises(SystemExit, match="--calibrate -1: give a count"):
+        serve.main(base + ["--variants", "bf16_mods", "--calibrate", "-1"])
+    with pytest.raises(SystemExit, match="--alternatives 'sites,fastest': unknown \\['fastest'\\]; choose from sites"):
+        serve.main(base + ["--variants", "bf16_mods", "--alternatives", "sites,fastest"])
+    with pytest.raises(SystemExit, match="torchao_static variant calibrates .*add --calibrate N"):
+        serve.main(base + ["--variants", "bf16_mods,torchao_static"])
     with pytest.raises(SystemExit, match="--compile-mode graph captures CUDA graphs: it needs a CUDA device"):
         serve.main(base + ["--variants", "bf16_mods", "--compile-mode", "graph"])
 
