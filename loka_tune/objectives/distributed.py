@@ -40,7 +40,7 @@ from torch import nn
 from loka_tune.errors import ConfigError
 
 __all__ = ["DistEnv", "dist_env", "process_group", "local_rows", "RankSource", "gather_rows", "launch",
-           "strip_nproc", "rank_share", "join", "torn_down"]
+           "strip_nproc", "rank_share", "join", "torn_down", "exit_rank"]
 
 _ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 
@@ -111,21 +111,65 @@ def process_group(env: DistEnv, device: torch.device) -> Iterator[None]:
         yield
 
 
+#: Process groups past ``destroy_process_group``, kept referenced until the process exits (see
+#: :func:`torn_down`).
+_RETIRED: list[Any] = []
+
+
 @contextlib.contextmanager
 def torn_down() -> Iterator[None]:
-    """Destroy the default process group after the block. On a normal exit every rank first
-    meets at a barrier: gloo's worker threads free a finished collective's tensors after its
-    ``wait()`` returns, and freeing a tensor Python still sees takes the GIL; a process that
-    drops its last reference to the group (DDP's reducer holds one) joins those threads with
-    the GIL held, and the two wait on each other for ever (seen with torch 2.13, about one run
-    in three). The barrier's wait releases the GIL until the threads are done."""
+    """Destroy the default process group after the block, keeping this module's reference to it
+    until the process exits. Why: gloo's worker threads free a finished collective's tensors
+    after its ``wait()`` returns, and freeing a tensor Python still sees takes the GIL. The group
+    object releases the GIL while its destructor joins those threads, but DDP's reducer does not:
+    when the reducer drops the last reference to the group (a trained model freed after the
+    run), it joins the threads with the GIL held and both wait for ever (seen with torch 2.13 on
+    the CPU: with a barrier before the teardown, one two-process run in twenty; without it,
+    about one in three). Kept here, the group is never freed by Python at all: a rank ends
+    through :func:`exit_rank`, which skips interpreter finalization (freed there, the group's
+    threads reach for a GIL that is going away and the rank aborts, "terminate called without an
+    active exception": the CI failure of stop 33, one two-process run in the suite). On a normal
+    exit every rank first meets at a barrier."""
     try:
         yield
     except BaseException:
-        dist.destroy_process_group()  # another rank may be gone: no barrier
+        _retire()  # another rank may be gone: no barrier
         raise
     dist.barrier()
+    _retire()
+
+
+def _retire() -> None:
+    _RETIRED.append(dist.distributed_c10d._get_default_group())
     dist.destroy_process_group()
+
+
+def exit_rank(code: int | str | None) -> None:
+    """End this process with ``code`` (``sys.exit``'s meaning) when it is a rank of a torchrun
+    job, without interpreter finalization: stdout, stderr and logging are flushed, then
+    ``os._exit``. Alone (no torchrun), return and let the caller exit as usual.
+
+    Why: finalization frees what the run left, the retired process groups of :func:`torn_down`
+    among them, while gloo's threads may still need the GIL; Python 3.11 ends such threads
+    mid-C++ and the rank aborts with exit -6. Every result a rank writes is written and closed
+    before its entry point returns, and nothing here registers ``atexit`` work (MLflow is called
+    synchronously)."""
+    if dist_env() is None:
+        return
+    import logging
+
+    if code is None:
+        status = 0
+    elif isinstance(code, int):
+        status = code
+    else:  # sys.exit("message"): printed, status 1
+        print(code, file=sys.stderr)
+        status = 1
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(status)
 
 
 def check_batch(batch_size: int, env: DistEnv, *, key: str = "batch_size") -> int:
