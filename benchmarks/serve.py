@@ -46,7 +46,9 @@ cudagraph trees' per-call Python: the fifth session's p50 at 8192 sat 0.26 ms (b
 :func:`loka_tune.objectives.compiled.strict_compile` (a graph break or an eager fallback fails
 the row), ``--warmup`` calls, then ``--reps`` calls each timed between two CUDA events after a
 sync (``p50_ms``, ``p99_ms``, ``mean_ms``), and ``--reps`` calls back to back between two events
-(``throughput``: rows per second). ``sqnr_db``: the logits' SQNR against ``bf16_mods`` at the same
+(``throughput``: rows per second); ``--rounds R`` keeps the rows of a batch built and times them
+R times in turn, each round from the next variant, pooling their calls (``rounds_p50_ms``: each
+round's p50; one-round runs of one H200 disagreed by up to 15% between calls). ``sqnr_db``: the logits' SQNR against ``bf16_mods`` at the same
 batch (:func:`loka_tune.kernels.quant.sqnr_db`; ``null`` for the reference itself), and
 ``sqnr_centered_db`` the same with the reference's mean logit taken off both (an untrained model's
 logits sit near ``logit(base rate)``, a constant that would flatter the plain SQNR). A row that
@@ -80,6 +82,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import gc
 import json
 import math
 import platform
@@ -211,8 +214,21 @@ def _to_device_inputs(model: nn.Module, source: Any, batch: int, dev: torch.devi
                  for t in model_inputs(model, b))
 
 
-def time_calls(fn: Callable[[], Any], dev: torch.device, *, warmup: int, reps: int) -> dict[str, float]:
-    """Per-call latencies (synced, CUDA events on a GPU) and back-to-back throughput of ``fn``."""
+def time_calls(fn: Callable[[], Any], dev: torch.device, *, warmup: int, reps: int) -> dict[str, Any]:
+    """Per-call latencies (synced, CUDA events on a GPU; ``lat_s`` every one, sorted) and
+    back-to-back throughput of ``fn``, with Python's garbage collector paused (as ``timeit``
+    does: a collection inside one call is the process's noise, not the variant's)."""
+    enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        return _time_calls(fn, dev, warmup=warmup, reps=reps)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _time_calls(fn: Callable[[], Any], dev: torch.device, *, warmup: int, reps: int) -> dict[str, Any]:
     for _ in range(warmup):
         fn()
     cuda = dev.type == "cuda"
@@ -244,9 +260,45 @@ def time_calls(fn: Callable[[], Any], dev: torch.device, *, warmup: int, reps: i
         for _ in range(reps):
             fn()
         back = (time.perf_counter() - t0) / reps
-    lat.sort()
+    return {**latency_stats(lat), "back_to_back_s": back}
+
+
+def _record_timing(row: dict[str, Any], tm: dict[str, Any]) -> None:
+    """A row's latency keys (ms) and throughput (rows / s) from :func:`time_calls` or :func:`timed_rounds`."""
+    batch = int(row["batch"])
+    row.update(p50_ms=tm["p50_s"] * 1e3, p99_ms=tm["p99_s"] * 1e3, mean_ms=tm["mean_s"] * 1e3,
+               back_to_back_ms=tm["back_to_back_s"] * 1e3, throughput=batch / tm["back_to_back_s"])
+    if "rounds_p50_ms" in tm:
+        row["rounds_p50_ms"] = tm["rounds_p50_ms"]
+
+
+def latency_stats(lat: list[float]) -> dict[str, Any]:
+    """p50 / p99 / mean of per-call latencies (seconds), and the latencies sorted (``lat_s``)."""
+    lat = sorted(lat)
     p99 = lat[min(len(lat) - 1, max(0, math.ceil(0.99 * len(lat)) - 1))]
-    return {"p50_s": statistics.median(lat), "p99_s": p99, "mean_s": statistics.fmean(lat), "back_to_back_s": back}
+    return {"p50_s": statistics.median(lat), "p99_s": p99, "mean_s": statistics.fmean(lat), "lat_s": lat}
+
+
+def timed_rounds(calls: dict[str, Callable[[], Any]], dev: torch.device, *, rounds: int, warmup: int,
+                 reps: int) -> dict[str, dict[str, Any]]:
+    """:func:`time_calls` of every variant of one batch, ``rounds`` times in turn (round r starts
+    at the r-th variant: each takes every place in the order), so that a drift of the machine
+    (clocks, heat, the host) is shared by all instead of landing on whoever ran last. Per variant:
+    the statistics of all its calls pooled, ``back_to_back_s`` the mean over rounds and
+    ``rounds_p50_ms`` each round's own p50 (their spread is the run's noise)."""
+    names = list(calls)
+    lat: dict[str, list[float]] = {n: [] for n in names}
+    back: dict[str, list[float]] = {n: [] for n in names}
+    p50s: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        k = r % len(names) if names else 0
+        for n in names[k:] + names[:k]:
+            tm = time_calls(calls[n], dev, warmup=warmup, reps=reps)
+            lat[n] += tm["lat_s"]
+            back[n].append(tm["back_to_back_s"])
+            p50s[n].append(tm["p50_s"] * 1e3)
+    return {n: {**latency_stats(lat[n]), "back_to_back_s": statistics.fmean(back[n]), "rounds_p50_ms": p50s[n]}
+            for n in names}
 
 
 def summarize(rows: list[dict[str, Any]], batches: list[int]) -> dict[str, Any]:
@@ -334,7 +386,8 @@ def merge_receipts(paths: list[Path]) -> dict[str, Any]:
     rows in order (a later file's row replaces an earlier one of the same variant and batch), the
     serving plans' buckets and priced cells together, the summary over every batch. The runs must
     share :data:`_SAME` (model, Mods, compile mode, dtype, device, versions); each row keeps the
-    SQNR of its own run's reference."""
+    SQNR of its own run's reference and names its run (``receipt``); ``meta`` is the first run's,
+    with ``merged_from``, ``argv_each`` and ``rounds_each``."""
     if len(paths) < 2:
         raise SystemExit(f"--merge takes two or more receipts, got {len(paths)}")
     docs = []
@@ -354,9 +407,9 @@ def merge_receipts(paths: list[Path]) -> dict[str, Any]:
             raise SystemExit(f"--merge: {p} differs from {paths[0]} in {what}; merge only runs of one setup")
     rows: dict[tuple[str, int], dict[str, Any]] = {}
     plan: dict[str, Any] | None = None
-    for d in docs:
+    for p, d in zip(paths, docs):
         for r in d["rows"]:
-            rows[(r["variant"], int(r["batch"]))] = r
+            rows[(r["variant"], int(r["batch"]))] = {**r, "receipt": str(p)}  # which run measured it
         pl = d.get("plan")
         if pl:
             if plan is None:
@@ -368,7 +421,8 @@ def merge_receipts(paths: list[Path]) -> dict[str, Any]:
     batches = sorted({b for _, b in rows}, reverse=True)
     merged = sorted(rows.values(), key=lambda r: (-int(r["batch"]), r["variant"] != REF))
     meta = {**first, "batches": batches, "merged_from": [str(p) for p in paths],
-            "argv_each": [d["meta"].get("argv") for d in docs]}
+            "argv_each": [d["meta"].get("argv") for d in docs],
+            "rounds_each": [d["meta"].get("rounds", 1) for d in docs]}
     return {"meta": meta, "rows": merged, "plan": plan, "summary": summarize(merged, batches)}
 
 
@@ -414,6 +468,10 @@ def main(argv: list[str] | None = None) -> int:
                          " compiled without cudagraph trees, then one captured CUDA graph per row (CUDA only)")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--reps", type=int, default=100)
+    ap.add_argument("--rounds", type=int, default=1, metavar="R",
+                    help="time the rows of each batch R times in turn, each round from the next variant (all rows"
+                         " of a batch stay built meanwhile), and pool their calls: a drift of the machine is shared"
+                         " by every variant; rounds_p50_ms per row (default 1: each row timed once, as it is built)")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="after timing, profile N more calls of each row: its GPU kernels per call (gpu_ms, gemm_ms,"
                          " kernels_per_step, the top 40 by time) in the row's 'profile'")
@@ -455,6 +513,8 @@ def main(argv: list[str] | None = None) -> int:
     for flag, value in (("--calibrate", args.calibrate), ("--profile", args.profile)):
         if value < 0:
             raise SystemExit(f"{flag} {value}: give a count of batches / calls >= 0 (0: off)")
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds {args.rounds}: give a count of timing rounds >= 1 (1: each row timed once)")
     alts = [a.strip() for a in args.alternatives.split(",") if a.strip()]
     bad_alts = [a for a in alts if a not in ALL_ALTERNATIVES]
     if bad_alts or not alts:
@@ -482,6 +542,7 @@ def main(argv: list[str] | None = None) -> int:
         "study": str(args.study), "model": cfg.model.name, "preset": cfg.model.preset, "batches": batches,
         "variants": names, "config": str(args.config) if args.config else None, "mods": config.mods.short_str(),
         "plan": plan_kind, "compile_mode": mode, "dtype": args.dtype, "warmup": args.warmup, "reps": args.reps,
+        "rounds": args.rounds,
         "device": torch.cuda.get_device_name(dev) if cuda else (platform.processor() or "cpu"),
         "versions": _versions(), "python": platform.python_version(), "date": time.strftime("%Y-%m-%d"),
         "argv": sys.argv[1:] if argv is None else argv}
@@ -531,8 +592,13 @@ def main(argv: list[str] | None = None) -> int:
         args.out.write_text(json.dumps({"meta": meta, "rows": rows, "plan": plan_dict,
                                         "summary": summarize(rows, batches)}, indent=1, default=str))
 
+    def show(row: dict[str, Any]) -> None:
+        shown = {k: row[k] for k in ("p50_ms", "p99_ms", "sqnr_db", "fp8_sites", "skipped", "error") if k in row}
+        print(f"[serve {time.perf_counter() - t_start:6.0f}s] {row['variant']} @ {row['batch']}: {shown}", flush=True)
+
     for batch in batches:
         inputs = _to_device_inputs(base, source, batch, dev, dtype)
+        live: dict[str, tuple[dict[str, Any], Callable[[], Any]]] = {}  # --rounds > 1: built, not yet timed
         for name in names:
             row: dict[str, Any] = {"variant": name, "batch": batch}
             if time.perf_counter() - t_start > args.budget:
@@ -557,23 +623,24 @@ def main(argv: list[str] | None = None) -> int:
                             if mode == "graph":  # the product's path: compiled, one CUDA graph per bucket
                                 server = ServingBuckets({batch: model}).captured(*inputs)
 
-                                def call() -> Any:
-                                    return server(*inputs)
+                                def call(server: Any = server, inputs: tuple[Any, ...] = inputs) -> Any:
+                                    return server(*inputs)  # bound now: --rounds keeps this closure past the row
                             else:
                                 fn = model if mode == "none" else torch.compile(model, mode=mode, dynamic=False)
 
-                                def call() -> Any:
+                                def call(fn: Any = fn, inputs: tuple[Any, ...] = inputs) -> Any:
                                     return fn(*inputs)
                             out = call().float().clone()  # compiles (and records the graph on later calls)
                             row["compile_s"] = time.perf_counter() - t0
                             row["inductor"] = _inductor_settings()  # what this row compiled with
-                            tm = time_calls(call, dev, warmup=args.warmup, reps=args.reps)
-                            if args.profile > 0:
-                                row["profile"] = profile_calls(call, dev, args.profile)
+                            if args.rounds == 1:
+                                _record_timing(row, time_calls(call, dev, warmup=args.warmup, reps=args.reps))
+                                if args.profile > 0:
+                                    row["profile"] = profile_calls(call, dev, args.profile)
+                            else:  # kept built: timed with the batch's other rows, in turns
+                                live[name] = (row, call)
                     if mode != "none":
                         row["dynamo"] = dynamo
-                    row.update(p50_ms=tm["p50_s"] * 1e3, p99_ms=tm["p99_s"] * 1e3, mean_ms=tm["mean_s"] * 1e3,
-                               back_to_back_ms=tm["back_to_back_s"] * 1e3, throughput=batch / tm["back_to_back_s"])
                     if name == REF:
                         ref_logits[batch] = out
                         row["sqnr_db"] = row["sqnr_centered_db"] = None
@@ -583,7 +650,9 @@ def main(argv: list[str] | None = None) -> int:
                         row["sqnr_db"] = s if math.isfinite(s) else None
                         row["sqnr_centered_db"] = c if math.isfinite(c) else None
                         row["identical_to_ref"] = not math.isfinite(s)
-                    del model, call
+                    del model
+                    if name not in live:
+                        del call
                 except Exception as e:  # noqa: BLE001 - record it and go on: one broken row must not hide the rest
                     row["error"] = f"{type(e).__name__}: {e}"[:400]
                     failed += 1
@@ -593,8 +662,25 @@ def main(argv: list[str] | None = None) -> int:
                     torch.cuda.empty_cache()
             rows.append(row)
             dump()
-            shown = {k: row[k] for k in ("p50_ms", "p99_ms", "sqnr_db", "fp8_sites", "skipped", "error") if k in row}
-            print(f"[serve {time.perf_counter() - t_start:6.0f}s] {name} @ {batch}: {shown}", flush=True)
+            show(row)
+        if live:
+            try:
+                timed = timed_rounds({n: c for n, (_, c) in live.items()}, dev, rounds=args.rounds,
+                                     warmup=args.warmup, reps=args.reps)
+                for n, (row, call) in live.items():
+                    _record_timing(row, timed[n])
+                    if args.profile > 0:
+                        row["profile"] = profile_calls(call, dev, args.profile)
+            except Exception as e:  # noqa: BLE001 - the rows keep their build; the error says why no times
+                for row, _ in live.values():
+                    row["error"] = f"timing rounds: {type(e).__name__}: {e}"[:400]
+                failed += 1
+            for row, _ in live.values():
+                show(row)
+            live.clear()
+            if cuda:
+                torch.cuda.empty_cache()
+            dump()
     dump()
     print()
     print(table(rows))

@@ -179,6 +179,35 @@ def test_serve_bench_rejects_bad_arguments(tmp_path: Path) -> None:
         serve.main(base + ["--variants", "bf16_mods", "--compile-mode", "graph"])
 
 
+def test_timed_rounds_give_every_variant_every_place_in_the_order() -> None:
+    serve = _load()
+    order: list[str] = []
+    calls = {n: (lambda n=n: order.append(n)) for n in ("a", "b", "c")}
+    timed = serve.timed_rounds(calls, torch.device("cpu"), rounds=3, warmup=0, reps=1)
+    # each variant: one timed call and one back-to-back call per round, its rounds started in turn
+    assert order == ["a", "a", "b", "b", "c", "c", "b", "b", "c", "c", "a", "a", "c", "c", "a", "a", "b", "b"]
+    for t in timed.values():
+        assert len(t["rounds_p50_ms"]) == 3 and len(t["lat_s"]) == 3
+        assert min(t["rounds_p50_ms"]) <= t["p50_s"] * 1e3 <= max(t["rounds_p50_ms"])
+
+
+def test_serve_bench_rounds_time_the_rows_of_a_batch_in_turns(tmp_path: Path) -> None:
+    serve = _load()
+    out = tmp_path / "serve.json"
+    common = ["--preset", "tiny", "--device", "cpu", "--batches", "8,16", "--reps", "2", "--warmup", "0",
+              "--variants", "bf16_mods,loka_tensorwise", "--out", str(out)]
+    assert serve.main(common + ["--rounds", "3"]) == 0
+    res = json.loads(out.read_text())
+    assert res["meta"]["rounds"] == 3
+    assert [(r["variant"], r["batch"]) for r in res["rows"]] == [("bf16_mods", 8), ("loka_tensorwise", 8),
+                                                                  ("bf16_mods", 16), ("loka_tensorwise", 16)]
+    for r in res["rows"]:
+        assert "error" not in r and len(r["rounds_p50_ms"]) == 3 and 0 < r["p50_ms"] <= r["p99_ms"]
+    assert res["rows"][1]["sqnr_db"] is not None and res["rows"][1]["sqnr_db"] > 15.0
+    with pytest.raises(SystemExit, match="--rounds 0: give a count of timing rounds >= 1"):
+        serve.main(common + ["--rounds", "0"])
+
+
 @pytest.mark.gpu
 def test_serve_bench_captured_graph_serves_what_the_compiled_model_does(tmp_path: Path) -> None:
     """``--compile-mode graph`` on a GPU: each row's model compiled, captured as one CUDA graph
@@ -239,6 +268,8 @@ def test_serve_bench_merges_the_receipts_of_two_calls(tmp_path: Path) -> None:
     assert [(r["variant"], r["batch"]) for r in res["rows"]] == [
         ("bf16_mods", 32), ("config", 32), ("bf16_mods", 8), ("config", 8)]
     assert res["meta"]["batches"] == [32, 8] and res["meta"]["merged_from"] == [str(a), str(b)]
+    assert [r["receipt"] for r in res["rows"]] == [str(a), str(a), str(b), str(b)]
+    assert res["meta"]["rounds_each"] == [1, 1]
     assert set(res["plan"]["buckets"]) == {"32", "8"}
     assert set(res["summary"]["speedup_vs_bf16_mods"]["config"]) == {"32", "8"}
     assert "config >= 1.20x bf16_mods at 32" in res["summary"]["checks"]

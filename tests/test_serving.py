@@ -922,6 +922,40 @@ def test_calibrate_fixes_each_tensorwise_sites_scale_from_real_batches() -> None
     assert cal2.amax["0"] == float(batches[0][0].abs().amax()) < cal.amax["0"]
 
 
+def _graph_ops(gm: torch.fx.GraphModule) -> list[str]:
+    """Every call_function target of an exported graph, its nested (autocast) graphs included."""
+    found = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+    for child in gm.children():
+        if isinstance(child, torch.fx.GraphModule):
+            found += _graph_ops(child)
+    return found
+
+
+def test_a_calibrated_site_runs_no_reciprocal_per_call() -> None:
+    # the dequantization factor 1 / act_scale is computed once, at calibration: a graph that
+    # recomputed it would launch one more kernel per site per call (22 at Wukong's serving step)
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 32, bias=False)
+    site = ServingLinear.from_linear(lin, "e4m3.tensor.fa.torch_scaled_mm")
+    x = torch.randn(16, 64, dtype=torch.bfloat16)
+    dynamic = _graph_ops(torch.export.export(site, (x,)).graph_module)
+    assert "aten._scaled_mm.default" in dynamic and "aten.reciprocal.default" in dynamic  # its own amax's scale
+    site.calibrate_(float(x.float().abs().amax()))
+    assert torch.equal(site.act_inv_scale, site.act_scale.reciprocal())
+    ops = _graph_ops(torch.export.export(site, (x,)).graph_module)
+    assert "aten._scaled_mm.default" in ops and "aten.reciprocal.default" not in ops and "aten.amax.default" not in ops
+    with torch.no_grad():  # the precomputed factor is the one the per-call reciprocal gave
+        from loka_tune.kernels.scaled import scaled_mm_calibrated
+        ref = scaled_mm_calibrated(x, site.act_scale, site.weight_fp8, site.weight_scale, site.choice)
+        assert torch.equal(site(x), ref)
+    # loaded from a state dict (where only act_scale is kept) and cleared, the factor follows
+    again = ServingLinear.from_linear(lin, "e4m3.tensor.fa.torch_scaled_mm")
+    again.load_state_dict(site.state_dict())
+    assert "act_inv_scale" not in site.state_dict() and torch.equal(again.act_inv_scale, site.act_inv_scale)
+    again.clear_calibration_()
+    assert again.act_inv_scale.numel() == 0 and not again.calibrated
+
+
 def test_calibrate_refuses_what_it_cannot_calibrate_in_one_line() -> None:
     from loka_tune.serving import calibrate
 

@@ -93,7 +93,9 @@ class EmulatedBackend(Backend):
         return fn
 
     def calibrated_gemm(self, choice: GemmChoice) -> Callable[..., torch.Tensor]:
-        def fn(a: torch.Tensor, act_scale: torch.Tensor, data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        def fn(a: torch.Tensor, act_scale: torch.Tensor, data: torch.Tensor, scale: torch.Tensor,
+               act_inv: torch.Tensor | None = None) -> torch.Tensor:
+            # the emulation divides by act_scale as the reference dequantizes: act_inv is not needed
             return emulated_calibrated_gemm(a, act_scale, data, scale, choice)
 
         return fn

@@ -219,9 +219,11 @@ class Backend(ABC):
         return None
 
     def calibrated_gemm(self, choice: GemmChoice) -> Callable[..., torch.Tensor]:
-        """The call path ``f(x, act_scale, data, scale) -> x @ W^T`` of :meth:`static_gemm` with the
-        activation quantized with a fixed multiplier ``act_scale`` (float32 ``()``: the reference
-        ``fmax / amax`` of a calibration) instead of its own amax: no reduction per call.
+        """The call path ``f(x, act_scale, data, scale, act_inv=None) -> x @ W^T`` of :meth:`static_gemm`
+        with the activation quantized with a fixed multiplier ``act_scale`` (float32 ``()``: the
+        reference ``fmax / amax`` of a calibration) instead of its own amax: no reduction per call.
+        ``act_inv`` is ``act_scale.reciprocal()`` precomputed (a backend may use it as the GEMM's
+        dequantization factor rather than compute it per call).
         Quantizing with the scale the call's own amax gives is bit for bit the dynamic path."""
         raise UnsupportedChoiceError(f"{choice.short_str()!r}: {self.calibrated_reason(choice)}")
 

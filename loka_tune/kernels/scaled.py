@@ -102,18 +102,21 @@ def scaled_mm_static(a: torch.Tensor, qb: torch.Tensor, sb: torch.Tensor, choice
 
 
 def scaled_mm_calibrated(a: torch.Tensor, act_scale: torch.Tensor, qb: torch.Tensor, sb: torch.Tensor,
-                         choice: GemmChoice) -> torch.Tensor:
+                         choice: GemmChoice, act_inv: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`scaled_mm_static` (tensorwise) with the activation's scale fixed ahead of time:
     ``act_scale`` (float32 ``()``, the multiplier ``fmax / amax`` of a calibration). The cast is
     elementwise (no amax reduction per call), so under ``torch.compile`` it fuses into the kernel
-    that produces ``a``. With the scale of ``a``'s own amax it is :func:`scaled_mm_static`."""
+    that produces ``a``. With the scale of ``a``'s own amax it is :func:`scaled_mm_static`.
+    ``act_inv`` is ``act_scale.reciprocal()`` computed ahead of time (the GEMM's dequantization
+    factor; given, no reciprocal kernel runs per call)."""
     fmax = FMAX[choice.a_format]
     x32 = a.to(torch.float32)
     qa = (x32 * act_scale).clamp(-fmax, fmax).to(FP8_DTYPE[choice.a_format])  # (m, k), layout of a
     if qa.stride(-1) != 1:
         qa = qa.contiguous()
     out_dtype = a.dtype if a.dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.bfloat16
-    out = torch._scaled_mm(qa, qb.t(), scale_a=act_scale.reciprocal(), scale_b=sb, out_dtype=out_dtype,
+    out = torch._scaled_mm(qa, qb.t(), scale_a=act_scale.reciprocal() if act_inv is None or act_inv.numel() != 1 else act_inv,
+                           scale_b=sb, out_dtype=out_dtype,
                            use_fast_accum=choice.fast_accum)  # (m, n)
     return out if out.dtype == a.dtype else out.to(a.dtype)
 

@@ -130,6 +130,9 @@ class ServingLinear(nn.Module):
         self.register_buffer("weight_scale", torch.empty(0, device=weight.device))
         # the activation's calibrated multiplier fmax / amax (float32 ()), or empty: scaled per call
         self.register_buffer("act_scale", torch.empty(0, device=weight.device))
+        # its reciprocal, the GEMM's dequantization factor: computed once per calibration, not a kernel
+        # per call (derived: never in the state dict)
+        self.register_buffer("act_inv_scale", torch.empty(0, device=weight.device), persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach())
         self.quantize_(weight)
 
@@ -192,12 +195,21 @@ class ServingLinear(nn.Module):
         if not bool(torch.isfinite(a)) or float(a) <= 0:
             raise ServingError(f"{self._where()}: got a calibration amax of {float(a)!r}; it must be finite and > 0"
                                " (calibrate on real batches whose activations are finite and not all zero)")
-        self.act_scale = compute_scale(a * margin, self.choice.a_format, self.choice.rounding)
+        self._set_act_scale(compute_scale(a * margin, self.choice.a_format, self.choice.rounding))
         return self
+
+    def _set_act_scale(self, scale: torch.Tensor | None) -> None:
+        """``act_scale`` (float32 ``()``) and its reciprocal, or both empty (None: per call)."""
+        if scale is None:
+            self.act_scale = torch.empty(0, device=self.weight_fp8.device)
+            self.act_inv_scale = torch.empty(0, device=self.weight_fp8.device)
+        else:
+            self.act_scale = scale
+            self.act_inv_scale = scale.reciprocal()  # the op the dynamic path runs on its own scale
 
     def clear_calibration_(self) -> "ServingLinear":
         """Back to scaling the activation per call (its own amax). Returns self."""
-        self.act_scale = torch.empty(0, device=self.weight_fp8.device)
+        self._set_act_scale(None)
         return self
 
     @torch.no_grad()
@@ -228,7 +240,8 @@ class ServingLinear(nn.Module):
                                    " serve batches padded to the serving plan's buckets (loka_tune.serving.ServingBuckets)")
         with torch.autocast(dev, enabled=False):  # the backend decides the GEMM's precision (emulated: fp32)
             if self.act_scale.numel() == 1 and self._cal_fn is not None:  # calibrated: no amax per call
-                y = self._cal_fn(x2, self.act_scale, self.weight_fp8, self.weight_scale)  # (M, N) in dtype
+                y = self._cal_fn(x2, self.act_scale, self.weight_fp8, self.weight_scale,
+                                 act_inv=self.act_inv_scale)  # (M, N) in dtype
             else:
                 y = self._fn(x2, self.weight_fp8, self.weight_scale)  # (M, N) in dtype
         if self.bias is not None:
@@ -242,8 +255,8 @@ class ServingLinear(nn.Module):
                               strict: bool, missing_keys: list[str], unexpected_keys: list[str],
                               error_msgs: list[str]) -> None:
         act = state_dict.pop(prefix + "act_scale", None)  # absent (an older or dynamic state dict): per call
-        self.act_scale = (torch.empty(0, device=self.weight_fp8.device) if act is None or act.numel() == 0
-                          else act.detach().to(device=self.weight_fp8.device, dtype=torch.float32).reshape(()))
+        self._set_act_scale(None if act is None or act.numel() == 0
+                            else act.detach().to(device=self.weight_fp8.device, dtype=torch.float32).reshape(()))
         state_dict[prefix + "act_scale"] = self.act_scale  # loaded as it now is: never a missing key
         key = prefix + "weight"
         if key in state_dict:  # a high-precision weight (nn.Linear's key): quantize it

@@ -98,7 +98,8 @@ class ScaledMMBackend(GPUBackend):
         if why is not None:
             raise UnsupportedChoiceError(f"{choice.short_str()!r}: {why}")
 
-        def fn(a: torch.Tensor, act_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
-            return scaled_mm_calibrated(a, act_scale, w, w_scale, choice)
+        def fn(a: torch.Tensor, act_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+               act_inv: torch.Tensor | None = None) -> torch.Tensor:
+            return scaled_mm_calibrated(a, act_scale, w, w_scale, choice, act_inv)
 
         return fn
