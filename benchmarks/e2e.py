@@ -29,6 +29,10 @@ Variants (``--variants``, comma list, in this order by default; each name is one
   accepts (like for like with ``torchao_rowwise_filter``: the unfiltered policy also runs the
   Wukong feature-axis Linears, whose wgrad is a 16-32 wide output over B x 256 rows, where a
   rowwise FP8 GEMM has no split-K and loses badly).
+- ``static_tensorwise_filter``: e4m3 tensorwise on the Linears torchao's tensorwise size filter
+  accepts, each one's input cast with a scale calibrated before training (4 batches, margin 2)
+  instead of its own amax per call (``benchmarks/static_scales.py``): does a fixed activation
+  scale pay in the compiled training step, as it does in serving, and what does it cost in loss?
 
 Compiled runs are held to account (:func:`loka_tune.objectives.compiled.strict_compile`):
 each variant starts from a reset dynamo (its own compiles, as in a fresh process), a
@@ -78,13 +82,13 @@ from loka_tune.objectives.trainer import TrainConfig, train  # noqa: E402
 
 VARIANTS = ("bf16", "bf16_mods", "config", "torchao_tensorwise", "torchao_rowwise", "torchao_tensorwise_filter",
             "torchao_rowwise_filter", "fbgemm_rowwise", "scaled_mm_rowwise", "triton_rowwise",
-            "scaled_mm_rowwise_filter", "scaled_mm_tensorwise_filter")
+            "scaled_mm_rowwise_filter", "scaled_mm_tensorwise_filter", "static_tensorwise_filter")
 _UNIFORM = {"fbgemm_rowwise": "e4m3.row.fa.fbgemm", "scaled_mm_rowwise": "e4m3.row.fa.torch_scaled_mm",
             "triton_rowwise": "e4m3.row.fa.triton", "scaled_mm_rowwise_filter": "e4m3.row.fa.torch_scaled_mm",
             # LokaLinear's tensorwise path (operands quantized once when compiled) on torchao's tensorwise sites
             "scaled_mm_tensorwise_filter": "e4m3.tensor.torch_scaled_mm"}
 _GPU_ONLY = {"torchao_tensorwise", "torchao_rowwise", "torchao_tensorwise_filter", "torchao_rowwise_filter",
-             *_UNIFORM}
+             "static_tensorwise_filter", *_UNIFORM}  # (CPU torch._scaled_mm: a reference loop, ~1 GFLOP/s)
 
 
 def _torchao(model: nn.Module, recipe: str, size_filter: bool) -> dict[str, Any]:
@@ -134,7 +138,39 @@ def prepare(name: str, model: nn.Module, config: PrecisionConfig, *, source: Any
         cfg, kept_bf16 = uniform_config(model, _UNIFORM[name], source, batch_size, device, only=only)
         s = apply(model, replace(cfg, mods=mods), strict=False)
         return {"fp8_sites": len(s.replaced), "fallbacks": len(s.fallbacks) + kept_bf16, "mods": mods.short_str()}
+    if name == "static_tensorwise_filter":
+        return _static_tensorwise(model, mods, source, batch_size, device)
     raise SystemExit(f"unknown variant {name!r}; choose from {', '.join(VARIANTS)}")
+
+
+#: calibration of ``static_tensorwise_filter``: batches (of the run's batch size, seed 1000: not a
+#: training seed's order) and the headroom over the largest input seen
+STATIC_CALIBRATION_BATCHES = 4
+STATIC_MARGIN = 2.0
+
+
+def _static_tensorwise(model: nn.Module, mods: ModsConfig, source: Any, batch_size: int,
+                       device: torch.device) -> dict[str, Any]:
+    """e4m3 tensorwise on torchao's tensorwise filter sites (``loka_tune.recipes.SIZE_FILTERS``,
+    its size filter restated) with each site's input cast by a calibrated scale instead of its
+    own amax (``benchmarks/static_scales.py``); the weight and the output gradient stay per call."""
+    from loka_tune.recipes import SIZE_FILTERS
+
+    here = str(Path(__file__).resolve().parent)
+    if here not in sys.path:
+        sys.path.insert(0, here)  # benchmarks/static_scales.py, when this file is imported (tests, serve.py)
+    from static_scales import calibrate, swap_static
+
+    if mods.any:
+        apply(model, PrecisionConfig(mods=mods))
+    keep = SIZE_FILTERS["tensorwise"]
+    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and keep.keeps(m.in_features, m.out_features)]
+    swapped = swap_static(model, names, margin=STATIC_MARGIN)
+    it = iter(source.batches("train", batch_size, seed=1000, device=device))
+    batches = [model_inputs(model, next(it)) for _ in range(STATIC_CALIBRATION_BATCHES)]
+    amax = calibrate(model, batches, autocast=torch.bfloat16)
+    return {"fp8_sites": len(swapped), "sites": swapped, "mods": mods.short_str(), "calibration_amax": amax,
+            "calibration": {"batches": STATIC_CALIBRATION_BATCHES, "margin": STATIC_MARGIN}}
 
 
 def _torchao_filtered(model: nn.Module, recipe: str) -> set[str]:
@@ -493,4 +529,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    _code = main()
+    from loka_tune.objectives.distributed import exit_rank
+
+    exit_rank(_code)  # a torchrun rank ends without interpreter finalization (see exit_rank)
+    raise SystemExit(_code)
