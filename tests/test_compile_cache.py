@@ -64,6 +64,61 @@ def test_a_second_compiled_run_of_a_config_loads_its_graphs_from_the_cache(
     assert tot is not None and tot["runs"] == 2 and tot["hit_rate"] == pytest.approx(0.5)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("allowed", [True, False], ids=["strict_compile", "torch_default"])
+def test_a_second_fp8_run_loads_its_traced_forward_and_backward_from_aotautograds_cache(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, allowed: bool) -> None:
+    """An FP8 site is a custom autograd.Function, which AOTAutograd's cache bypasses by torch's
+    default: strict_compile lets it in, so a second compiled run of one FP8 config (a fresh
+    model, another seed, a fresh dynamo) loads its traced forward + backward instead of tracing
+    them again, and trains to the same numbers as with the bypass (``torch_default``: the
+    setting off, the second run bypasses as the first). The site runs torch._scaled_mm, allowed
+    on the CPU; the quickstart model's 2048 x 2048 layer is the one it aligns with."""
+    import dataclasses
+
+    pytest.importorskip("torch._inductor")
+    import loka_tune.objectives.compiled as compiled
+    from loka_tune.applier import apply
+    from loka_tune.kernels.backends.scaled_mm import ScaledMMBackend
+    from loka_tune.kernels.registry import register_backend, unregister_backend
+    from loka_tune.objectives.trainer import train
+    from loka_tune.tuner.build import make_model, make_source, train_config
+    from loka_tune.tuner.study import load_study
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor_cache"))
+    monkeypatch.setattr(compiled, "AOT_CACHE_CUSTOM_FUNCTIONS", allowed)
+
+    @register_backend("cpu_scaled_mm_aot")
+    class CPUScaledMM(ScaledMMBackend):
+        devices = frozenset({"cpu"})
+
+    try:
+        cfg = load_study(Path(__file__).resolve().parents[1] / "studies" / "quickstart.toml")
+        source = make_source(cfg)
+        tcfg = dataclasses.replace(train_config(cfg, 0, device="cpu"), compile=True, steps=3, batch_size=32,
+                                   eval_batches=1)
+        config = PrecisionConfig(sites={"top_mlp.1.linear": "e4m3.tensor.cpu_scaled_mm_aot"})
+        counts, losses = [], []
+        for seed in (0, 1):
+            model = make_model(cfg, source, seed=seed)
+            assert list(apply(model, config).replaced) == ["top_mlp.1.linear"]
+            with compiled.strict_compile():
+                res = train(model, source, dataclasses.replace(tcfg, seed=seed), progress=False)
+            assert res.ok
+            counts.append(compiled.compile_cache_counts())
+            losses.append(res.step_losses)
+    finally:
+        unregister_backend("cpu_scaled_mm_aot")
+    first, second = counts
+    if allowed:
+        assert first["aot_misses"] == 1 and first["aot_bypass"] == 0, first  # traced, and stored
+        assert second["aot_hits"] == 1 and second["aot_bypass"] == 0, second
+    else:
+        assert first["aot_bypass"] == second["aot_bypass"] == 1 and second["aot_hits"] == 0, counts
+    assert second["hits"] > 0 and second["misses"] == 0  # inductor's graphs from its cache either way
+    assert losses[0] != losses[1]  # two seeds: the cache keyed the graph, not the numbers
+
+
 def _study(trials: list[dict[str, Any]]) -> Any:
     import optuna
     from optuna.distributions import CategoricalDistribution

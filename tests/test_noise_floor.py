@@ -194,3 +194,23 @@ def test_within_noise_in_the_trial_lines_report_and_mlflow(tmp_path: Path, capsy
     assert runs and runs[0].data.tags["within_noise"] == "True"
     parent = client.search_runs([exp.experiment_id], filter_string="tags.`loka.kind` = 'study'")[0]
     assert parent.data.metrics["noise_floor_pct"] > 0 and "seed_spread_pct" in parent.data.metrics
+
+
+def test_a_baseline_runs_line_says_where_its_time_went_and_how_its_graphs_were_had(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The baseline and twin lines end with the run's phases and, for a compiled run, the graphs
+    it found in inductor's and AOTAutograd's caches (the run's own counters: read right after it);
+    an eager run says nothing of graphs."""
+    import loka_tune.objectives.compiled as compiled
+    from loka_tune.tuner import baseline
+
+    counts = {"hits": 2, "misses": 1, "bypass": 0, "aot_hits": 0, "aot_misses": 0, "aot_bypass": 1}
+    monkeypatch.setattr(compiled, "compile_cache_counts", lambda: counts)
+    res = SimpleNamespace(phases_s={"setup": 0.5, "first_step": 20.25, "steps": 6.0, "eval": 3.0}, steps_run=200,
+                          config=SimpleNamespace(compile=True))
+    note = baseline._run_note(res, SimpleNamespace(compile=True))
+    assert note == ("first step 20.2s (compiling), 199 steps 6.0s, eval 3.0s, setup 0.5s; graphs: 2 from"
+                    " inductor's cache, 1 compiled, AOT 0 hit / 0 miss / 1 bypassed")
+    eager = SimpleNamespace(phases_s=res.phases_s, steps_run=200, config=SimpleNamespace(compile=False))
+    assert baseline._run_note(eager, SimpleNamespace(compile=False)) == (
+        "first step 20.2s, 199 steps 6.0s, eval 3.0s, setup 0.5s")

@@ -226,8 +226,9 @@ def test_measured_prices_come_from_site_timing_at_the_batch_one_process_trains_a
 
     calls = []
 
-    def price_sites(shapes, precs, *, device):  # noqa: ANN001, ANN202
+    def price_sites(shapes, precs, *, device, counts=None, progress=None):  # noqa: ANN001, ANN202
         calls.append((shapes, precs, device))
+        assert counts is None and callable(progress)  # no tally asked here; the per-cell lines are
         return {s: {v: 1e-5 * (i + 1) for i, v in enumerate(vs)} for s, vs in precs.items()}
 
     monkeypatch.setitem(sys.modules, "loka_tune.kernels.site_timing",
@@ -250,7 +251,7 @@ def test_recipe_space_end_to_end_from_candidates_to_prices(monkeypatch: pytest.M
     cfg = _cfg(space={"backends": ["torch_scaled_mm", "fbgemm"]})
     seen = {}
 
-    def fake_prices(c, space, device):  # noqa: ANN001, ANN202
+    def fake_prices(c, space, device, counts=None):  # noqa: ANN001, ANN202
         seen["space"] = space
         return {sc.name: {v: (2e-4 if "fbgemm" in v else 1e-4) for v in sc.values[1:]} for sc in space.sites}
 

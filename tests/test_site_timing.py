@@ -74,8 +74,10 @@ def test_price_sites_times_each_distinct_cell_once_and_keeps_failures_out(tmp_pa
     shapes = {"a": (8192, 2048, 2048), "b": (8192, 2048, 2048), "c": (8192, 4096, 1024)}
     precs = {"a": ["bf16", "e4m3.tensor.torch_scaled_mm", "e4m3.row.fa.fbgemm"],
              "b": ["e4m3.tensor.torch_scaled_mm"], "c": ["e4m3.tensor.torch_scaled_mm"]}
-    msgs = []
-    out = price_sites(shapes, precs, cache=_cache(tmp_path), timer=timer, progress=msgs.append)
+    msgs: list[str] = []
+    counts: dict[str, int] = {}
+    out = price_sites(shapes, precs, cache=_cache(tmp_path), timer=timer, progress=msgs.append, counts=counts)
+    assert counts == {"cached": 0, "timed": 4, "failed": 1}
     assert len(calls) == distinct_cells(shapes, precs) == 5  # a and b share their two cells and the failed one
     flops = 6.0 * 8192 * 2048 * 2048
     assert out["a"]["e4m3.tensor.torch_scaled_mm"] == pytest.approx(flops / 5e14 - flops / 1e15)  # same host
@@ -83,8 +85,9 @@ def test_price_sites_times_each_distinct_cell_once_and_keeps_failures_out(tmp_pa
     assert any("failed (RuntimeError: no kernel)" in m for m in msgs)
     # the cache now answers without the timer; a failed cell (a budget ran out, say) is tried again
     calls.clear()
-    again = price_sites(shapes, precs, cache=_cache(tmp_path), timer=timer)
+    again = price_sites(shapes, precs, cache=_cache(tmp_path), timer=timer, counts=counts)
     assert again["b"] == out["b"] and calls == [(8192, 2048, 2048, "e4m3.row.fa.fbgemm")]
+    assert counts == {"cached": 4, "timed": 0, "failed": 1}
 
 
 @pytest.mark.gpu

@@ -248,3 +248,31 @@ def test_size_is_the_product_of_the_parameters_optuna_sees(per_role: bool) -> No
     want = math.prod(len(d.choices) for d in distributions(sp).values())
     assert sp.size() == want and want > 3 * 2  # the sites' choices and the two Mods dims
     assert _space(per_role=per_role).size() == math.prod(len(d.choices) for d in distributions(_space(per_role=per_role)).values())
+
+
+def test_enumerate_candidates_imports_only_the_backends_asked_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A study on one backend never imports the others (fbgemm, torchao, triton: slow to import
+    on a GPU machine, and a broken install of one must not stop a study that does not use it);
+    a backend asked for that cannot import is left out with a warning when others remain."""
+    from loka_tune.errors import BackendError
+    from loka_tune.kernels import registry
+
+    real = registry.get_backend
+    asked: list[str] = []
+
+    def spy(name: str) -> object:
+        asked.append(name)
+        if name == "broken":
+            raise BackendError("backend 'broken' cannot be imported: pip install broken")
+        return real(name)
+
+    monkeypatch.setattr(registry, "get_backend", spy)
+    enumerate_candidates(["emulated"], ["e4m3"], ["row"], ["exact"])
+    assert set(asked) <= {"emulated"}, asked
+    asked.clear()
+    monkeypatch.setattr(registry, "candidate_choices",
+                        lambda backends, **kw: [GemmChoice.parse("e4m3.row.emulated")] if backends == ("emulated",) else [])
+    with pytest.warns(UserWarning, match=r"backends \['broken'\] cannot be imported"):
+        c = enumerate_candidates(["emulated", "broken"], ["e4m3"], ["row"], ["exact"])
+    assert set(asked) == {"emulated", "broken"}
+    assert all(x.backend == "emulated" for v in c.values() for x in v)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import time
 from typing import Iterator
 
 import numpy as np
@@ -20,7 +21,7 @@ from loka_tune.data.base import Batch
 from loka_tune.errors import ConfigError, DataError
 from loka_tune.objectives import TrainConfig, evaluate, train
 from loka_tune.objectives.metrics import auc, log_loss
-from loka_tune.objectives.trainer import RowwiseAdagrad, build_optimizers, split_parameters
+from loka_tune.objectives.trainer import RowwiseAdagrad, build_optimizers, phases_note, split_parameters
 
 NUM_DENSE = 4
 CARDS = (50, 20, 7)
@@ -178,6 +179,39 @@ def test_learns_and_reports_consistent_metrics():
     assert res.device == "cpu" and res.precision == "fp32"
     d = json.loads(json.dumps(res.to_dict()))
     assert d["status"] == "ok" and d["config"]["steps"] == 150 and len(d["loss_curve"]) == 8
+
+
+class SlowOnce(TinyModel):
+    """Sleeps ``first`` seconds in its first training forward and ``eval_s`` in its first eval one."""
+
+    def __init__(self, first: float, eval_s: float) -> None:
+        super().__init__()
+        self.first, self.eval_s, self.seen = first, eval_s, set()
+
+    def forward(self, dense, sparse):
+        mode = "train" if self.training else "eval"
+        if mode not in self.seen:
+            self.seen.add(mode)
+            time.sleep(self.first if self.training else self.eval_s)
+        return super().forward(dense, sparse)
+
+
+def test_phases_say_where_the_wall_time_went():
+    """``phases_s`` splits ``wall_s`` into setup, the first step (where a compiled run compiles),
+    the later steps and the evaluation: a second spent in the first training forward lands in
+    ``first_step``, half a second in the first eval forward in ``eval``, and the parts add up to
+    the whole; ``phases_note`` says so in a line, and the JSON carries them."""
+    torch.manual_seed(0)
+    res = train(SlowOnce(first=1.0, eval_s=0.5), TinySource(), TrainConfig(**{**CFG.__dict__, "steps": 30}),
+                progress=False)
+    ph = res.phases_s
+    assert set(ph) == {"setup", "first_step", "steps", "eval"} and all(v >= 0 for v in ph.values())
+    assert ph["first_step"] >= 1.0 and ph["eval"] >= 0.5
+    assert sum(ph.values()) == pytest.approx(res.wall_s, abs=1e-6)
+    note = phases_note(res)
+    assert note.startswith(f"first step {ph['first_step']:.1f}s, 29 steps ") and "eval" in note
+    assert "(compiling)" not in note  # an eager run
+    assert json.loads(json.dumps(res.to_dict()))["phases_s"]["first_step"] == pytest.approx(ph["first_step"])
 
 
 def test_partial_last_window():

@@ -203,7 +203,8 @@ def time_site(m: int, k: int, n: int, prec: SitePrecision | str, *, device: str 
 def price_sites(shapes: Mapping[str, tuple[int, int, int]], precs: Mapping[str, Sequence[str]], *,
                 device: str = "cuda", cache: SitePriceCache | None = None,
                 progress: Callable[[str], None] | None = None,
-                timer: Callable[..., Mapping[str, Any]] | None = None) -> dict[str, dict[str, float]]:
+                timer: Callable[..., Mapping[str, Any]] | None = None,
+                counts: dict[str, int] | None = None) -> dict[str, dict[str, float]]:
     """Per site, per precision string of ``precs[site]``: the seconds per step it saves vs bf16.
 
     ``shapes[site]`` = ``(M, K, N)`` at the batch the study trains. Each distinct (shape,
@@ -211,25 +212,34 @@ def price_sites(shapes: Mapping[str, tuple[int, int, int]], precs: Mapping[str, 
     user's :func:`default_cache_path`, with the shipped H200 file read-only behind it) and saved
     after every cell, so an interrupted pricing keeps what it measured. A cell that fails to
     compile or run is priced ``-inf`` (never chosen) and its error passed to ``progress``.
-    ``timer`` replaces :func:`time_site` (tests).
+    ``timer`` replaces :func:`time_site` (tests). ``counts``, when given, is filled with how the
+    distinct cells were had: ``cached`` (the user's cache or the shipped file), ``timed`` and
+    ``failed``.
     """
     cache = cache if cache is not None else SitePriceCache()
     timer = timer or time_site
     say = progress or (lambda _msg: None)
     cells: dict[tuple[tuple[int, int, int], str], dict[str, Any] | None] = {}
+    tally = counts if counts is not None else {}
+    for k in ("cached", "timed", "failed"):
+        tally[k] = 0
 
     def cell(shape: tuple[int, int, int], prec: str) -> dict[str, Any] | None:
         key = (shape, prec)
         if key not in cells:
             hit = cache.get(*shape, prec)
-            if hit is None:
+            if hit is not None:
+                tally["cached"] += 1
+            else:
                 t0 = time.perf_counter()
                 try:
                     hit = dict(timer(*shape, prec, device=device))
                 except Exception as e:  # noqa: BLE001 - one bad cell must not stop the pricing
                     say(f"site price {shape} {prec}: failed ({type(e).__name__}: {str(e).splitlines()[0][:160]})")
+                    tally["failed"] += 1
                     cells[key] = None
                     return None
+                tally["timed"] += 1
                 cache.put(*shape, prec, hit)
                 say(f"site price {'x'.join(map(str, shape))} {prec}: gpu {hit['gpu_s'] * 1e3:.3f} ms,"
                     f" host {hit['host_s'] * 1e3:.3f} ms ({time.perf_counter() - t0:.1f}s)")

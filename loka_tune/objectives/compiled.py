@@ -22,6 +22,17 @@ directly): the op's ``tag`` argument, unique per layer instance (its non-finite 
 a constant of the graph, so each fresh model's graph is a new one. :func:`compile_cache_counts`
 says how often the cache served the latest run.
 
+AOTAutograd's cache (the traced forward + backward, before inductor) bypasses any graph with a
+custom ``autograd.Function`` unless ``torch._functorch.config.
+autograd_cache_allow_custom_autograd_functions`` is set (default False in torch 2.13; the H200
+receipts' torch 2.11 bypassed every FP8 run: ``aot_bypass``), and every FP8 site is one
+(LokaLinear's, torchao's float8 matmul): such a run traced its forward and backward again even
+when inductor's cache then served every compiled graph (on the H200, large Wukong at 8192: a
+cached FP8 rerun of e2e took ~7 s more than a cached bf16 one, whose AOT cache hit).
+:func:`strict_compile` sets it for its run (:data:`AOT_CACHE_CUSTOM_FUNCTIONS`): the cache key
+holds the function's traced forward and backward subgraphs, so a changed function is a new key.
+On the CPU, a second run of one FP8 config: AOT hit, first step 0.39 s against 1.12 s bypassed.
+
 :func:`allow_sparse_gradients` works around an inductor bug that a sparse embedding gradient
 can run into (:class:`~loka_tune.objectives.step.TrainStep` calls it before compiling): see
 its docstring.
@@ -34,6 +45,9 @@ from typing import Any, Iterator
 
 __all__ = ["CompileHealthError", "strict_compile", "dynamo_report", "compile_cache_counts", "allow_sparse_gradients"]
 
+
+#: strict_compile lets AOTAutograd's cache take graphs with custom autograd.Functions (see above)
+AOT_CACHE_CUSTOM_FUNCTIONS = True
 
 _SPARSE_PATCHED: list[bool] = []  # set once allow_sparse_gradients has looked (and patched if needed)
 
@@ -116,9 +130,9 @@ def compile_cache_counts() -> dict[str, int]:
     gave a compiled graph), ``misses`` (it had none: inductor compiled it and stored it),
     ``bypass`` (a graph inductor cannot cache), and AOTAutograd's own cache of the traced
     forward + backward, ``aot_hits`` / ``aot_misses`` / ``aot_bypass`` (0 on a torch without
-    it; torch 2.13 bypasses it for a graph with a custom ``autograd.Function``, a LokaLinear's,
-    unless ``torch._functorch.config.autograd_cache_allow_custom_autograd_functions``: inductor's
-    FX graph cache still serves such a graph's compiled forward and backward). The latest run:
+    it; it bypasses a graph with a custom ``autograd.Function``, a LokaLinear's, unless
+    ``torch._functorch.config.autograd_cache_allow_custom_autograd_functions``, which
+    :func:`strict_compile` sets: the module docstring). The latest run:
     dynamo's counters since :func:`strict_compile` last cleared them, as a run starts (so read
     right after a run, they are that run's)."""
     from torch._dynamo.utils import counters
@@ -133,15 +147,18 @@ def strict_compile(*, max_graphs: int | None = None) -> Iterator[dict[str, Any]]
     broke a graph, compiled nothing, or compiled more than ``max_graphs`` graphs."""
     import torch._dynamo
     import torch._dynamo.config as dcfg
+    import torch._functorch.config as fcfg
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     counters.clear()
     # dynamo's own patch(): restores the setting on exit (torch < 2.6 has no such setting)
     strict = {k: True for k in ("fail_on_recompile_limit_hit",) if hasattr(dcfg, k)}
+    aot = {k: AOT_CACHE_CUSTOM_FUNCTIONS for k in ("autograd_cache_allow_custom_autograd_functions",)
+           if hasattr(fcfg, k)}
     report: dict[str, Any] = {}
     try:
-        with dcfg.patch(strict):
+        with dcfg.patch(strict), fcfg.patch(aot):
             yield report
     except Exception as e:
         if type(e).__name__ == "FailOnRecompileLimitHit":

@@ -73,6 +73,7 @@ __all__ = [
     "resolve_device",
     "train",
     "evaluate",
+    "phases_note",
 ]
 
 STATUSES = ("ok", "nonfinite", "pruned")
@@ -208,6 +209,19 @@ def _json_float(x: float | None) -> float | None:
     return None if x is None or not math.isfinite(x) else float(x)
 
 
+def phases_note(result: "TrainResult") -> str:
+    """Where a run's wall time went, for a progress line: ``"first step 8.1s (compiling), 199
+    steps 6.0s, eval 3.2s, setup 0.4s"`` (``""`` for a result without :attr:`TrainResult.phases_s`)."""
+    ph = result.phases_s
+    if not ph:
+        return ""
+    compiled = " (compiling)" if result.config.compile else ""
+    parts = [f"first step {ph.get('first_step', 0.0):.1f}s{compiled}",
+             f"{max(result.steps_run - 1, 0)} steps {ph.get('steps', 0.0):.1f}s",
+             f"eval {ph.get('eval', 0.0):.1f}s", f"setup {ph.get('setup', 0.0):.1f}s"]
+    return ", ".join(parts)
+
+
 @dataclass(frozen=True)
 class TrainResult:
     """What one short run measured.
@@ -237,6 +251,12 @@ class TrainResult:
                        means the step is GPU-bound
     profile:           the profiled steps' summary (:class:`~loka_tune.objectives.profiling.
                        StepProfiler`), or None
+    phases_s:          where ``wall_s`` went, in wall seconds: ``setup`` (seeding, moving the
+                       model, building the optimizers and the step), ``first_step`` (the first
+                       training step, the device synchronised after it: a compiled run's
+                       tracing and compiling, or loading them from inductor's caches, happen
+                       there), ``steps`` (every later step, callbacks and side collections
+                       included) and ``eval``; :func:`phases_note` says it in words
     """
 
     status: str
@@ -261,6 +281,7 @@ class TrainResult:
     config: TrainConfig = field(repr=False)
     gpu_time_s: float = math.nan
     profile: dict[str, Any] | None = field(default=None, repr=False)
+    phases_s: dict[str, float] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -289,6 +310,7 @@ class TrainResult:
             "curve_steps": list(self.curve_steps),
             "config": asdict(self.config),
             "gpu_time_s": _json_float(self.gpu_time_s),
+            "phases_s": {k: _json_float(v) for k, v in self.phases_s.items()},
         }
         if self.profile is not None:
             d["profile"] = self.profile
@@ -448,6 +470,7 @@ class _Run:
 
     losses: list[float] = field(default_factory=list)  # per step, pulled to the host
     times: list[float] = field(default_factory=list)  # seconds per step
+    first_step_wall_s: float = math.nan  # wall time of the first step, the device synchronised after it
     status: str = "ok"
     nonfinite_step: int | None = None
     steps_run: int = 0
@@ -500,8 +523,10 @@ def train(
         src = D.RankSource(source, env) if env is not None else source
         step = TrainStep(ddp, build_optimizers(model, cfg), device=dev, dtype=dtype, compile=cfg.compile,
                          cuda_graphs=cfg.cuda_graphs, lr_warmup_steps=cfg.lr_warmup_steps)
+        t_loop = time.perf_counter()
         run = _run_steps(step, src, cfg, dev, on_step, progress if env is None or env.is_main else False,
                          f"train {type(model).__name__}", after_step, env=env, on_batch=on_batch)
+        t_eval = time.perf_counter()
         ev = {"logloss": math.nan, "ne": math.nan, "auc": math.nan, "count": 0, "ctr": math.nan}
         if run.status == "ok":
             ev = evaluate(model, src, batch_size=cfg.eval_batch_size or cfg.batch_size, device=dev,
@@ -509,6 +534,10 @@ def train(
             if not math.isfinite(ev["logloss"]):
                 run.status, run.nonfinite_step = "nonfinite", run.steps_run
 
+    t_end = time.perf_counter()
+    first = run.first_step_wall_s if math.isfinite(run.first_step_wall_s) else 0.0
+    phases = {"setup": t_loop - t_wall, "first_step": first, "steps": max(t_eval - t_loop - first, 0.0),
+              "eval": t_end - t_eval}
     unprofiled = run.times[: len(run.times) - run.profiled]
     timed = next((t for t in (unprofiled[cfg.warmup_steps :], run.times[cfg.warmup_steps :], run.times) if t), [])
     step_time = statistics.median(timed) if timed else math.nan
@@ -521,10 +550,10 @@ def train(
         eval_logloss=ev["logloss"], eval_ne=ev["ne"], eval_auc=ev["auc"], eval_count=int(ev["count"]), eval_ctr=ev["ctr"],
         step_time_s=step_time,
         examples_per_s=cfg.batch_size / step_time if step_time and math.isfinite(step_time) else math.nan,
-        wall_s=time.perf_counter() - t_wall,
+        wall_s=t_end - t_wall,
         num_params=_count(emb) + _count(dense), num_sparse_params=_count(emb),
         device=str(dev), precision="bf16" if dtype is not None else "fp32", config=cfg,
-        gpu_time_s=gpu_ms / 1e3 if gpu_ms is not None else math.nan, profile=run.profile,
+        gpu_time_s=gpu_ms / 1e3 if gpu_ms is not None else math.nan, profile=run.profile, phases_s=phases,
     )
 
 
@@ -556,12 +585,18 @@ def _run_steps(step: TrainStep, source: Any, cfg: TrainConfig, dev: torch.device
                 ev0.record()
             else:
                 t0 = time.perf_counter()
+            if i == 0:
+                t_first = time.perf_counter()
             loss_buf[i] = step(batch)
             if on_cuda:
                 ev1.record()
                 events.append((ev0, ev1))
             else:
                 run.times.append(time.perf_counter() - t0)
+            if i == 0:  # once: what compiling (or loading it from the caches) cost, in wall time
+                if on_cuda:
+                    torch.cuda.synchronize(dev)
+                run.first_step_wall_s = time.perf_counter() - t_first
             run.steps_run = i + 1
             if after_step is not None:
                 after_step(run.steps_run)

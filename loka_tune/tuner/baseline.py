@@ -26,6 +26,7 @@ from torch import nn
 from loka_tune.config import ModsConfig, PrecisionConfig
 from loka_tune.errors import StudyError
 from loka_tune.objectives.speed import measure_forward_seconds, modeled_gemm_seconds
+from loka_tune.objectives.trainer import phases_note
 from loka_tune.tuner.build import first_batch, make_model, train_config
 from loka_tune.tuner.log import log
 from loka_tune.tuner.parallel import train_in_study
@@ -203,7 +204,7 @@ def run_baseline(cfg: StudyConfig, source: Any, device: str, *, force: bool = Fa
             raise StudyError(f"the bf16 baseline (seed {seed}) did not finish: status {res.status!r}"
                              f" (non-finite step {res.nonfinite_step}); lower training.lr_dense/lr_sparse")
         log(f"[loka-tune] baseline seed {seed}: eval log loss {res.eval_logloss:.5f}, NE {res.eval_ne:.4f},"
-             f" AUC {res.eval_auc:.4f} ({time.perf_counter() - t0:.1f}s)")
+             f" AUC {res.eval_auc:.4f} ({time.perf_counter() - t0:.1f}s: {_run_note(res, tcfg)})")
         results.append(res)
         if on_run is not None:
             on_run(seed, res)
@@ -288,8 +289,22 @@ def _noise_twin(cfg: StudyConfig, source: Any, tcfg: Any, seed: int, twin: int, 
                          " training.lr_dense/lr_sparse")
     log(f"[loka-tune] {what}: eval log loss {res.eval_logloss:.5f}"
          f" ({relative_log_loss(res.eval_logloss, base_logloss) * 100:+.4f}% vs its baseline,"
-         f" {time.perf_counter() - t0:.1f}s)")
+         f" {time.perf_counter() - t0:.1f}s: {_run_note(res, tcfg)})")
     return res
+
+
+def _run_note(res: Any, tcfg: Any) -> str:
+    """Where a baseline or twin run's time went (:func:`phases_note`) and, for a compiled run in
+    this process, how its graphs were had (inductor's FX graph cache, AOTAutograd's): read right
+    after the run, dynamo's counters are that run's (``strict_compile`` clears them as it starts)."""
+    note = phases_note(res)
+    if not tcfg.compile:
+        return note
+    from loka_tune.objectives.compiled import compile_cache_counts
+
+    c = compile_cache_counts()
+    return (f"{note}; graphs: {c['hits']} from inductor's cache, {c['misses']} compiled, AOT"
+            f" {c['aot_hits']} hit / {c['aot_misses']} miss / {c['aot_bypass']} bypassed")
 
 
 def _regime_str(tcfg: Any) -> str:

@@ -141,7 +141,8 @@ def _prune(cfg: StudyConfig, space: SearchSpace, report: Any, speed: str) -> Sea
                           skipped=getattr(report, "skipped", ()), unprobed=getattr(report, "unprobed", ()))
 
 
-def _site_prices(cfg: StudyConfig, space: SearchSpace, device: str) -> dict[str, dict[str, float]]:
+def _site_prices(cfg: StudyConfig, space: SearchSpace, device: str,
+                 counts: dict[str, int] | None = None) -> dict[str, dict[str, float]]:
     """Seconds per training step each recipe value of ``space`` saves against its site in bf16
     (positive: faster), per site name and value; a value that cannot be priced is left out.
 
@@ -151,7 +152,8 @@ def _site_prices(cfg: StudyConfig, space: SearchSpace, device: str) -> dict[str,
     GEMMs share tensorwise is quantized once, as compiled steps do, calibrated on the H200's
     compiled site prices), or of the forward GEMM alone for "inference". Measured: ``loka_tune.kernels.site_timing.price_sites`` with each
     site's (M, K, N) at the batch one process trains at (``[regime] batch_size`` else
-    ``[training]``'s, split over ``[regime] nproc``) on ``device``.
+    ``[training]``'s, split over ``[regime] nproc``) on ``device``; each cell timed (not found in
+    the cache) and each that failed is logged, and ``counts`` (when given) gets price_sites' tally.
     """
     precs = {sc.name: [v for v in sc.values if v != "bf16"] for sc in space.sites}
     precs = {k: v for k, v in precs.items() if v}  # only what the space can choose
@@ -163,7 +165,8 @@ def _site_prices(cfg: StudyConfig, space: SearchSpace, device: str) -> dict[str,
         rows = cfg.batch_size // cfg.regime.nproc
         shapes = {sc.name: (sc.site.rows(rows), sc.site.in_features, sc.site.out_features)
                   for sc in space.sites if sc.name in precs}
-        got = price_sites(shapes, precs, device=device)
+        got = price_sites(shapes, precs, device=device, counts=counts,
+                          progress=lambda msg: log(f"[loka-tune]   {msg}"))
         return {s: {v: float(x) for v, x in d.items()} for s, d in got.items()}
     from loka_tune.config import ROLES, SitePrecision
     from loka_tune.kernels.costmodel import estimate_gemm_seconds, estimate_site_seconds
@@ -199,9 +202,12 @@ def _recipe_space(cfg: StudyConfig, space: SearchSpace, report: Any, device: str
                           resolve_emulated=False)
     cands = recipe_candidates(space, cfg.space.backends, plan)
     t0 = time.perf_counter()
-    prices = _site_prices(cfg, cands, device)
+    counts: dict[str, int] = {}
+    prices = _site_prices(cfg, cands, device, counts)
     source = speed_source(cfg, device)
-    log(f"[loka-tune] prices: {sum(len(d) for d in prices.values())} site recipes priced ({source},"
+    cells = (f" {counts['timed']} cell(s) timed, {counts['cached']} from the cache"
+             + (f", {counts['failed']} failed" if counts["failed"] else "") + ";") if counts else ""
+    log(f"[loka-tune] prices: {sum(len(d) for d in prices.values())} site recipes priced ({source},{cells}"
          f" {time.perf_counter() - t0:.1f}s)")
     return select_recipes(cands, prices, source=source, keep_slow=cfg.probe.min_speedup < 1.0)
 
