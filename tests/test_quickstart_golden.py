@@ -17,6 +17,12 @@ versions). Strings, ints and bools must match exactly; floats within a tolerance
 (:data:`TOLERANCES`, :data:`OTHER_KERNELS`: another machine's CPU kernels round differently),
 kept here, apart from the recorded data.
 
+Two booleans are a rule on two tolerated floats, not behaviour of their own: ``within_noise``
+and ``confirmed_within_noise`` (``|rel| <= floor``, :data:`DERIVED`). Where the recorded
+numbers sit within the floats' tolerance of that threshold, another build may land on the other
+side of it; there the test checks the rule on this run's own numbers instead of the recorded
+boolean (a boolean far from its threshold must still match).
+
 Re-record (only when a change of behaviour is intended, and say so in the commit):
 ``LOKA_UPDATE_GOLDEN=1 python3 -m pytest tests/test_quickstart_golden.py``. Then check the
 tolerances against the new numbers: the test must still pass under
@@ -36,6 +42,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from loka_tune.tuner.results import within_noise
 
 REPO = Path(__file__).resolve().parents[1]
 GOLDEN = Path(__file__).resolve().parent / "data" / "quickstart_export.json"
@@ -68,18 +76,28 @@ class Tol:
 # changes what is compared exactly on every build: every string, int and bool (trial states,
 # parameters, feasibility, the exported trial and config, the space's choices and drop reasons),
 # which matched on both builds measured.
+#
+# The noise twins' fields (paired_logloss, paired_noise_pct, seed_spread_pct) were added after
+# that measurement and had no tolerance: on an AMD EPYC (AVX-512, and the same numbers under
+# ATEN_CPU_CAPABILITY=avx2), where CI ran, the recorded file moved by (largest, every field):
+# log losses 1.2e-3 rel (trial 3), percentage points 0.16 (trial 3's rel_logloss_pct), the
+# probe's error 0.14 rel (site 1's wgrad, e5m2+e4m3 rowwise pow2), AUC 5.7e-4; the x86 table
+# below is set from the larger of both machines' moves.
 X86_KERNELS = ("AVX2", "AVX512")
-_LOGLOSS = ("eval_logloss", "baseline_logloss", "eval_ne", "window_losses")  # NE: log loss / a constant
-_REL_PCT = ("rel_logloss_pct", "confirmed_rel_logloss_pct", "confirmed_rel_logloss_sd_pct", "noise_floor_pct")
+_LOGLOSS = ("eval_logloss", "baseline_logloss", "eval_ne", "window_losses",  # NE: log loss / a constant
+            "paired_logloss")  # the noise twins' eval log losses
+_REL_PCT = ("rel_logloss_pct", "confirmed_rel_logloss_pct", "confirmed_rel_logloss_sd_pct", "noise_floor_pct",
+            "paired_noise_pct", "seed_spread_pct")
 TOLERANCES: dict[str, Tol] = {  # x86 kernels (AVX2, AVX-512)
-    **dict.fromkeys(_LOGLOSS, Tol(rel=3e-3, why="a log loss after training; largest move seen 8e-4 (AVX2:"
-                                                " trial 3; seed 0's baseline 1e-7, seed 1's 6e-4)")),
+    **dict.fromkeys(_LOGLOSS, Tol(rel=4e-3, why="a log loss after training; largest move seen 1.2e-3 (AMD EPYC"
+                                                " AVX-512: trial 3; a noise twin 6.3e-4)")),
     "eval_auc": Tol(rel=2.5e-2, why="a rank statistic of a barely trained model (AUC 0.54-0.60): some of the 4096"
                                     " eval rows change order; largest move seen 6e-3 (AVX2)"),
     # differences of two log losses in percent, near 0 (trial 0's is exactly 0): percentage points
-    **dict.fromkeys(_REL_PCT, Tol(abs=0.3, why="percentage points (100 x a difference of two log losses); largest"
-                                               " move seen 0.079 (AVX2: trial 3's rel_logloss_pct)")),
-    "error": Tol(rel=2e-2, why="the probe's relative FP8 error of a GEMM; largest move seen 4.6e-3 (AVX2)"),
+    **dict.fromkeys(_REL_PCT, Tol(abs=0.5, why="percentage points (100 x a difference of two log losses); largest"
+                                               " move seen 0.16 (AMD EPYC AVX-512: trial 3's rel_logloss_pct)")),
+    "error": Tol(rel=0.4, why="the probe's relative FP8 error of a GEMM, 2 samples of a trained layer; largest"
+                              " move seen 0.14 (AMD EPYC AVX-512: site 1's wgrad)"),
 }
 OTHER_KERNELS: dict[str, Tol] = {  # any other kernels (ARM, scalar)
     **dict.fromkeys(_LOGLOSS, Tol(rel=1.5e-2, why="a log loss after training; largest move seen 5.4e-3 (scalar"
@@ -87,11 +105,16 @@ OTHER_KERNELS: dict[str, Tol] = {  # any other kernels (ARM, scalar)
     "eval_auc": Tol(rel=1e-1, why="a rank statistic of a barely trained model; largest move seen 3.9e-2 (scalar)"),
     **dict.fromkeys(_REL_PCT, Tol(abs=1.5, why="percentage points; largest move seen 0.53 (scalar: trial 2's"
                                                " rel_logloss_pct, -0.78% -> -0.25%)")),
-    "error": Tol(rel=0.3, why="the probe's relative FP8 error of a GEMM; largest move seen 0.13 (scalar)"),
+    "error": Tol(rel=0.45, why="the probe's relative FP8 error of a GEMM; largest move seen 0.13 (scalar)"),
 }
 # every other float: the modeled speeds (the cost model's arithmetic on shapes, no training) and
 # settings; no move seen on any build
 DEFAULT_TOL = Tol(rel=1e-9, why="arithmetic on shapes and settings: no move seen on any build")
+# booleans that are a rule on floats of the same record: name -> (the rule's two fields)
+DERIVED: dict[str, tuple[str, str]] = {
+    "within_noise": ("rel_logloss_pct", "noise_floor_pct"),
+    "confirmed_within_noise": ("confirmed_rel_logloss_pct", "noise_floor_pct"),
+}
 
 
 def kernels_here() -> str:
@@ -156,10 +179,27 @@ def _run_quickstart(tmp_path: Path) -> dict[str, Any]:
             "baseline": _normalize(attrs["loka.baseline"]), "space": _normalize(attrs["loka.space"])}
 
 
+def _near_threshold(want: dict[str, Any], key: str, table: dict[str, Tol]) -> bool:
+    """Whether the recorded floats behind the boolean ``want[key]`` (:data:`DERIVED`) sit within
+    their tolerances of the rule's threshold ``|rel| = floor``, so another build may cross it."""
+    rel_key, floor_key = DERIVED[key]
+    rel, floor = want.get(rel_key), want.get(floor_key)
+    if not isinstance(rel, float) or not isinstance(floor, float):
+        return False
+    room = sum(max(t.rel * abs(v), t.abs) for t, v in ((tolerance((rel_key,), table), rel),
+                                                        (tolerance((floor_key,), table), floor)))
+    return abs(abs(rel) - floor) <= room
+
+
 def _assert_same(got: Any, want: Any, table: dict[str, Tol], path: str = "$", keys: tuple[str, ...] = ()) -> None:
     if isinstance(want, dict):
         assert isinstance(got, dict) and sorted(got) == sorted(want), f"{path}: keys {sorted(got)} != {sorted(want)}"
         for k in want:
+            if k in DERIVED and got[k] != want[k] and _near_threshold(want, k, table):
+                rel_key, floor_key = DERIVED[k]
+                rule = within_noise(got[rel_key], got[floor_key])
+                assert got[k] == rule, f"{path}.{k}: {got[k]!r} breaks its rule |{rel_key}| <= {floor_key}: {rule!r}"
+                continue
             _assert_same(got[k], want[k], table, f"{path}.{k}", keys + (k,))
     elif isinstance(want, list):
         assert isinstance(got, list) and len(got) == len(want), f"{path}: {got!r} != {want!r}"
@@ -238,3 +278,21 @@ def test_both_tables_name_the_same_fields_and_the_other_kernels_get_more_room() 
     assert set(TOLERANCES) == set(OTHER_KERNELS)
     for k, tol in TOLERANCES.items():
         assert OTHER_KERNELS[k].rel >= tol.rel and OTHER_KERNELS[k].abs >= tol.abs and tol.why and OTHER_KERNELS[k].why
+
+
+@pytest.mark.parametrize("table", [TOLERANCES, OTHER_KERNELS], ids=["x86-kernels", "other-kernels"])
+def test_a_noise_flag_near_its_threshold_follows_its_rule_and_one_far_from_it_must_match(
+        table: dict[str, Tol]) -> None:
+    """``confirmed_within_noise`` recorded True with ``|rel|`` just under the floor: another
+    build's run whose own numbers put it just over may say False (and must, by the rule); saying
+    False with numbers inside the floor fails; so does a flip when the recorded numbers are far
+    from the threshold (5 points inside it: beyond both tables' room)."""
+    want = {"confirmed_rel_logloss_pct": -0.35, "noise_floor_pct": 0.4, "confirmed_within_noise": True}
+    over = {"confirmed_rel_logloss_pct": -0.43, "noise_floor_pct": 0.38, "confirmed_within_noise": False}
+    _assert_same(over, want, table)
+    with pytest.raises(AssertionError, match="breaks its rule"):
+        _assert_same({**over, "confirmed_rel_logloss_pct": -0.2}, want, table)
+    far = {"confirmed_rel_logloss_pct": -0.01, "noise_floor_pct": 5.0, "confirmed_within_noise": True}
+    assert not _near_threshold(far, "confirmed_within_noise", table)
+    with pytest.raises(AssertionError, match=r"confirmed_within_noise: False != True"):
+        _assert_same({**far, "confirmed_within_noise": False}, far, table)
