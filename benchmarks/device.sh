@@ -12,7 +12,9 @@
 #                                             # $OUT/study_report.txt
 #   bash benchmarks/device.sh "$OUT" study-e2e  # the same with --skip-tune, from that folder carried back
 #                                             # in .carry/w (copy $OUT/w there, carry ".carry"):
-#                                             # $OUT/study_h200.json, $OUT/e2e_results.json
+#                                             # $OUT/study_h200.json, $OUT/e2e_results.json (the receipt
+#                                             # is named after the study file: wukong_h200_b32768.toml
+#                                             # -> study_h200_b32768.json)
 #   bash benchmarks/device.sh "$OUT" serve    # benchmarks/serve.py: bf16 + Mods vs the served config vs
 #                                             # torchao's float8 inference under CUDA graphs -> serve_h200.json
 #   bash benchmarks/device.sh "$OUT" e2e      # benchmarks/e2e.py of $STUDY at its batch: CONFIG against
@@ -227,6 +229,7 @@ PY
 esac
 # the parts below train at the study's batch (e2e.py must use it)
 batch=${BATCH:-$(study_batch)}
+receipt="study_$(basename "$study" .toml | sed 's/^[^_]*_//').json"  # study_h200.json, study_h200_b32768.json
 [ -n "$batch" ] || { echo "could not read the batch of $study" >&2; exit 2; }
 batch_arg=(--batch "$batch")
 case "$part" in
@@ -249,7 +252,7 @@ case "$part" in
       --budget "$(( ${PRICE_BUDGET:-90} - 15 ))" 2>&1 | tail -12
     cp "${LOKA_TUNE_CACHE_DIR:-$HOME/.cache/loka-tune}/site_prices.json" "$out/w/site_prices_new.json" 2>/dev/null
     timeout -s INT -k 45 "${STUDY_TIMEOUT:-470}" python3 benchmarks/study_h200.py --study "$study" --work "$out/w" \
-      --skip-e2e --out "$out/study_h200.json" "$@"
+      --skip-e2e --out "$out/$receipt" "$@"
     echo "== study_h200 exit $?"; tail -45 "$out/w/study_h200.log"
     cp "$out/w/study/optuna.db" "$out/w/optuna.db" 2>/dev/null
     timeout 60 python3 -m loka_tune report "$study" --storage "sqlite:///$out/w/study/optuna.db" --no-plots \
@@ -258,7 +261,7 @@ case "$part" in
   study-e2e)
     mkdir -p "$out/w/study"; cp .carry/w/best.json .carry/w/tune_s.json "$out/w/" || exit 2
     cp .carry/w/optuna.db "$out/w/study/optuna.db" || exit 2
-    python3 benchmarks/study_h200.py --study "$study" --work "$out/w" --skip-tune --out "$out/study_h200.json" "$@"
+    python3 benchmarks/study_h200.py --study "$study" --work "$out/w" --skip-tune --out "$out/$receipt" "$@"
     rc=$?; cp "$out/w/e2e/results.json" "$out/e2e_results.json" 2>/dev/null; cp "$out/w/e2e/table.md" "$out/e2e_table.md"
     cat "$out/e2e_table.md"; cp "$out/w/study_h200.log" "$out/study_h200_e2e.log"; rm -rf "$out/w"; exit $rc ;;
   e2e)
