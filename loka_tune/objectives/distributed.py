@@ -162,8 +162,8 @@ def exit_rank(code: int | str | None) -> None:
         status = 0
     elif isinstance(code, int):
         status = code
-    else:  # sys.exit("message"): printed, status 1
-        print(code, file=sys.stderr)
+    else:  # sys.exit("message"): the message on stderr, status 1
+        sys.stderr.write(f"{code}\n")
         status = 1
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
