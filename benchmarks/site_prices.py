@@ -91,8 +91,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", type=float, default=float("inf"), help="seconds: time no new cell after this")
     args = ap.parse_args(argv)
 
-    import torch
-
     from loka_tune.config import ModsConfig, PrecisionConfig
     from loka_tune.data.base import model_inputs
     from loka_tune.kernels.site_timing import SitePriceCache, distinct_cells, price_sites, time_site
@@ -127,7 +125,6 @@ def main(argv: list[str] | None = None) -> int:
     def timer(m: int, k: int, n: int, prec: str, device: str = "cuda") -> dict[str, Any]:
         if time.perf_counter() - t0 > args.budget:
             raise TimeoutError(f"--budget {args.budget:.0f}s spent")
-        torch._dynamo.reset()
         return time_site(m, k, n, prec, device=device)
 
     prices = price_sites(shapes, precs, cache=cache, timer=timer, progress=lambda m: print(m, flush=True))

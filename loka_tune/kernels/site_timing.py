@@ -171,6 +171,11 @@ def time_site(m: int, k: int, n: int, prec: SitePrecision | str, *, device: str 
     x = torch.randn(m, k, device=dev, generator=g, dtype=torch.bfloat16).requires_grad_()
     dy = torch.randn(m, n, device=dev, generator=g, dtype=torch.bfloat16)
     params = [x, *block.parameters()]
+    # a fresh dynamo per cell, as a study's own compiled runs start (objectives/compiled.py): each
+    # cell's block is a new module whose guards fail on the last's, so without it the 9th cell of
+    # one process hits dynamo's recompile limit (fullgraph: the cell fails; seen in the B = 32768
+    # study of 2026-12-02, 3 cells), and every earlier entry's guards would add to the host time
+    torch._dynamo.reset()
     compiled = torch.compile(block, fullgraph=True, dynamic=False)
 
     def step() -> None:
