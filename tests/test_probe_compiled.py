@@ -384,6 +384,7 @@ def test_a_side_collection_on_cuda_never_syncs_and_never_recompiles() -> None:
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     batches = [tuple(t.to(dev) for t in b) for b in _batches(6, 4096)]
     probe = Probe(model, every=2, step_on="batch")
+    flags_before = torch.backends.cuda.matmul.fp32_precision
     with strict_compile() as report:
         fwd = torch.compile(model)
         with probe:
@@ -406,6 +407,40 @@ def test_a_side_collection_on_cuda_never_syncs_and_never_recompiles() -> None:
     assert st.sites["a"].x.count == 3 * 2048 and st.sites["a"].rows == 4096  # 2,048 of 4,096 rows
     assert next(iter(probe._sites.values())).x.precision == "tf32"
     assert st.problems() == {}
+    # what inductor's FX graph cache keys on is as it was: a later compile hits an earlier one's graphs
+    assert torch.backends.cuda.matmul.fp32_precision == flags_before
+
+
+def test_tf32_products_restore_the_matmul_setting_exactly() -> None:
+    """The probe's TF32 products put ``torch.backends.cuda.matmul.fp32_precision`` back as read,
+    from the untouched default too. The legacy round trip (``set_float32_matmul_precision``
+    "high" then "highest") leaves "ieee" where "none" was: inductor's FX graph cache keys on the
+    value, and on an H200 the noise twin after a probed baseline recompiled its graphs. Run in
+    a fresh interpreter: the default is only there before anything sets it."""
+    import subprocess
+    import sys
+
+    prog = (
+        "import torch\n"
+        "from loka_tune.probe.moments import tf32_products\n"
+        "m = torch.backends.cuda.matmul\n"
+        "seen = [m.fp32_precision]\n"
+        "with tf32_products() as on:\n"
+        "    seen.append(m.fp32_precision)\n"
+        "seen.append(m.fp32_precision)\n"
+        "m.fp32_precision = 'ieee'\n"
+        "with tf32_products():\n"
+        "    pass\n"
+        "seen.append(m.fp32_precision)\n"
+        "torch.set_float32_matmul_precision('highest')\n"
+        "legacy = m.fp32_precision\n"
+        "print(on, *seen, legacy)\n")
+    env = {**__import__("os").environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    out = subprocess.run([sys.executable, "-c", prog], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    on, before, inside, after, ieee, legacy = out.stdout.split()
+    assert (on, before, inside, after, ieee) == ("True", "none", "tf32", "none", "ieee")
+    assert legacy == "ieee"  # why not the legacy API: "highest" is not the untouched "none"
 
 
 @pytest.mark.parametrize("step_on", ["batch", "manual"])

@@ -47,12 +47,13 @@ sketch that many rows drawn at random (with replacement), scaled by ``sqrt(rows 
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
-__all__ = ["MAX_FULL_DIM", "PRECISIONS", "TF32_RTOL", "matmul", "tf32_truncate", "on_device", "pick", "stacked",
+__all__ = ["MAX_FULL_DIM", "PRECISIONS", "TF32_RTOL", "matmul", "tf32_products", "tf32_truncate", "on_device", "pick", "stacked",
            "concatenated", "RunningMoments", "NystromSketch", "StatisticError", "pow2_scale", "random_rows",
            "update_concat", "lowp_batch", "lowp_scatter", "lowp_sketch_product", "sketch_increment"]
 
@@ -140,22 +141,63 @@ def tf32_truncate(t: torch.Tensor) -> torch.Tensor:
     return (i & ~0x1FFF).view(torch.float32)
 
 
+@contextlib.contextmanager
+def tf32_products() -> Iterator[bool]:
+    """CUDA float32 matmuls on TF32 tensor cores inside the block, and the setting exactly as it
+    was after it; yields whether TF32 is on (False: this torch refuses the change, float32).
+
+    Through ``torch.backends.cuda.matmul.fp32_precision``, saved and restored as read: the
+    legacy ``set_float32_matmul_precision("highest")`` restores the untouched default
+    (``"none"``) as ``"ieee"``, the same arithmetic but another value, and inductor's FX graph
+    cache keys on it. So every compile after a probe collection missed the cache of one before
+    it (an H200 study's noise twin recompiled its baseline's graphs: 9.6 s, 2026-12-02), and a
+    dynamo guard on the flag could recompile a step. A torch without the newer attribute uses the
+    legacy setting, restored to what it read."""
+    m = torch.backends.cuda.matmul
+    if hasattr(m, "fp32_precision"):
+        prev = m.fp32_precision
+        try:
+            m.fp32_precision = "tf32"
+        except RuntimeError:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            m.fp32_precision = prev
+        return
+    legacy = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("high")
+    except RuntimeError:
+        yield False
+        return
+    try:
+        yield True
+    finally:
+        torch.set_float32_matmul_precision(legacy)
+
+
+def caller_tf32() -> bool:
+    """Whether CUDA float32 matmuls run on TF32 now (the caller's setting), read through the newer
+    API where this torch has it: reading the legacy ``allow_tf32`` raises once the newer one was
+    set (a user's ``fp32_precision = "tf32"``)."""
+    m = torch.backends.cuda.matmul
+    if hasattr(m, "fp32_precision"):  # "none": the backends-wide setting's
+        own = m.fp32_precision
+        return own == "tf32" or (own == "none" and getattr(torch.backends, "fp32_precision", "none") == "tf32")
+    return bool(m.allow_tf32)
+
+
 def matmul(a: torch.Tensor, b: torch.Tensor, tf32: bool = False) -> torch.Tensor:
-    """``a @ b``; ``tf32``: float32 operands multiplied on TF32 tensor cores (CUDA: the matmul
-    precision set to "high" for this product only; the CPU truncates the operands, see
+    """``a @ b``; ``tf32``: float32 operands multiplied on TF32 tensor cores (CUDA: TF32 for this
+    product only, :func:`tf32_products`; the CPU truncates the operands, see
     :func:`tf32_truncate`), 8x faster than float32 on a data-centre GPU."""
     if not tf32:
         return a @ b
     if a.is_cuda:
-        try:
-            prev = torch.get_float32_matmul_precision()
-            torch.set_float32_matmul_precision("high")
-        except RuntimeError:  # a torch that refuses the legacy setting beside its newer TF32 API: float32
+        with tf32_products():  # restored at once: dynamo guards the flag and inductor's cache keys on it
             return a @ b
-        try:  # restored at once: dynamo guards the TF32 flag, a compiled step must find it as it was
-            return a @ b
-        finally:
-            torch.set_float32_matmul_precision(prev)
     return tf32_truncate(a) @ tf32_truncate(b)
 
 
@@ -314,7 +356,7 @@ class NystromSketch:
             rows = rows.to(torch.float64)
             self.y += rows.T @ (rows @ self._omega_g)
             return
-        if rows.is_cuda and torch.backends.cuda.matmul.allow_tf32:  # the caller's TF32: a 10-bit mantissa
+        if rows.is_cuda and caller_tf32():  # the caller's TF32: a 10-bit mantissa
             self.core_rtol = max(self.core_rtol, TF32_RTOL)
         r64 = rows.to(torch.float64)
         col = pow2_scale(r64.abs().amax(0))  # (dim,) per-feature scale (a device tensor: no host sync)
@@ -330,7 +372,7 @@ class NystromSketch:
         Chan cross row ``cross (dim,)``: ``Y += diag(s) (g^T g - n d d^T) diag(s) Omega + cross
         cross^T Omega``, the product in float32 (:func:`lowp_sketch_product`), the rank-1 terms in
         float64."""
-        if g.is_cuda and torch.backends.cuda.matmul.allow_tf32:
+        if g.is_cuda and caller_tf32():
             self.core_rtol = max(self.core_rtol, TF32_RTOL)
         self.y = self.y + sketch_increment(g[None], s[None], d[None], n, cross[None], self.omega[None], self.tf32)[0]
 
@@ -659,7 +701,7 @@ def _append_many_lowp(sketches: list[NystromSketch], g: torch.Tensor, s: torch.T
     """:meth:`NystromSketch.append_lowp` of ``S`` sketches of one dim at once (``g (S, r, dim)``,
     ``s, d, cross (S, dim)``, ``n (S,)``); a stream whose ``ok (S,)`` is False keeps its ``Y``."""
     sk = sketches[0]
-    if g.is_cuda and torch.backends.cuda.matmul.allow_tf32:
+    if g.is_cuda and caller_tf32():
         for s_ in sketches:
             s_.core_rtol = max(s_.core_rtol, TF32_RTOL)
     omega = stacked([s_.omega for s_ in sketches])  # (S, dim, k)
@@ -678,7 +720,7 @@ def _append_many(sketches: list[NystromSketch], rows: torch.Tensor) -> None:
         r64 = rows.to(torch.float64)
         y = y + r64.transpose(1, 2) @ (r64 @ omega)
     else:
-        if rows.is_cuda and torch.backends.cuda.matmul.allow_tf32:
+        if rows.is_cuda and caller_tf32():
             for s in sketches:
                 s.core_rtol = max(s.core_rtol, TF32_RTOL)
         r64 = rows.to(torch.float64)
