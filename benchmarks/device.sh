@@ -8,7 +8,9 @@
 #                                             # (benchmarks/site_prices.py: the cache the study reads),
 #                                             # then e2e.py of the greedy config beside torchao's filter
 #   bash benchmarks/device.sh "$OUT" study    # benchmarks/study_h200.py --skip-e2e: tune + export (< 10 min);
-#                                             # $OUT/w/{best.json,tune_s.json,optuna.db,study_h200.log},
+#                                             # $OUT/w/{best.json,tune_s.json,optuna.db,study_h200.log,
+#                                             # site_prices_{new,after}.json: the price cache before and
+#                                             # after the study, for cells to ship},
 #                                             # $OUT/study_report.txt
 #   bash benchmarks/device.sh "$OUT" study-e2e  # the same with --skip-tune, from that folder carried back
 #                                             # in .carry/w (copy $OUT/w there, carry ".carry"):
@@ -254,6 +256,8 @@ case "$part" in
     timeout -s INT -k 45 "${STUDY_TIMEOUT:-470}" python3 benchmarks/study_h200.py --study "$study" --work "$out/w" \
       --skip-e2e --out "$out/$receipt" "$@"
     echo "== study_h200 exit $?"; tail -45 "$out/w/study_h200.log"
+    # the cache again: the cells the study timed itself (its Dispatch values) come back to be shipped
+    cp "${LOKA_TUNE_CACHE_DIR:-$HOME/.cache/loka-tune}/site_prices.json" "$out/w/site_prices_after.json" 2>/dev/null
     cp "$out/w/study/optuna.db" "$out/w/optuna.db" 2>/dev/null
     timeout 60 python3 -m loka_tune report "$study" --storage "sqlite:///$out/w/study/optuna.db" --no-plots \
       > "$out/study_report.txt" 2>&1; tail -30 "$out/study_report.txt"
