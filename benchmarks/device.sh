@@ -43,7 +43,8 @@
 #                                             # -> $OUT/baseline_learning.{json,log}
 #   bash benchmarks/device.sh "$OUT" train-export  # loka-tune train --config CONFIG (an export) beside plain bf16,
 #                                             # at the study's schedule -> $OUT/train_export.json
-# Settings (environment): STUDY (studies/wukong_h200.toml), PRICE_BUDGET (270 s), E2E_BUDGET
+# Settings (environment): CALL_LIMIT (600 s: the device call's own limit; the study part SIGINTs the
+# study early enough that its report and files still come back), STUDY (studies/wukong_h200.toml), PRICE_BUDGET (270 s), E2E_BUDGET
 # (250 s for prices, 470 s for e2e), E2E_STEPS (80; 60 for scaling), BATCH (the study's regime batch;
 # 16384 for scaling); for serve: CONFIG (benchmarks/results/wukong_large_modeled_plan.json), PLAN_BUDGET
 # (120 s of per-site timing), SERVE_BUDGET (400 s: no row starts after it), SERVE_BATCHES (8192,2048,512),
@@ -95,6 +96,10 @@ modeled_plan() {  # the CPU-built Dispatch plan of the study's model at a batch,
   echo "no modeled plan of $model in benchmarks/results/: set CONFIG" >&2; return 1
 }
 quiet() { grep -v "UserWarning\|warn_once"; }
+within_call() {  # a part's timeout: $1 seconds, or less so that $2 seconds of the device call remain after it
+  local left=$(( ${CALL_LIMIT:-600} - SECONDS - $2 ))  # SECONDS: since this script started
+  (( left < $1 )) && echo "$left" || echo "$1"
+}
 case "$part" in
   serve)  # one model at three serving batches: no study batch needed
     timeout -k 10 $(( ${SERVE_BUDGET:-400} + 80 )) python3 benchmarks/serve.py --study "$study" \
@@ -253,7 +258,10 @@ case "$part" in
       --cache "${LOKA_TUNE_CACHE_DIR:-$HOME/.cache/loka-tune}/site_prices.json" --out "$out/w/site_prices_receipt.json" \
       --budget "$(( ${PRICE_BUDGET:-90} - 15 ))" 2>&1 | tail -12
     cp "${LOKA_TUNE_CACHE_DIR:-$HOME/.cache/loka-tune}/site_prices.json" "$out/w/site_prices_new.json" 2>/dev/null
-    timeout -s INT -k 45 "${STUDY_TIMEOUT:-470}" python3 benchmarks/study_h200.py --study "$study" --work "$out/w" \
+    # SIGINT in time for what follows to run inside the call (a cut study keeps its finished trials)
+    study_timeout=$(within_call "${STUDY_TIMEOUT:-470}" 100)
+    echo "== study timeout ${study_timeout} s (${SECONDS} s into the call of ${CALL_LIMIT:-600})"
+    timeout -s INT -k 45 "$study_timeout" python3 benchmarks/study_h200.py --study "$study" --work "$out/w" \
       --skip-e2e --out "$out/$receipt" "$@"
     echo "== study_h200 exit $?"; tail -45 "$out/w/study_h200.log"
     # the cache again: the cells the study timed itself (its Dispatch values) come back to be shipped
