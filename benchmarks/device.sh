@@ -268,7 +268,7 @@ case "$part" in
     cp "${LOKA_TUNE_CACHE_DIR:-$HOME/.cache/loka-tune}/site_prices.json" "$out/w/site_prices_after.json" 2>/dev/null
     cp "$out/w/study/optuna.db" "$out/w/optuna.db" 2>/dev/null
     timeout 60 python3 -m loka_tune report "$study" --storage "sqlite:///$out/w/study/optuna.db" --no-plots \
-      > "$out/study_report.txt" 2>&1; tail -30 "$out/study_report.txt"
+      --out-dir "$out/w/study" > "$out/study_report.txt" 2>&1; tail -30 "$out/study_report.txt"  # (its probe_report.json)
     rm -rf "$out/w/study" "$out/w/e2e" ;;
   study-e2e)
     mkdir -p "$out/w/study"; cp .carry/w/best.json .carry/w/tune_s.json "$out/w/" || exit 2
