@@ -527,3 +527,26 @@ def test_a_study_with_an_unprobed_site_goes_on_and_says_so(tmp_path: Path, monke
     out = capsys.readouterr().out
     assert "probe (" in out and "unprobed" in out and "x.cov: non-finite covariance" in out
     assert all(n in out for n in rep.site_status())
+
+
+def test_report_finds_the_probe_report_where_tune_wrote_it(tmp_path: Path) -> None:
+    """``tune --out-dir X`` writes probe_report.json into X and stores X; ``report`` with the study
+    file (whose own output dir is elsewhere) reads it from X, then the study file's dir, then its
+    own ``--out-dir``; with none there the line names the stored dir's missing file."""
+    from types import SimpleNamespace
+
+    from loka_tune.commands.report import _probe_report_path
+
+    ran, own, extra = tmp_path / "ran", tmp_path / "own", tmp_path / "extra"
+    for d in (ran, own, extra):
+        d.mkdir()
+    cfg = SimpleNamespace(output_dir=own)
+    attr = {"study": {"output_dir": str(ran)}}
+    assert _probe_report_path(cfg, attr) == ran / "probe_report.json"  # none exists: the stored one's
+    (extra / "probe_report.json").write_text("{}")
+    assert _probe_report_path(cfg, attr, extra) == extra / "probe_report.json"
+    (own / "probe_report.json").write_text("{}")
+    assert _probe_report_path(cfg, attr, extra) == own / "probe_report.json"
+    (ran / "probe_report.json").write_text("{}")
+    assert _probe_report_path(cfg, attr, extra) == ran / "probe_report.json"
+    assert _probe_report_path(None, {}) is None

@@ -133,10 +133,16 @@ def format_compile_cache(summary: dict | None) -> str | None:
     return line
 
 
-def _probe_report_path(cfg: Any, study_attr: dict[str, Any]) -> Path | None:
-    """The study's ``probe_report.json``: in its output dir (the study file's, else the stored one's)."""
-    out = cfg.output_dir if cfg is not None else (study_attr.get("study") or {}).get("output_dir")
-    return None if out is None else Path(out) / "probe_report.json"
+def _probe_report_path(cfg: Any, study_attr: dict[str, Any], out_dir: Path | None = None) -> Path | None:
+    """The study's ``probe_report.json``: the first that exists of the output dir the study ran
+    with (stored: ``tune --out-dir`` included), the study file's, and ``--out-dir``; else where
+    the stored one would be (the line then says it is missing)."""
+    stored = (study_attr.get("study") or {}).get("output_dir")
+    dirs = [Path(d) for d in (stored, cfg.output_dir if cfg is not None else None, out_dir) if d is not None]
+    for d in dirs:
+        if (d / "probe_report.json").is_file():
+            return d / "probe_report.json"
+    return dirs[0] / "probe_report.json" if dirs else None
 
 
 def format_probe_sites(path: Path | None) -> str:
@@ -191,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
     cache_line = format_compile_cache(compile_cache_summary(study))
     if cache_line:
         print(cache_line)
-    print(format_probe_sites(_probe_report_path(cfg, st)))
+    print(format_probe_sites(_probe_report_path(cfg, st, args.out_dir)))
     if ATTR_SPACE in study.user_attrs:  # the recipe values and their prices; the model's last fit
         from loka_tune.space.recipe_space import space_table
         from loka_tune.tuner.proposals import model_line
