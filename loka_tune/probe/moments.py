@@ -149,33 +149,29 @@ def tf32_products() -> Iterator[bool]:
     Through ``torch.backends.cuda.matmul.fp32_precision``, saved and restored as read: the
     legacy ``set_float32_matmul_precision("highest")`` restores the untouched default
     (``"none"``) as ``"ieee"``, the same arithmetic but another value, and inductor's FX graph
-    cache keys on it. So every compile after a probe collection missed the cache of one before
-    it (an H200 study's noise twin recompiled its baseline's graphs: 9.6 s, 2026-12-02), and a
-    dynamo guard on the flag could recompile a step. A torch without the newer attribute uses the
-    legacy setting, restored to what it read."""
+    cache keys on it: every compile after a probe collection then misses the cache of one before
+    it (the likely reason an H200 study's noise twin recompiled its baseline's graphs, 9.6 s,
+    2026-12-02), and a dynamo guard on the flag could recompile a step. A torch without the
+    newer attribute uses the legacy setting, restored to what it read."""
     m = torch.backends.cuda.matmul
-    if hasattr(m, "fp32_precision"):
-        prev = m.fp32_precision
-        try:
-            m.fp32_precision = "tf32"
-        except RuntimeError:
-            yield False
-            return
-        try:
-            yield True
-        finally:
-            m.fp32_precision = prev
-        return
-    legacy = torch.get_float32_matmul_precision()
+    newer = hasattr(m, "fp32_precision")
+    prev, on = (m.fp32_precision, "tf32") if newer else (torch.get_float32_matmul_precision(), "high")
+
+    def put(value: str) -> None:
+        if newer:
+            m.fp32_precision = value
+        else:
+            torch.set_float32_matmul_precision(value)
+
     try:
-        torch.set_float32_matmul_precision("high")
-    except RuntimeError:
+        put(on)
+    except RuntimeError:  # this torch refuses the change: float32 products
         yield False
         return
     try:
         yield True
     finally:
-        torch.set_float32_matmul_precision(legacy)
+        put(prev)
 
 
 def caller_tf32() -> bool:
