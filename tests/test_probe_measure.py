@@ -213,6 +213,22 @@ def test_measure_is_deterministic_and_validates(gauss_stats: ProbeStats) -> None
         measure({"not": "stats"})
 
 
+
+def test_measure_says_where_its_time_went(report: ProbeReport) -> None:
+    """The report's timers (what the study's probe log line prints): the replay's factors, the
+    draws and the GEMMs with their errors add up to at most the whole, every site is timed."""
+    from loka_tune.tuner.prepare import _measure_note
+
+    ph, per_site = report.meta["phases_s"], report.meta["site_s"]
+    assert set(ph) == {"replay", "draws", "gemms"} and all(v >= 0 for v in ph.values())
+    assert ph["gemms"] > 0 and ph["draws"] > 0
+    assert sum(ph.values()) <= report.meta["measure_s"] + 1e-3
+    assert set(per_site) == {"0"} and per_site["0"] <= report.meta["measure_s"] + 1e-3
+    note = _measure_note(report.meta)
+    assert note.startswith(": replay factors ") and ", draws " in note and ", GEMMs and errors " in note
+    assert note.endswith(f"; slowest sites 0 {per_site['0']:.1f}s")
+    assert _measure_note({}) == ""
+
 # ---------------------------------------------------------------------------- speed
 def test_roofline_and_timed_speed() -> None:
     rf = RooflineSpeed()

@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 import time
 from contextlib import contextmanager
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -205,7 +205,13 @@ def measure(
 
             it = tqdm(names, desc="probe: measure", unit="site")
         time_cache: dict[tuple[str, str, int, int, int], tuple[float, str]] = {}
+        # where the measurement's time goes (wall seconds; the device synchronised at each boundary):
+        # the replay's factors, the draws, the candidates' GEMMs with their errors; and per site
+        phases = {"replay": 0.0, "draws": 0.0, "gemms": 0.0}
+        site_s: dict[str, float] = {}
+        sync = _syncer(device)
         for name in it:
+            t_site = time.perf_counter()
             site = stats.sites[name]
             valid = _valid_candidates(name, site, roles, cands, device, e5m2_anywhere, skipped)
             if price_first:
@@ -213,6 +219,7 @@ def measure(
             meta_site = _site_meta(site)
             fallbacks = site.fallbacks  # statistic -> why it fell back (collection, then replay)
             site_results: list[CandidateResult] = []
+            t_rep = time.perf_counter()
             try:
                 samplers = [SiteSampler(site, dist, max_rows=max_rows, weights=weights, device=replay_device,
                                         seed=int(np.random.SeedSequence([seed, _stable_hash(name), di]).generate_state(1)[0]))
@@ -223,10 +230,12 @@ def measure(
                 skipped.append(SkippedCandidate(name, "*", "*", why))
                 site_meta[name] = {**meta_site, **_status(fallbacks, unprobed=why)}
                 continue
+            sync()
+            phases["replay"] += time.perf_counter() - t_rep
             for sampler in samplers:
                 dist = sampler.dist
                 n_draws = 1 if dist == "real" else samples
-                errs = _measure_site(sampler, valid, n_draws, device, operand_dtype, guard_frac)
+                errs = _measure_site(sampler, valid, n_draws, device, operand_dtype, guard_frac, phases, sync)
                 meta_site.setdefault("rows_sampled", {})[dist] = sampler.rows
                 if dist == "learned":
                     meta_site["jitter"] = sampler.jitter
@@ -237,6 +246,7 @@ def measure(
                                          time_cache, max_error, min_speedup)
             results += site_results
             site_meta[name] = {**meta_site, **_status(fallbacks)}
+            site_s[name] = time.perf_counter() - t_site
         for sk in skipped:  # sites whose statistics are unusable: unprobed (they keep every candidate)
             if sk.role == "*" and sk.site not in site_meta and sk.reason.startswith("unusable statistics"):
                 site_meta[sk.site] = {**_site_meta(stats.sites[sk.site]), **_status(stats.sites[sk.site].fallbacks,
@@ -252,6 +262,8 @@ def measure(
             "stats": {"model": stats.model, "steps": stats.steps, "collections": stats.collections,
                       "every": stats.every, **stats.meta},
             "sites": site_meta, "measure_s": round(time.perf_counter() - t0, 3),
+            "phases_s": {k: round(v, 3) for k, v in phases.items()},
+            "site_s": {k: round(v, 3) for k, v in site_s.items()},
         }
         return ProbeReport(results, skipped, float(max_error), float(min_speedup), meta, stats)
 
@@ -413,13 +425,22 @@ def _measure_site(
     device: str,
     operand_dtype: torch.dtype,
     guard_frac: float,
+    phases: dict[str, float] | None = None,
+    sync: Callable[[], None] = lambda: None,
 ) -> dict[tuple[GemmRole, str], list[tuple[float, float]]]:
+    """Every draw's ``(MERE, SQNR)`` per (role, candidate); the wall seconds of the draws and of
+    the GEMMs with their errors are added to ``phases["draws"]`` / ``phases["gemms"]``."""
+    ph = phases if phases is not None else {"draws": 0.0, "gemms": 0.0}
     errs: dict[tuple[GemmRole, str], list[tuple[float, float]]] = {
         (r, c.short_str()): [] for r, cs in valid.items() for c in cs
     }
     with torch.no_grad():
         for _ in range(n_draws):
+            t = time.perf_counter()
             x, dy, w = sampler.draw_tensors(device)
+            sync()
+            t1 = time.perf_counter()
+            ph["draws"] += t1 - t
             for role, cs in valid.items():
                 if not cs:
                     continue
@@ -429,7 +450,16 @@ def _measure_site(
                 for c in cs:
                     out = _backend_gemm(c, a, b, role)
                     errs[(role, c.short_str())].append((mere(ref, out, guard_frac), sqnr_db(ref, out)))
+            sync()
+            ph["gemms"] += time.perf_counter() - t1
     return errs
+
+
+def _syncer(device: str) -> Callable[[], None]:
+    """A function that waits for ``device``'s queued work (a no-op off CUDA), for the phase timers."""
+    if torch.device(device).type != "cuda":
+        return lambda: None
+    return torch.cuda.synchronize
 
 
 def _time(speed: SpeedModel, cache: dict, choice: GemmChoice, m: int, k: int, n: int,

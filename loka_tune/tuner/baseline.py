@@ -260,8 +260,11 @@ def _probed_run(cfg: StudyConfig, model: nn.Module, source: Any, tcfg: Any, seed
 
         with probe:
             res = train_in_study(model, source, tcfg, seed=seed, config=PrecisionConfig(), on_batch=side, progress=progress)
-        log(f"[loka-tune] probe: {probe.collections} side collection(s); their statistics ran {probe.graph_note}")
-        return res, probe.stats
+        t = time.perf_counter()
+        stats = probe.stats  # the snapshot: every site's statistics and weight model read back to the host
+        log(f"[loka-tune] probe: {probe.collections} side collection(s); their statistics ran {probe.graph_note};"
+            f" read back in {time.perf_counter() - t:.1f}s")
+        return res, stats
     with Probe(model, every=every, step_on="manual") as probe:
         res = train_in_study(model, source, tcfg, seed=seed, config=PrecisionConfig(), after_step=lambda _n: probe.step(),
                      progress=progress)
