@@ -3,22 +3,18 @@ end-to-end call of its code path on a tiny study (the GPU call runs the H200 stu
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 from typing import Any
 
 import pytest
+from _bench import load_bench
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _load() -> Any:
-    spec = importlib.util.spec_from_file_location("baseline_learning_bench", REPO / "benchmarks" / "baseline_learning.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def _load():  # noqa: ANN202
+    return load_bench('baseline_learning.py', 'baseline_learning_bench')
 
 
 def _rows(ne: list[float | None], status: str = "ok", variant: str = "study") -> list[dict[str, Any]]:

@@ -2,23 +2,20 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 import torch
+from _bench import load_bench
 
 from loka_tune.config import ModsConfig, PrecisionConfig, SitePrecision
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location("e2e_bench", REPO / "benchmarks" / "e2e.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def _load():  # noqa: ANN202
+    return load_bench('e2e.py', 'e2e_bench')
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU behaviour (GPU variants skipped)")

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
+from _bench import load_bench
 
 from loka_tune.cli import main
 
@@ -117,9 +117,7 @@ def test_tune_export_apply_on_sequence_data(tmp_path, capsys):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU behaviour (GPU variants skipped)")
 def test_e2e_harness_takes_model_interformer(tmp_path):
-    spec = importlib.util.spec_from_file_location("e2e_bench_inter", REPO / "benchmarks" / "e2e.py")
-    e2e = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(e2e)
+    e2e = load_bench('e2e.py', 'e2e_bench_inter')
     study = tmp_path / "inter.toml"
     text = textwrap.dedent(STUDY.format(out=tmp_path / "runs"))
     study.write_text(text.replace('"interformer"', '"dlrm"').split("[model.overrides]")[0]

@@ -3,7 +3,6 @@ profiles come from the trainer's own summary (``kernel_summary``: its field name
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -11,18 +10,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _bench import load_bench
 
 from loka_tune.objectives.profiling import kernel_summary
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _load() -> Any:
-    spec = importlib.util.spec_from_file_location("profile_breakdown_bench", REPO / "benchmarks" / "profile_breakdown.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def _load():  # noqa: ANN202
+    return load_bench('profile_breakdown.py', 'profile_breakdown_bench')
 
 
 def _run(variant: str, seed: int, gemm_us: float, other_us: float, fp8: int, steps: int = 10) -> dict[str, Any]:

@@ -3,24 +3,21 @@ the GPU receipt needs, the planned config is written and reusable."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from _bench import load_bench
 
 from loka_tune.config import ModsConfig, PrecisionConfig, SitePrecision
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _load():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("serve_bench", REPO / "benchmarks" / "serve.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def _load():  # noqa: ANN202
+    return load_bench('serve.py', 'serve_bench')
 
 
 def serve_model(serve):  # noqa: ANN001, ANN201 - the tiny study model the smoke serves

@@ -3,23 +3,18 @@ Linear trained with a calibrated input scale, against float64 references with ex
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from _bench import load_bench
 from torch import nn
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location("static_scales_bench", REPO / "benchmarks" / "static_scales.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+def _load():  # noqa: ANN202
+    return load_bench('static_scales.py', 'static_scales_bench', register=True)
 
 
 def _sqnr(ref: torch.Tensor, got: torch.Tensor) -> float:
@@ -141,9 +136,7 @@ def test_e2e_prepares_the_static_variant_on_the_filter_sites(tmp_path: Path) -> 
     from loka_tune.tuner.build import make_model, make_source
     from loka_tune.tuner.study import load_study
 
-    spec = importlib.util.spec_from_file_location("e2e_bench_static", REPO / "benchmarks" / "e2e.py")
-    e2e = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(e2e)
+    e2e = load_bench('e2e.py', 'e2e_bench_static')
     cfg = load_study(REPO / "studies" / "quickstart.toml")
     source = make_source(cfg)
     model = make_model(cfg, source, seed=0)

@@ -3,21 +3,17 @@ e2e.py's own summary (its field names, not copies of them)."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from typing import Any
 
 import pytest
+from _bench import load_bench
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def _load(name: str) -> Any:
-    spec = importlib.util.spec_from_file_location(name.replace(".py", "_bench"), REPO / "benchmarks" / name)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench(name)
 
 
 def _e2e_results(step_ms: dict[str, float]) -> dict[str, Any]:

@@ -4,20 +4,17 @@ probe-overhead run (issue 22) works end to end."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import time
 from pathlib import Path
 
 import pytest
+from _bench import load_bench
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def _load():  # noqa: ANN202
-    spec = importlib.util.spec_from_file_location("train_step_bench", REPO / "benchmarks" / "train_step.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench('train_step.py', 'train_step_bench')
 
 
 def test_a_failing_variant_is_recorded_and_the_next_ones_run(monkeypatch: pytest.MonkeyPatch,
