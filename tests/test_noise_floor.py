@@ -214,3 +214,16 @@ def test_a_baseline_runs_line_says_where_its_time_went_and_how_its_graphs_were_h
     eager = SimpleNamespace(phases_s=res.phases_s, steps_run=200, config=SimpleNamespace(compile=False))
     assert baseline._run_note(eager, SimpleNamespace(compile=False)) == (
         "first step 20.2s, 199 steps 6.0s, eval 3.0s, setup 0.5s")
+
+
+def test_a_baseline_line_says_how_much_of_its_time_lay_outside_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The seconds a baseline line reports beside the trainer's own wall time: over half a second
+    outside it (imports, the probe's read-back) is named; less, or no wall time, is not."""
+    from loka_tune.tuner import baseline
+
+    now = [100.0]
+    monkeypatch.setattr(baseline.time, "perf_counter", lambda: now[0])
+    assert baseline._took(60.0, SimpleNamespace(wall_s=31.7)) == "40.0s, 8.3s of it outside the run"
+    assert baseline._took(60.0, SimpleNamespace(wall_s=39.8)) == "40.0s"
+    assert baseline._took(60.0, SimpleNamespace(wall_s=float("nan"))) == "40.0s"
+    assert baseline._took(60.0, SimpleNamespace()) == "40.0s"
