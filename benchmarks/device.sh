@@ -38,7 +38,8 @@
 #                                             # (host-bound small shapes) -> $OUT/linear_block.json
 #   bash benchmarks/device.sh "$OUT" tune     # the CLI as a user runs it: loka-tune tune $STUDY --device cuda
 #                                             # --n-trials N_TRIALS, report, export -> $OUT/tune.log (timestamped),
-#                                             # probe_report.json, tune_report.txt, tune_best.json
+#                                             # probe_report.json, tune_report.txt, tune_best.json,
+#                                             # site_prices_after.json (the price cache after it)
 #   bash benchmarks/device.sh "$OUT" baselines  # bf16 baselines of BASELINE_STUDIES (benchmarks/baseline_learning.py)
 #                                             # -> $OUT/baseline_learning.{json,log}
 #   bash benchmarks/device.sh "$OUT" train-export  # loka-tune train --config CONFIG (an export) beside plain bf16,
@@ -188,6 +189,8 @@ for line in sys.stdin:
     echo "== tune exit ${PIPESTATUS[0]}"
     dir=$(python3 -c "import sys; from loka_tune.tuner.study import load_study; print(load_study(sys.argv[1]).output_dir)" "$study")
     cp "$dir/probe_report.json" "$out/probe_report.json" 2>/dev/null || echo "no $dir/probe_report.json"
+    # the price cache after the study: the cells it timed itself (its Dispatch values), to be shipped
+    cp "${LOKA_TUNE_CACHE_DIR:-$HOME/.cache/loka-tune}/site_prices.json" "$out/site_prices_after.json" 2>/dev/null
     timeout 60 python3 -m loka_tune report "$study" --no-plots > "$out/tune_report.txt" 2>&1
     tail -40 "$out/tune_report.txt"
     timeout 60 python3 -m loka_tune export "$study" --out "$out/tune_best.json" 2>&1 | tail -5

@@ -254,21 +254,34 @@ def _probed_run(cfg: StudyConfig, model: nn.Module, source: Any, tcfg: Any, seed
     every = cfg.probe.every
     if tcfg.compile or tcfg.cuda_graphs:
         probe = Probe(model, every=every, step_on="batch")
+        side_s: list[float] = []  # host seconds of each step's hand-off (collection steps: their forward + backward)
 
         def side(_n: int, batch: Any) -> None:
+            t = time.perf_counter()
             probe.step(*model_inputs(model, batch), target=batch.labels)
+            side_s.append(time.perf_counter() - t)
 
+        t_in = time.perf_counter()
         with probe:
             res = train_in_study(model, source, tcfg, seed=seed, config=PrecisionConfig(), on_batch=side, progress=progress)
         t = time.perf_counter()
         stats = probe.stats  # the snapshot: every site's statistics and weight model read back to the host
-        log(f"[loka-tune] probe: {probe.collections} side collection(s); their statistics ran {probe.graph_note};"
-            f" read back in {time.perf_counter() - t:.1f}s")
+        log(f"[loka-tune] probe: {probe.collections} side collection(s) ({_side_note(side_s)}); their statistics"
+            f" ran {probe.graph_note}; read back in {time.perf_counter() - t:.1f}s; attach, train's imports and"
+            f" exit outside its run {max(t - t_in - float(res.wall_s), 0.0):.1f}s")
         return res, stats
     with Probe(model, every=every, step_on="manual") as probe:
         res = train_in_study(model, source, tcfg, seed=seed, config=PrecisionConfig(), after_step=lambda _n: probe.step(),
                      progress=progress)
     return res, probe.stats
+
+
+def _side_note(side_s: Sequence[float]) -> str:
+    """``"2.9s in the steps, the slowest 2.1s"``: where the probe's hand-offs spent their time
+    (host seconds, not synchronised: a collection's kernels finish inside the next timed step's)."""
+    if not side_s:
+        return "no hand-off"
+    return f"{sum(side_s):.1f}s in the steps, the slowest {max(side_s):.1f}s"
 
 
 def _noise_twin(cfg: StudyConfig, source: Any, tcfg: Any, seed: int, twin: int, base_logloss: float) -> Any:
