@@ -21,16 +21,32 @@ ROLES = ("fwd", "dgrad", "wgrad")
 
 # ------------------------------------------------------------------ torchao's size filter, as data
 @pytest.mark.parametrize("recipe,in_f,out_f,keep", [
-    # tensorwise skips a Linear only when in <= 1024 and out <= 4096 at once
-    ("tensorwise", 1024, 4096, False), ("tensorwise", 1040, 4096, True), ("tensorwise", 1024, 4112, True),
-    ("tensorwise", 4096, 16, True), ("tensorwise", 4100, 4096, False), ("tensorwise", 4096, 4100, False),
-    # rowwise needs in > 2048, out > 1024 and not (in <= 4096 and out <= 2048)
-    ("rowwise", 2048, 8192, False), ("rowwise", 8192, 1024, False), ("rowwise", 4096, 2048, False),
-    ("rowwise", 4112, 2048, True), ("rowwise", 4096, 2064, True), ("rowwise", 2064, 2048, False), ("rowwise", 2064, 2064, True),
-    ("rowwise", 8200, 8192, False),
+    # tensorwise skips a Linear only when in <= 4096 and out <= 1024 at once
+    ("tensorwise", 4096, 1024, False), ("tensorwise", 4112, 1024, True), ("tensorwise", 4096, 1040, True),
+    ("tensorwise", 16, 4096, True), ("tensorwise", 4100, 1024, False), ("tensorwise", 1024, 4100, False),
+    ("tensorwise", 2048, 1024, False),  # the large Wukong's dense_proj: torchao 0.17 leaves it in bf16
+    # rowwise needs out > 2048, in > 1024 and not (in <= 2048 and out <= 4096)
+    ("rowwise", 8192, 2048, False), ("rowwise", 1024, 8192, False), ("rowwise", 2048, 4096, False),
+    ("rowwise", 2048, 4112, True), ("rowwise", 2064, 4096, True), ("rowwise", 2048, 2064, False), ("rowwise", 2064, 2064, True),
+    ("rowwise", 8192, 8200, False),
+    ("rowwise", 2048, 8192, True), ("rowwise", 16384, 4096, True), ("rowwise", 4096, 2048, False),  # Wukong's 5
 ])
 def test_size_filter_is_torchaos_rule(recipe: str, in_f: int, out_f: int, keep: bool) -> None:
     assert SIZE_FILTERS[recipe].keeps(in_f, out_f) is keep
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_size_filter_agrees_with_the_installed_torchao(recipe: str) -> None:
+    """Where torchao is installed (the GPU machine), its own ``_auto_filter_for_recipe`` keeps
+    exactly the Linears our restated filter keeps, over a grid of shapes around every bound."""
+    from torch import nn
+
+    utils = pytest.importorskip("torchao.float8.float8_linear_utils")
+    keep = utils._auto_filter_for_recipe(recipe, filter_fqns=[])
+    dims = (16, 1008, 1024, 1040, 1408, 2032, 2048, 2064, 4080, 4096, 4112, 8192, 16384, 1000)
+    wrong = [(i, o) for i in dims for o in dims
+             if bool(keep(nn.Linear(i, o, bias=False, device="meta"), "x")) != SIZE_FILTERS[recipe].keeps(i, o)]
+    assert not wrong, f"(in, out) where torchao's {recipe} filter differs from ours: {wrong}"
 
 
 # ------------------------------------------------------------------ starts in a hand-made space
@@ -42,7 +58,7 @@ FP8 = ("e4m3.tensor.torch_scaled_mm", "e4m3.tensor.fbgemm", "e4m3.row.torch_scal
        "e4m3.row.pow2.fa.torch_scaled_mm", "e5m2+e4m3.tensor.fbgemm", "e4m3.tensor.torchao", "e4m3.row.pow2.torchao")
 SPACE = SearchSpace(sites=(
     _site("big", 8192, 8192, FP8),                      # both filters keep it
-    _site("wide", 2048, 8192, FP8),                     # tensorwise keeps it, rowwise does not
+    _site("wide", 8192, 2048, FP8),                     # tensorwise keeps it, rowwise does not (out <= 2048)
     _site("small", 512, 512, FP8),                      # neither
     _site("pruned", 8192, 8192, ("e4m3.row.torch_scaled_mm",)),  # the probe left rowwise only
 ), mods={"mods.no_bias": (False, True), "mods.blocknorm": (None, 256, 128)})
