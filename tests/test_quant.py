@@ -24,9 +24,12 @@ from loka_tune.config import Format, Granularity, ScaleRounding
 from loka_tune.kernels.quant import (
     FMAX,
     FP8_DTYPE,
+    GUARD_FRAC,
+    RefErrors,
     compute_scale,
     dequantize,
     fake_quantize,
+    mere,
     quantize,
     sqnr_db,
     tile_shape,
@@ -90,6 +93,39 @@ def test_sqnr_db() -> None:
     assert sqnr_db(x, x) == math.inf
     assert sqnr_db(x, 1.1 * x) == pytest.approx(20.0)
     assert sqnr_db(torch.zeros(3), torch.ones(3)) == -math.inf
+
+
+def _ref_cases() -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 48, generator=g, dtype=torch.float64)
+    ill = x * torch.logspace(-6, 6, 48, dtype=torch.float64)  # columns 12 decades apart
+    return [
+        ("gaussian, bf16", x, x.to(torch.bfloat16)),
+        ("ill-conditioned, e4m3", ill, fake_quantize(ill.float(), Format.E4M3, Granularity.TENSOR, ScaleRounding.EXACT)),
+        ("identical", x, x.clone()),
+        ("all-zero reference", torch.zeros(8, 8), torch.ones(8, 8)),
+        ("all-zero both", torch.zeros(8, 8), torch.zeros(8, 8)),
+        ("constant", torch.full((8, 8), 3.0), torch.full((8, 8), 3.5)),
+        ("NaN in approx", x, torch.where(x > 2, torch.nan, x)),
+        ("huge range", x * 1e30, x.to(torch.bfloat16).double() * 1e30),
+    ]
+
+
+@pytest.mark.parametrize("guard", [GUARD_FRAC, 0.0, 0.5])
+def test_ref_errors_give_mere_and_sqnr_exactly(guard: float) -> None:
+    """The probe's batched errors (one read-back for many candidates) are the metrics' own values."""
+    cases = _ref_cases()
+    for name, ref, approx in cases:
+        re = RefErrors(ref, guard)
+        got = RefErrors.metrics(re.terms(approx).tolist())
+        want = (mere(ref, approx, guard), sqnr_db(ref, approx))
+        for g_, w_ in zip(got, want):
+            assert (math.isnan(g_) and math.isnan(w_)) or g_ == w_, (name, got, want)
+    # many approximations of one reference, read back at once
+    ref, approxs = cases[0][1], [cases[0][2], cases[0][1] * 1.01, cases[0][1]]
+    re = RefErrors(ref, guard)
+    rows = torch.stack([re.terms(a) for a in approxs]).tolist()
+    assert [RefErrors.metrics(r) for r in rows] == [(mere(ref, a, guard), sqnr_db(ref, a)) for a in approxs]
 
 
 # ------------------------------------------------------------------------------------ tiles

@@ -52,6 +52,7 @@ non-finite value never spreads across a tile.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -75,6 +76,7 @@ __all__ = [
     "GUARD_FRAC",
     "sqnr_db",
     "mere",
+    "RefErrors",
 ]
 
 #: Largest finite magnitude of each format's elements.
@@ -303,3 +305,46 @@ def mere(ref: torch.Tensor, approx: torch.Tensor, guard_frac: float = GUARD_FRAC
         return 0.0 if bool(torch.equal(approx, ref)) else math.inf
     denom = ref.abs().clamp_min(guard_frac * rms)
     return float(((approx - ref).abs() / denom).mean())
+
+
+class RefErrors:
+    """:func:`mere` and :func:`sqnr_db` of many approximations of one reference, without a host
+    sync per call: the reference's terms (its float64 copy, ``|ref|^2``, its rms, the MERE
+    denominator) are formed once, :meth:`terms` returns each approximation's terms as one
+    float64 tensor on the reference's device, and :meth:`metrics` turns the terms read back
+    (``tensor.tolist()``, once for many) into ``(mere, sqnr_db)``, the same values those two
+    functions give (edge cases included: an all-zero reference, identical operands).
+
+    The probe measures every candidate of a site against one reference per draw and GEMM
+    (:mod:`loka_tune.probe.measure`): with a read-back per metric it waited on the GPU four
+    times per candidate, which was most of its time on an H200."""
+
+    def __init__(self, ref: torch.Tensor, guard_frac: float = GUARD_FRAC) -> None:
+        r = ref.detach().to(torch.float64)
+        self.ref = r
+        sq = r.pow(2)
+        self.s = sq.sum()
+        self.rms = sq.mean().sqrt()
+        self.denom = r.abs().clamp_min(guard_frac * self.rms)
+
+    def terms(self, approx: torch.Tensor) -> torch.Tensor:
+        """``[mean |d| / denom, sum d^2, max |d|, sum ref^2, rms(ref)]`` with ``d = approx - ref``."""
+        d = approx.detach().to(torch.float64) - self.ref
+        ad = d.abs()
+        return torch.stack(((ad / self.denom).mean(), d.pow(2).sum(), ad.amax(), self.s, self.rms))
+
+    @staticmethod
+    def metrics(terms: Sequence[float]) -> tuple[float, float]:
+        """``(mere, sqnr_db)`` from one row of :meth:`terms` read back to the host."""
+        m, e, dmax, s, rms = (float(v) for v in terms)
+        if rms == 0.0:
+            mer = 0.0 if dmax == 0.0 else math.inf  # NaN in approx: not equal, as torch.equal says
+        else:
+            mer = m
+        if e == 0:
+            db = math.inf
+        elif s == 0:
+            db = -math.inf
+        else:
+            db = 10.0 * math.log10(s / e)
+        return mer, db

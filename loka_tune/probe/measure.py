@@ -43,7 +43,7 @@ import torch
 
 from loka_tune.config import ROLES, Format, GemmChoice, GemmRole, role_operands
 from loka_tune.errors import LokaError, ProbeError
-from loka_tune.kernels.quant import GUARD_FRAC, mere, sqnr_db
+from loka_tune.kernels.quant import GUARD_FRAC, RefErrors
 from loka_tune.probe.report import CandidateResult, ProbeReport, SkippedCandidate, check_thresholds, is_fast, is_safe
 from loka_tune.probe.speed import SpeedModel, default_speed_model
 from loka_tune.probe.stats import ProbeStats, SiteStats
@@ -429,11 +429,15 @@ def _measure_site(
     sync: Callable[[], None] = lambda: None,
 ) -> dict[tuple[GemmRole, str], list[tuple[float, float]]]:
     """Every draw's ``(MERE, SQNR)`` per (role, candidate); the wall seconds of the draws and of
-    the GEMMs with their errors are added to ``phases["draws"]`` / ``phases["gemms"]``."""
+    the GEMMs with their errors are added to ``phases["draws"]`` / ``phases["gemms"]``.
+
+    The errors stay on the device until the site is done (:class:`~loka_tune.kernels.quant.RefErrors`:
+    one read-back per site, not four per candidate), so the GPU runs ahead of the host."""
     ph = phases if phases is not None else {"draws": 0.0, "gemms": 0.0}
     errs: dict[tuple[GemmRole, str], list[tuple[float, float]]] = {
         (r, c.short_str()): [] for r, cs in valid.items() for c in cs
     }
+    pending: list[tuple[tuple[GemmRole, str], torch.Tensor]] = []  # (role, candidate) -> its terms, in draw order
     with torch.no_grad():
         for _ in range(n_draws):
             t = time.perf_counter()
@@ -445,13 +449,18 @@ def _measure_site(
                 if not cs:
                     continue
                 a64, b64 = role_operands(role, x, dy, w)
-                ref = a64 @ b64.T  # float64 reference
+                ref = RefErrors(a64 @ b64.T, guard_frac)  # float64 reference
                 a, b = a64.to(operand_dtype), b64.to(operand_dtype)
                 for c in cs:
-                    out = _backend_gemm(c, a, b, role)
-                    errs[(role, c.short_str())].append((mere(ref, out, guard_frac), sqnr_db(ref, out)))
+                    pending.append(((role, c.short_str()), ref.terms(_backend_gemm(c, a, b, role))))
+                del ref
             sync()
             ph["gemms"] += time.perf_counter() - t1
+        t = time.perf_counter()
+        rows = torch.stack([v for _, v in pending]).cpu().tolist() if pending else []
+        ph["gemms"] += time.perf_counter() - t
+    for (key, _), row in zip(pending, rows):
+        errs[key].append(RefErrors.metrics(row))
     return errs
 
 
