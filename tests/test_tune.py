@@ -328,3 +328,37 @@ def test_no_fp8_reason_counts_the_drops_and_names_the_knob(tmp_path: Path) -> No
     msg = no_fp8_reason(space, cfg)
     assert "2 slow, 1 ineligible" in msg and "min_speedup" in msg and "min_dim" in msg and "Mods only" in msg
     assert "unsafe" not in msg
+
+
+def test_make_model_copies_a_kept_build_exactly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A built-in model is built once per seed: later calls return a copy with the same weights
+    and leave the random state where a build leaves it; user factories are called every time."""
+    import torch
+
+    from loka_tune.tuner import build
+
+    monkeypatch.setattr(build, "_PRISTINE", type(build._PRISTINE)())
+    cfg = load_study(write_study(tmp_path))
+    source = make_source(cfg)
+    builds: list[int] = []
+    real = build._build_model
+    monkeypatch.setattr(build, "_build_model", lambda c, s, seed: builds.append(seed) or real(c, s, seed))
+    first = make_model(cfg, source, seed=0)
+    rng_after_build = torch.get_rng_state()
+    after_build = torch.rand(3)
+    with torch.no_grad():
+        next(first.parameters()).add_(1.0)  # a caller's changes never reach the kept copy
+    again = make_model(cfg, source, seed=0)
+    assert torch.equal(torch.get_rng_state(), rng_after_build) and torch.equal(torch.rand(3), after_build)
+    fresh = real(cfg, source, 0)
+    assert again is not first and builds == [0]
+    assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), fresh.state_dict().values(), strict=True))
+    other = make_model(cfg, source, seed=1)
+    assert builds == [0, 1] and not torch.equal(next(other.parameters()), next(again.parameters()))
+    make_model(cfg, source, seed=2)  # two seeds are kept: seed 0 (the least recent) goes
+    make_model(cfg, source, seed=0)
+    assert builds == [0, 1, 2, 0]
+    from dataclasses import replace
+
+    user = replace(cfg, model=replace(cfg.model, name="my_models:build"))
+    assert user.model.is_function and build._pristine_key(user, source, 0) is None  # never kept

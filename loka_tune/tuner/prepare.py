@@ -281,6 +281,27 @@ def _private_dir(cfg: StudyConfig) -> Path:
     return cfg.output_dir / f".prepare-{os.getpid()}"
 
 
+def _warm_compiler(cfg: StudyConfig, device: str) -> None:
+    """Import torch.compile's machinery (dynamo, inductor: ~2 s) in a thread while the first
+    baseline's model is built, when the regime compiles: the build's tensor fills release the
+    GIL, and the first compiled run would import them anyway (the imports' own locks order the two)."""
+    import threading
+
+    from loka_tune.tuner.build import train_config
+
+    if not train_config(cfg, device=device).compile:
+        return
+
+    def imports() -> None:
+        try:
+            import torch._dynamo  # noqa: F401
+            import torch._inductor.compile_fx  # noqa: F401
+        except Exception:  # noqa: BLE001 - the run's own import says what is wrong, in the main thread
+            pass
+
+    threading.Thread(target=imports, name="loka-warm-compiler", daemon=True).start()
+
+
 def _prepare(cfg: StudyConfig, study: Any, *, device: str, force: bool = False,
              tracker: Any = None, on_change: str = "stop") -> StudyContext:
     source = make_source(cfg)
@@ -307,6 +328,7 @@ def _prepare(cfg: StudyConfig, study: Any, *, device: str, force: bool = False,
         phases[name] = phases.get(name, 0.0) + now - mark
         mark = now
 
+    _warm_compiler(cfg, device)
     # the probe's raw statistics stay in memory: nothing reads them back (the report does), and
     # their float64 covariances were 134 MB for the quickstart's 2048-wide layers
     baseline, stats, _model = run_baseline(cfg, source, device, force=force,
