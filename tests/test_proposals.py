@@ -35,7 +35,7 @@ def _site(name: str, in_f: int, out_f: int, prices: dict[str, float], err: float
 # seconds saved per step; "big" saves most and is sensitive, "wide" is cheap in loss
 SPACE = SearchSpace(sites=(
     _site("big", 8192, 8192, {T: 3e-3, R: 4e-3, RG: 3.5e-3, D: 4.2e-3}, 0.15),
-    _site("wide", 2048, 8192, {T: 1e-3, R: 1.2e-3, D: 1.3e-3}, 0.02),
+    _site("wide", 8192, 2048, {T: 1e-3, R: 1.2e-3, D: 1.3e-3}, 0.02),
     _site("small", 512, 512, {T: 1e-4}, 0.05),
 ), mods={"mods.no_bias": (False, True)}, per_gemm=False, price_source="modeled")
 BASE_S, NOBIAS_S = 0.1, 0.09
