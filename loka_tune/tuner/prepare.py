@@ -281,31 +281,8 @@ def _private_dir(cfg: StudyConfig) -> Path:
     return cfg.output_dir / f".prepare-{os.getpid()}"
 
 
-def _warm_compiler(cfg: StudyConfig, device: str) -> None:
-    """Import torch.compile's machinery (dynamo, inductor: ~3 s on a CPU, most of the 6 s before
-    the H200's first compiled run began) in a thread while the data source and the first
-    baseline's model are built, when the regime compiles: the build's tensor fills release the
-    GIL, and the first compiled run would import them anyway (the imports' own locks order the two)."""
-    import threading
-
-    from loka_tune.tuner.build import train_config
-
-    if not train_config(cfg, device=device).compile:
-        return
-
-    def imports() -> None:
-        try:
-            import torch._dynamo  # noqa: F401
-            import torch._inductor.compile_fx  # noqa: F401
-        except Exception:  # noqa: BLE001 - the run's own import says what is wrong, in the main thread
-            pass
-
-    threading.Thread(target=imports, name="loka-warm-compiler", daemon=True).start()
-
-
 def _prepare(cfg: StudyConfig, study: Any, *, device: str, force: bool = False,
              tracker: Any = None, on_change: str = "stop") -> StudyContext:
-    _warm_compiler(cfg, device)  # a resumed study's trials compile too
     source = make_source(cfg)
     speed = speed_source(cfg, device)
     batch = first_batch(source, cfg, max_rows=64)  # shapes per example: a small CPU batch is enough
