@@ -316,8 +316,9 @@ class RefErrors:
     functions give (edge cases included: an all-zero reference, identical operands).
 
     The probe measures every candidate of a site against one reference per draw and GEMM
-    (:mod:`loka_tune.probe.measure`): with a read-back per metric it waited on the GPU four
-    times per candidate, which was most of its time on an H200."""
+    (:mod:`loka_tune.probe.measure`); with a read-back per metric it waited on the GPU four
+    times per candidate (on the H200 removing those waits did not shorten the measurement:
+    BENCHMARKS.md, "Preparation on the H200, 2026-12-03")."""
 
     def __init__(self, ref: torch.Tensor, guard_frac: float = GUARD_FRAC) -> None:
         r = ref.detach().to(torch.float64)
