@@ -432,7 +432,7 @@ def _measure_site(
     the GEMMs with their errors are added to ``phases["draws"]`` / ``phases["gemms"]``.
 
     The errors stay on the device until the site is done (:class:`~loka_tune.kernels.quant.RefErrors`:
-    one read-back per site, not four per candidate), so the GPU runs ahead of the host."""
+    one read-back per site, not four per candidate; the phase timers still wait once per draw)."""
     ph = phases if phases is not None else {"draws": 0.0, "gemms": 0.0}
     errs: dict[tuple[GemmRole, str], list[tuple[float, float]]] = {
         (r, c.short_str()): [] for r, cs in valid.items() for c in cs
