@@ -235,6 +235,12 @@ class Backend(ABC):
         here: callers run :func:`check_supported` once, up front.
         """
 
+    def error_gemm(self, a: torch.Tensor, b: torch.Tensor, choice: GemmChoice, role: GemmRole) -> torch.Tensor:
+        """:meth:`gemm` for error measurement (the probe: a few calls at each of many shapes).
+        A backend overrides it with a path of the same numerics that costs no compilation per new
+        shape; by default it is :meth:`gemm`."""
+        return self.gemm(a, b, choice, role)
+
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}: {self.describe()}>"
 

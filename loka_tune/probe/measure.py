@@ -7,7 +7,8 @@ GEMMs are built in the canonical form of :mod:`loka_tune.config` (``A @ B.T``, o
 
 The reference is the float64 product of the draws. Each candidate gets the operands cast to
 ``operand_dtype`` (default bf16, the dtype a GPU run feeds its GEMMs) and runs through its
-backend (``emulated`` on the CPU); its output is compared with the reference by
+backend's :meth:`~loka_tune.kernels.registry.Backend.error_gemm` (``emulated`` on the CPU;
+``torch_scaled_mm``: the compiled step's torch-op path, no Triton compilation per width); its output is compared with the reference by
 :func:`loka_tune.kernels.quant.mere` and :func:`~loka_tune.kernels.quant.sqnr_db` (reference first):
 
 - **MERE** = ``mean |out - ref| / max(|ref|, guard)``, ``guard = guard_frac * rms(ref)`` with
@@ -116,7 +117,7 @@ def _why_not(choice: GemmChoice, role: GemmRole, device: str, shape: tuple[int, 
 def _backend_gemm(choice: GemmChoice, a: torch.Tensor, b: torch.Tensor, role: GemmRole) -> torch.Tensor:
     from loka_tune.kernels.registry import get_backend
 
-    return get_backend(choice.backend).gemm(a, b, choice, role)
+    return get_backend(choice.backend).error_gemm(a, b, choice, role)
 
 
 # ---------------------------------------------------------------------------- measure

@@ -84,6 +84,14 @@ class ScaledMMBackend(GPUBackend):
                                use_fast_accum=choice.fast_accum)  # (m, n)
         return out if out.dtype == a.dtype else out.to(a.dtype)
 
+    def error_gemm(self, a: torch.Tensor, b: torch.Tensor, choice: GemmChoice, role: GemmRole) -> torch.Tensor:
+        """The compiled step's own path, run eagerly (:func:`~loka_tune.kernels.scaled.scaled_mm_gemm`:
+        torch ops and ``torch._scaled_mm``): the FP8 data of the Triton quantizer bit for bit
+        (both are the reference's), without its Triton compilation at every new operand width
+        (its row kernel's block is the width's next power of two, so each new width compiles
+        anew: a few calls of each are what the probe makes)."""
+        return scaled_mm_gemm(a, b, choice)
+
     def quantize_weight(self, w: torch.Tensor, choice: GemmChoice) -> tuple[torch.Tensor, torch.Tensor]:
         """``cast_to_fp8`` of the weight: ``(data (N, K), dequantization factors () or (N, 1))``."""
         return cast_to_fp8(w, choice.b_format, choice.granularity, choice.rounding)
