@@ -267,6 +267,12 @@ case "$part" in
     timeout -s INT -k 45 "$study_timeout" python3 benchmarks/study_h200.py --study "$study" --work "$out/w" \
       --skip-e2e --out "$out/$receipt" "$@"
     echo "== study_h200 exit $?"; tail -45 "$out/w/study_h200.log"
+    # cut after the search (the SIGINT landed in the export: the B = 32768 study of 2026-12-04):
+    # its trials and confirmation are in the storage, and the export takes 2 s from there
+    if [ ! -f "$out/w/best.json" ] && [ -f "$out/w/study/optuna.db" ]; then
+      timeout 60 python3 -m loka_tune export "$study" --storage "sqlite:///$out/w/study/optuna.db" \
+        --out "$out/w/best.json" 2>&1 | tail -3
+    fi
     # the cache again: the cells the study timed itself (its Dispatch values) come back to be shipped
     cp "${LOKA_TUNE_CACHE_DIR:-$HOME/.cache/loka-tune}/site_prices.json" "$out/w/site_prices_after.json" 2>/dev/null
     cp "$out/w/study/optuna.db" "$out/w/optuna.db" 2>/dev/null
