@@ -26,7 +26,8 @@
 #                                             # INFER_BATCHES=512,4096 E2E_VARIANTS=bf16,bf16_mods,config,scaled_mm_rowwise,torchao_rowwise
 #   bash benchmarks/device.sh "$OUT" scaling  # data parallel (kind nvidia-h200-x2): e2e.py of bf16 + Mods and
 #                                             # CONFIG at --nproc 1 and NPROC, merged by benchmarks/scaling.py
-#                                             # -> $OUT/e2e_scaling.json
+#                                             # -> $OUT/e2e_scaling.json; NPROC=1 on one H200: the one-GPU
+#                                             # half alone (torchrun, 1 process) -> $OUT/e2e_1gpu.json
 #   bash benchmarks/device.sh "$OUT" probe    # the probe's overhead on the compiled large Wukong step
 #                                             # (benchmarks/train_step.py --probe-every 100)
 #                                             # -> $OUT/probe_overhead_h200.json, then the probe's GPU tests
@@ -114,13 +115,15 @@ case "$part" in
     nproc=${NPROC:-2}
     config=${CONFIG:-$(modeled_plan "${BATCH:-16384}")} || exit 2
     compile=(); [ "${COMPILE:-1}" = 1 ] && compile=(--compile --profile-steps 10)
-    for n in 1 "$nproc"; do
+    ns=(1); [ "$nproc" != 1 ] && ns+=("$nproc")  # NPROC=1: the receipt's one-GPU half alone (one H200)
+    for n in "${ns[@]}"; do
       timeout -k 10 "${E2E_CAP:-250}" python3 benchmarks/e2e.py --study "$study" --batch "${BATCH:-16384}" \
         --steps "${E2E_STEPS:-60}" --warmup "${E2E_WARMUP:-20}" --seeds 0 "${compile[@]}" --config "$config" \
         --variants bf16_mods,config --nproc "$n" --budget "$(( ${E2E_CAP:-250} - 30 ))" \
         --out "$out/e2e_${n}gpu" "$@" 2>&1 | quiet | tee "$out/e2e_${n}gpu.log" | tail -25
       [ "${PIPESTATUS[0]}" = 0 ] || exit 1
     done
+    [ "$nproc" = 1 ] && { cp "$out/e2e_1gpu/results.json" "$out/e2e_1gpu.json"; exit 0; }
     python3 benchmarks/scaling.py "$out/e2e_1gpu/results.json" "$out/e2e_${nproc}gpu/results.json" \
       --out "$out/e2e_scaling.json"
     exit $? ;;
