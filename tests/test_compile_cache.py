@@ -73,7 +73,7 @@ def test_a_second_fp8_run_loads_its_traced_forward_and_backward_from_aotautograd
     model, another seed, a fresh dynamo) loads its traced forward + backward instead of tracing
     them again, and trains to the same numbers as with the bypass (``torch_default``: the
     setting off, the second run bypasses as the first). The site runs torch._scaled_mm, allowed
-    on the CPU; the quickstart model's 2048 x 2048 layer is the one it aligns with."""
+    on the CPU; the quickstart model with a 256 x 256 top layer, the site it aligns with."""
     import dataclasses
 
     pytest.importorskip("torch._inductor")
@@ -94,9 +94,14 @@ def test_a_second_fp8_run_loads_its_traced_forward_and_backward_from_aotautograd
 
     try:
         cfg = load_study(Path(__file__).resolve().parents[1] / "studies" / "quickstart.toml")
+        # torch._scaled_mm on the CPU is oneDNN's reference matmul (~2.4 s for 16 x 2048 x 2048):
+        # a 256 x 256 top layer (16-aligned, as cuBLASLt's FP8 rule wants) and 16-row batches,
+        # eval included (the quickstart's 2048-wide layer and 1024-row eval batch took ~150 s a run)
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(
+            cfg.model, overrides={**cfg.model.overrides, "top_mlp": [256, 256]}))
         source = make_source(cfg)
-        tcfg = dataclasses.replace(train_config(cfg, 0, device="cpu"), compile=True, steps=3, batch_size=32,
-                                   eval_batches=1)
+        tcfg = dataclasses.replace(train_config(cfg, 0, device="cpu"), compile=True, steps=3, batch_size=16,
+                                   eval_batches=1, eval_batch_size=16)
         config = PrecisionConfig(sites={"top_mlp.1.linear": "e4m3.tensor.cpu_scaled_mm_aot"})
         counts, losses = [], []
         for seed in (0, 1):
