@@ -28,7 +28,9 @@ Variants (``--variants``, comma list, in this order by default; each name is one
   ``scaled_mm_rowwise_filter``: the same on the Linears that torchao's rowwise size filter
   accepts (like for like with ``torchao_rowwise_filter``: the unfiltered policy also runs the
   Wukong feature-axis Linears, whose wgrad is a 16-32 wide output over B x 256 rows, where a
-  rowwise FP8 GEMM has no split-K and loses badly).
+  rowwise FP8 GEMM has no split-K and loses badly). ``scaled_mm_tensorwise_filter`` /
+  ``scaled_mm_tensorwise_fa_filter``: e4m3 tensorwise on torchao's tensorwise sites, without /
+  with fast accumulation (in all three GEMMs: the ``tensorwise_fa`` recipe).
 - ``static_tensorwise_filter``: e4m3 tensorwise on the Linears torchao's tensorwise size filter
   accepts, each one's input cast with a scale calibrated before training (4 batches, margin 2)
   instead of its own amax per call (``benchmarks/static_scales.py``): does a fixed activation
@@ -82,11 +84,14 @@ from loka_tune.objectives.trainer import TrainConfig, train  # noqa: E402
 
 VARIANTS = ("bf16", "bf16_mods", "config", "torchao_tensorwise", "torchao_rowwise", "torchao_tensorwise_filter",
             "torchao_rowwise_filter", "fbgemm_rowwise", "scaled_mm_rowwise", "triton_rowwise",
-            "scaled_mm_rowwise_filter", "scaled_mm_tensorwise_filter", "static_tensorwise_filter")
+            "scaled_mm_rowwise_filter", "scaled_mm_tensorwise_filter", "scaled_mm_tensorwise_fa_filter",
+            "static_tensorwise_filter")
 _UNIFORM = {"fbgemm_rowwise": "e4m3.row.fa.fbgemm", "scaled_mm_rowwise": "e4m3.row.fa.torch_scaled_mm",
             "triton_rowwise": "e4m3.row.fa.triton", "scaled_mm_rowwise_filter": "e4m3.row.fa.torch_scaled_mm",
             # LokaLinear's tensorwise path (operands quantized once when compiled) on torchao's tensorwise sites
-            "scaled_mm_tensorwise_filter": "e4m3.tensor.torch_scaled_mm"}
+            "scaled_mm_tensorwise_filter": "e4m3.tensor.torch_scaled_mm",
+            # the same with fast accumulation in all three GEMMs (the tensorwise_fa recipe)
+            "scaled_mm_tensorwise_fa_filter": "e4m3.tensor.fa.torch_scaled_mm"}
 _GPU_ONLY = {"torchao_tensorwise", "torchao_rowwise", "torchao_tensorwise_filter", "torchao_rowwise_filter",
              "static_tensorwise_filter", *_UNIFORM}  # (CPU torch._scaled_mm: a reference loop, ~1 GFLOP/s)
 

@@ -31,6 +31,7 @@ BACKENDS = ("torch_scaled_mm", "fbgemm", "triton")
 TEMPLATES = {
     "tensorwise_fa_fwd": "e4m3.tensor.fa.{b}|e4m3.tensor.{b}|e4m3.tensor.{b}",
     "tensorwise": "e4m3.tensor.{b}",
+    "tensorwise_fa": "e4m3.tensor.fa.{b}",
     "rowwise": "e4m3.row.pow2.{b}",
     "rowwise_fa": "e4m3.row.fa.{b}",
     "rowwise_with_gw_hp": "e4m3.row.pow2.{b}|e4m3.row.pow2.{b}|bf16",

@@ -658,6 +658,7 @@ class PrecisionConfig:
 
         - ``"bf16"``: every GEMM in bf16 (the baseline; combine it with ``mods``);
         - ``"tensorwise"``: every GEMM e4m3 with one scale per tensor;
+        - ``"tensorwise_fa"``: the same with fast accumulation in all three GEMMs;
         - ``"rowwise"``: every GEMM e4m3 with one power-of-two scale per row;
         - ``"rowwise_with_gw_hp"``: rowwise fwd and dgrad, wgrad kept in bf16.
 

@@ -214,7 +214,7 @@ def recipe_config(
 ) -> PrecisionConfig:
     """The :class:`PrecisionConfig` of recipe ``name``.
 
-    - ``"bf16"``, ``"tensorwise"``, ``"rowwise"``, ``"rowwise_with_gw_hp"``: the uniform
+    - ``"bf16"``, ``"tensorwise"``, ``"tensorwise_fa"``, ``"rowwise"``, ``"rowwise_with_gw_hp"``: the uniform
       recipes, as :meth:`PrecisionConfig.from_recipe` builds them (``backend``, ``mods``);
     - ``"dispatch"``: LoKA's per-GEMM plan built from a probe ``report`` by :func:`build_plan`
       (``plan_options``: ``max_error``, ``min_speedup``, ``timings``, ``resolve_emulated``,

@@ -61,6 +61,7 @@ def test_subpackage_all_is_small_and_resolves(pkg: str) -> None:
 @pytest.mark.parametrize("name, fwd, dgrad, wgrad", [
     ("bf16", "bf16", "bf16", "bf16"),
     ("tensorwise", "e4m3.tensor.torch_scaled_mm", "e4m3.tensor.torch_scaled_mm", "e4m3.tensor.torch_scaled_mm"),
+    ("tensorwise_fa", "e4m3.tensor.fa.torch_scaled_mm", "e4m3.tensor.fa.torch_scaled_mm", "e4m3.tensor.fa.torch_scaled_mm"),
     ("rowwise", "e4m3.row.pow2.torch_scaled_mm", "e4m3.row.pow2.torch_scaled_mm", "e4m3.row.pow2.torch_scaled_mm"),
     ("rowwise_with_gw_hp", "e4m3.row.pow2.torch_scaled_mm", "e4m3.row.pow2.torch_scaled_mm", "bf16"),
 ])
@@ -97,7 +98,7 @@ def test_mods_given_as_a_mapping_become_a_mods_config_that_saves(tmp_path: Path)
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(name="rowwize"), "unknown recipe 'rowwize'; choose one of bf16, tensorwise, rowwise"),
+    (dict(name="rowwize"), "unknown recipe 'rowwize'; choose one of bf16, tensorwise, tensorwise_fa, rowwise"),
     (dict(name="dispatch"), "built from a probe report: call loka_tune.recipe_config"),
     (dict(name="rowwise", report=object()), "report belong"),
     (dict(name="rowwise", max_error=0.1), "max_error belong"),
@@ -131,7 +132,7 @@ def test_dispatch_recipe_is_build_plan_of_the_report() -> None:
 
 
 def test_recipe_config_gives_the_uniform_recipes_as_from_recipe() -> None:
-    for name in ("bf16", "tensorwise", "rowwise", "rowwise_with_gw_hp"):
+    for name in ("bf16", "tensorwise", "tensorwise_fa", "rowwise", "rowwise_with_gw_hp"):
         assert loka_tune.recipe_config(name, backend="emulated", mods={"no_bias": True}) == \
             PrecisionConfig.from_recipe(name, backend="emulated", mods={"no_bias": True})
     with pytest.raises(ConfigError, match="report belong"):

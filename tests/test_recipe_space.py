@@ -46,6 +46,10 @@ def test_recipe_gemm_takes_the_nearest_choice_of_the_recipes_kind() -> None:
     # tensorwise: exact scales first, fast accumulation in fwd only
     assert recipe_gemm(ALL, "tensorwise", "fwd", "torch_scaled_mm") == TS_FA
     assert recipe_gemm(ALL, "tensorwise", "dgrad", "torch_scaled_mm") == TS
+    # tensorwise_fa: fast accumulation in every GEMM; where the space lacks it, the exact twin
+    assert [recipe_gemm(ALL, "tensorwise_fa", r, "torch_scaled_mm") for r in ROLES] == [TS_FA] * 3
+    assert recipe_gemm((BF16_ID, TS), "tensorwise_fa", "wgrad", "torch_scaled_mm") == TS
+    assert site_recipe(PER_GEMM.site("big"), "tensorwise_fa", "torch_scaled_mm") == TS_FA
     # rowwise: power-of-two scales first; without them the exact ones
     assert recipe_gemm(ALL, "rowwise", "fwd", "torch_scaled_mm") == RS_P2_FA
     assert recipe_gemm(ALL, "rowwise", "wgrad", "torch_scaled_mm") == RS_P2
@@ -60,16 +64,26 @@ def test_recipe_gemm_takes_the_nearest_choice_of_the_recipes_kind() -> None:
 
 
 def _prices(cands: SearchSpace, saved: dict[tuple[str, str], float]) -> dict[str, dict[str, float]]:
-    """Every candidate value priced 1e-4 s, except the (site, label) pairs given."""
-    return {sc.name: {v: saved.get((sc.name, k), 1e-4) for k, v in sc.recipes.items() if v != BF16_ID}
-            for sc in cands.sites}
+    """Every candidate value priced 1e-4 s, except the (site, label) pairs given (a value two
+    labels name takes the given price)."""
+    out: dict[str, dict[str, float]] = {}
+    for sc in cands.sites:
+        site = out.setdefault(sc.name, {})
+        for k, v in sc.recipes.items():
+            if v != BF16_ID and ((sc.name, k) in saved or v not in site):
+                site[v] = saved.get((sc.name, k), 1e-4)
+    return out
 
 
 def test_select_keeps_per_recipe_the_backend_that_saves_most_and_names_repeats_once() -> None:
     cands = recipe_candidates(PER_GEMM, ["torch_scaled_mm", "fbgemm"])
     big = cands.site("big")
-    assert set(big.recipes) == {"bf16", "tensorwise.torch_scaled_mm", "tensorwise.fbgemm", "rowwise.torch_scaled_mm",
-                                "rowwise.fbgemm", "rowwise_with_gw_hp.torch_scaled_mm", "rowwise_with_gw_hp.fbgemm"}
+    assert set(big.recipes) == {"bf16", "tensorwise.torch_scaled_mm", "tensorwise.fbgemm", "tensorwise_fa.torch_scaled_mm",
+                                "rowwise.torch_scaled_mm", "rowwise.fbgemm", "rowwise_with_gw_hp.torch_scaled_mm",
+                                "rowwise_with_gw_hp.fbgemm", "tensorwise_fa.fbgemm"}
+    assert big.recipes["tensorwise_fa.torch_scaled_mm"] == TS_FA
+    # the space has no fbgemm tensorwise with fast accumulation: the recipe takes the exact one there
+    assert big.recipes["tensorwise_fa.fbgemm"] == big.recipes["tensorwise.fbgemm"] == TF
     assert cands.site("e5only").recipes == {"bf16": BF16_ID} and cands.site("small").recipes == {"bf16": BF16_ID}
     prices = _prices(cands, {("big", "tensorwise.fbgemm"): 3e-4, ("big", "rowwise.fbgemm"): 0.5e-4,
                              ("nowg", "tensorwise.fbgemm"): -1e-5})
@@ -77,7 +91,11 @@ def test_select_keeps_per_recipe_the_backend_that_saves_most_and_names_repeats_o
     b = space.site("big")
     assert b.recipes["tensorwise"] == TF and b.prices[TF] == 3e-4  # fbgemm saves more here
     assert b.recipes["rowwise"] == f"{RS_P2_FA}|{RS_P2}|{RS_P2}"  # torch_scaled_mm does
+    # tensorwise_fa's fastest backend is fbgemm's exact tensorwise too: one value, two names
+    assert b.recipes["tensorwise_fa"] == TF and b.values.count(TF) == 1
     assert b.values[0] == BF16_ID and len(b.values) == 4
+    fa = select_recipes(cands, {**prices, "big": {**prices["big"], TS_FA: 5e-4}}, source="modeled").site("big")
+    assert fa.recipes["tensorwise_fa"] == TS_FA and fa.recipes["tensorwise"] == TF and len(fa.values) == 5
     n = space.site("nowg")
     # without a wgrad choice, rowwise and rowwise_with_gw_hp are one value: listed once, named twice
     assert n.recipes["rowwise"] == n.recipes["rowwise_with_gw_hp"] == f"{RS}|{RS}|bf16"
@@ -90,8 +108,8 @@ def test_select_keeps_per_recipe_the_backend_that_saves_most_and_names_repeats_o
     unpriced = select_recipes(cands, {"big": prices["big"]}, source="measured")
     assert unpriced.site("nowg").recipe_dropped["rowwise"].startswith("not priced")
     assert unpriced.price_source == "measured" and not unpriced.per_gemm
-    # at most five values per site, bf16 first; only sites with a choice get a parameter
-    assert all(len(sc.values) <= 5 and sc.values[0] == BF16_ID for sc in space.sites)
+    # at most six values per site, bf16 first; only sites with a choice get a parameter
+    assert all(len(sc.values) <= 6 and sc.values[0] == BF16_ID for sc in space.sites)
     assert set(distributions(space)) == {"big@site", "nowg@site", "mods.no_bias"}
     assert distributions(space)["big@site"].choices == b.values
     text = space_table(space)
@@ -265,8 +283,8 @@ def test_recipe_space_end_to_end_from_candidates_to_prices(monkeypatch: pytest.M
     assert space.price_source == "modeled"
 
 
-def test_recipe_values_never_exceed_five_on_a_rich_space() -> None:
-    """Every backend and format: still bf16 + the three uniform recipes + dispatch at most."""
+def test_recipe_values_never_exceed_six_on_a_rich_space() -> None:
+    """Every backend and format: still bf16 + the four uniform recipes + dispatch at most."""
     backends = ["torch_scaled_mm", "fbgemm", "triton", "emulated"]
     ids = [f"{f}.{g}{r}{a}.{b}" for f, g, r, a, b in itertools.product(
         ("e4m3", "e5m2+e4m3"), ("tensor", "row", "block"), ("", ".pow2"), ("", ".fa"), backends)]
@@ -274,9 +292,9 @@ def test_recipe_values_never_exceed_five_on_a_rich_space() -> None:
                                    dgrad=tuple(ids), wgrad=tuple(ids)),))
     plan = PrecisionConfig.from_sites({"x": "e4m3.block.triton|e5m2+e4m3.row.fbgemm|e4m3.tensor.emulated"})
     cands = recipe_candidates(rich, backends, plan)
-    assert len(cands.site("x").recipes) == 1 + 3 * 4 + 1
+    assert len(cands.site("x").recipes) == 1 + 4 * 4 + 1
     sel = select_recipes(cands, _prices(cands, {}), source="modeled")
-    assert len(sel.site("x").values) == 5
+    assert len(sel.site("x").values) == 6
 
 
 def test_a_measured_recipe_study_lets_the_site_prices_judge_speed_not_the_per_gemm_model() -> None:

@@ -100,7 +100,7 @@ def test_arms_run_loka_tunes_starts_proposals_and_sampler(se, world) -> None:  #
         assert max(r["n_evaluated"] for r in recs) == 7
         assert [r["n_evaluated"] for r in recs] == sorted(r["n_evaluated"] for r in recs)
     seeded = [r["seeded"] for r in runs["model"]["records"]]
-    assert seeded[:4] == ["all-bf16", "tensorwise@filter", "rowwise@filter", "dispatch"]
+    assert seeded[:5] == ["all-bf16", "tensorwise@filter", "tensorwise_fa@filter", "rowwise@filter", "dispatch"]
     assert any(str(s).startswith("model:") for s in seeded[4:])  # the model's proposals follow the starts
     assert not any(r["seeded"] for arm in ("tpe", "random") for r in runs[arm]["records"])
     assert runs["tpe"]["parameters"] > runs["model"]["parameters"]  # per GEMM vs per site

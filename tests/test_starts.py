@@ -92,6 +92,19 @@ def test_recipe_starts_pick_the_filtered_sites_through_the_spaces_backends() -> 
     assert "torchao:tensorwise@filter" not in dict(recipe_starts(SPACE, ["torch_scaled_mm"]))
 
 
+def test_tensorwise_fa_start_runs_fast_accumulation_in_every_gemm_where_the_space_has_it() -> None:
+    fa = "e4m3.tensor.fa.torch_scaled_mm"
+    space = SearchSpace(sites=(_site("big", 8192, 8192, (*FP8, fa)), _site("small", 512, 512, (*FP8, fa))),
+                        mods=SPACE.mods)
+    starts = dict(recipe_starts(space, ["torch_scaled_mm"]))
+    assert list(starts) == ["tensorwise@filter", "tensorwise_fa@filter", "rowwise@filter"]
+    assert [starts["tensorwise_fa@filter"][f"big@{r}"] for r in ROLES] == [fa] * 3
+    assert [starts["tensorwise@filter"][f"big@{r}"] for r in ROLES] == [fa, *["e4m3.tensor.torch_scaled_mm"] * 2]
+    assert starts["tensorwise_fa@filter"]["small@fwd"] == BF16_ID  # torchao's tensorwise filter
+    # without fast accumulation in the space (SPACE) it would repeat tensorwise@filter: not a start
+    assert "tensorwise_fa@filter" not in dict(recipe_starts(SPACE, ["torch_scaled_mm"]))
+
+
 def test_dispatch_start_is_the_plan_in_the_space() -> None:
     rep = []  # candidate records as Dispatch reads them: the row choice is safe and fast on 'big' only
     for site, speedup in (("big", 1.5), ("wide", 0.8)):

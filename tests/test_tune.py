@@ -98,14 +98,15 @@ def test_tiny_study_end_to_end_with_mlflow(tmp_path: Path) -> None:
     assert t0.user_attrs["rel_logloss_pct"] == 0.0 and t0.user_attrs["feasible"]
     assert math.isclose(t0.user_attrs["speedup"], 1.0, rel_tol=1e-9)
     # then the recipes (no Mods in this space): torchao's size filter keeps none of these narrow
-    # Linears, so both @filter starts repeat all-bf16 and are not queued; the Dispatch plan puts
+    # Linears, so the tensorwise@filter start repeats all-bf16 and is not queued (no site has a
+    # rowwise or a tensorwise_fa value: those two are no starts at all); the Dispatch plan puts
     # FP8 where the cost model prices it faster at this cost batch (262144 rows); the model has
     # nothing predicted faster (both starts' losses are within noise): the other trials are the sampler's
     from loka_tune.tuner.starts import ATTR_STARTS
 
     starts = study.user_attrs[ATTR_STARTS]
     assert starts["state"] == "done" and [label for label, _ in starts["recipes"]] == [
-        "tensorwise@filter", "rowwise@filter", "dispatch"]
+        "tensorwise@filter", "dispatch"]
     seeded = [t.user_attrs.get("seeded") for t in study.trials]
     assert seeded[:2] == ["all-bf16", "dispatch"] and not any(seeded[2:])
     assert study.trials[1].user_attrs["config"]["sites"]  # FP8 somewhere

@@ -17,13 +17,14 @@ or docs/study-schema.md): bf16 baseline runs on 2-3 seeds, each with its noise t
 same run from initial weights perturbed at bf16 rounding: their paired relative log loss is
 the noise floor, which objective.budget_pct must exceed), the Probe
 during the first, the search space pruned by the probe: by default per site a few whole-site
-recipes (bf16, tensorwise, rowwise, rowwise with a bf16 wgrad, Dispatch's per-GEMM choice),
+recipes (bf16, tensorwise, tensorwise with fast accumulation everywhere, rowwise, rowwise with a
+bf16 wgrad, Dispatch's per-GEMM choice),
 each priced in seconds saved per step (measured compiled on a GPU, the cost model on a CPU);
 [space] per_gemm = true searches every kept choice per site x GEMM instead. Then Optuna trials
 (each a fresh model + a precision config + a paired short run, timed in the study's
 [regime]: compiled on CUDA by default, at its production batch) until the trial budget is
 spent: first the enqueued starts (bf16 without and with the space's Mods, then under the
-faster feasible of those the recipes tensorwise / rowwise on torchao's size-filter Linears,
+faster feasible of those the recipes tensorwise / tensorwise_fa / rowwise on torchao's size-filter Linears,
 torchao's own with the torchao backend in a per-GEMM space, and the Dispatch plan; then, in
 the recipe space, the additive model's proposals: the fastest predicted configs within the
 budget, refitted after each trial ('model:1', ...); labelled in report and MLflow;

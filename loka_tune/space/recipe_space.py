@@ -6,11 +6,12 @@ draws of TPE's first trials put FP8 on GEMMs too small to gain (0.43x on an H200
 has one parameter (``"<site>@site"``) whose values are :meth:`SitePrecision.short_str` strings:
 
 - ``bf16``, always, first;
-- ``tensorwise``, ``rowwise``, ``rowwise_with_gw_hp`` (rowwise fwd and dgrad, wgrad in bf16):
-  the uniform recipes of :data:`loka_tune.recipes.RECIPES`, each GEMM as the nearest choice the
-  pruned per-GEMM space keeps there (:func:`recipe_gemm`: e4m3 of the recipe's granularity on that
-  backend, the recipe's scale rounding and torchao's fast accumulation, on in fwd and off in the
-  gradients, where offered; a GEMM the space lacks it for is bf16);
+- ``tensorwise``, ``tensorwise_fa`` (fast accumulation in all three GEMMs), ``rowwise``,
+  ``rowwise_with_gw_hp`` (rowwise fwd and dgrad, wgrad in bf16): the uniform recipes of
+  :data:`loka_tune.recipes.RECIPES`, each GEMM as the nearest choice the pruned per-GEMM space
+  keeps there (:func:`recipe_gemm`: e4m3 of the recipe's granularity on that backend, the
+  recipe's scale rounding and torchao's fast accumulation, on in fwd and off in the gradients
+  unless the recipe asks for it everywhere, where offered; a GEMM the space lacks it for is bf16);
 - ``dispatch``: the Dispatch plan's per-GEMM choice at this site (from the probe report), each
   GEMM likewise bf16 where the space lacks it.
 
@@ -24,7 +25,7 @@ Stages (as the per-GEMM space's: enumerate, price, select):
    at every GEMM, is not priced, or (unless ``keep_slow``) saves nothing, is dropped
    (:attr:`SiteChoices.recipe_dropped` says why); one whose value repeats an earlier recipe's
    names the same value (:attr:`SiteChoices.recipes` maps both names to it; the parameter lists
-   it once). At most five values per site; a site left with bf16 only gets no parameter.
+   it once). At most six values per site; a site left with bf16 only gets no parameter.
 
 The space is plain data (:class:`SearchSpace` with ``per_gemm=False``), stored in the study with
 its prices, so every worker and every resume decodes trials and reads the prices the same way.
@@ -45,7 +46,7 @@ __all__ = ["SITE_RECIPES", "UNIFORM_RECIPES", "recipe_gemm", "site_recipe", "rec
            "space_table"]
 
 #: the uniform recipes a site chooses among (besides bf16), in the order its values list them
-UNIFORM_RECIPES: tuple[str, ...] = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+UNIFORM_RECIPES: tuple[str, ...] = ("tensorwise", "tensorwise_fa", "rowwise", "rowwise_with_gw_hp")
 #: every recipe of a site's parameter, bf16 first
 SITE_RECIPES: tuple[str, ...] = ("bf16", *UNIFORM_RECIPES, DISPATCH)
 
@@ -56,7 +57,8 @@ def recipe_gemm(choices: Sequence[str], recipe: str, role: str, backend: str) ->
 
     The recipe's choice (:data:`loka_tune.recipes.RECIPES`) fixes the formats, the granularity
     and the backend; among the choices that match those, the recipe's scale rounding comes first,
-    then torchao's fast accumulation (on in fwd, off in the gradients' GEMMs).
+    then torchao's fast accumulation (on in fwd, off in the gradients' GEMMs), or fast
+    accumulation everywhere when the recipe's choice has it (``tensorwise_fa``).
     """
     r = "fwd" if role == "all" else role
     target = SitePrecision.parse(RECIPES[recipe].format(backend=backend), key="recipe")[r]
@@ -65,7 +67,7 @@ def recipe_gemm(choices: Sequence[str], recipe: str, role: str, backend: str) ->
     fits = [c for c in choices if c != BF16_ID and _same_kind(GemmChoice.parse(c), target)]
     if not fits:
         return BF16_ID
-    fa = r == "fwd"
+    fa = target.fast_accum or r == "fwd"
 
     def rank(cid: str) -> tuple[bool, bool]:
         c = GemmChoice.parse(cid)

@@ -328,7 +328,8 @@ class SpaceSection:
         " (true) or tie them (false); a file that sets `per_role` but not `per_gemm` (written before the recipe space)"
         " gets the per-GEMM space it had, and `per_gemm = false` with `per_role` set is an error"))
     per_gemm: bool = field(default=False, metadata=_doc("false: per site one of a few whole-site recipes (bf16,"
-        " tensorwise, rowwise, rowwise with a bf16 wgrad, Dispatch's per-GEMM choice), priced per site; true: per site"
+        " tensorwise, tensorwise with fast accumulation everywhere, rowwise, rowwise with a bf16 wgrad, Dispatch's"
+        " per-GEMM choice), priced per site; true: per site"
         " x GEMM every choice the probe kept (for experts)", default="`false` (`true` where `per_role` is set)"))
     align: int = field(default=16, metadata=_doc("FP8 only where K and N are multiples of this"))
     min_dim: int = field(default=16, metadata=_doc("FP8 only where K and N are at least this"))

@@ -9,9 +9,11 @@ Two phases (unless ``[trials] enqueue_starts = false``: then the sampler picks e
 2. When the last of those has finished (:func:`enqueue_recipe_starts`, called by the loop
    before each ask), under the Mods of the fastest feasible one (none if none is feasible):
 
-   - ``"tensorwise@filter"`` and ``"rowwise@filter"``: e4m3 tensorwise / rowwise on the Linears
-     that torchao's size filter converts (:data:`loka_tune.recipes.SIZE_FILTERS`), through our
-     backends in the space (the first of ``[space] backends`` that offers the choice there);
+   - ``"tensorwise@filter"``, ``"tensorwise_fa@filter"`` and ``"rowwise@filter"``: e4m3
+     tensorwise (fast accumulation in fwd, as torchao's) / tensorwise with fast accumulation in
+     all three GEMMs / rowwise on the Linears that torchao's size filter converts
+     (:data:`loka_tune.recipes.SIZE_FILTERS`), through our backends in the space (the first of
+     ``[space] backends`` that offers the choice there);
    - ``"torchao:tensorwise@filter"`` and ``"torchao:rowwise@filter"``: the same through the
      ``torchao`` backend, when it is in the space (torchao's own recipes);
    - ``"dispatch"``: the Dispatch plan of the probe report (with the probe on).
@@ -50,6 +52,10 @@ from loka_tune.tuner.results import TrialRecord
 
 __all__ = ["ATTR_STARTS", "mods_sets", "recipe_starts", "enqueue_mods_starts", "enqueue_recipe_starts"]
 
+#: the recipes started on torchao's size-filter sites through our backends, in queue order
+FILTER_RECIPES: tuple[str, ...] = ("tensorwise", "tensorwise_fa", "rowwise")
+#: the same through the torchao backend: torchao's own recipes (it has no tensorwise_fa)
+TORCHAO_FILTER_RECIPES: tuple[str, ...] = ("tensorwise", "rowwise")
 ATTR_STARTS = "loka.starts"  # study user attr: the recipe starts waiting for the best Mods, and their state
 BF16_LABEL = "all-bf16"
 
@@ -83,7 +89,7 @@ def _recipe_pick(recipe: str, backends: Sequence[str], size_filter: Any) -> Any:
     Per-GEMM space: the first backend of ``backends`` whose choice for ``recipe`` the space has
     at that GEMM (:func:`~loka_tune.space.recipe_space.recipe_gemm`: e4m3 of the recipe's
     granularity, then its scale rounding and torchao's fast accumulation, on in fwd and off in the
-    gradients' GEMMs, where the space has them). Recipe space: the site's value of ``recipe``.
+    gradients' GEMMs unless the recipe has it everywhere, where the space has them). Recipe space: the site's value of ``recipe``.
     """
     def pick(sc: SiteChoices, role: str, choices: tuple[str, ...]) -> str:
         if not size_filter.keeps(sc.site.in_features, sc.site.out_features):
@@ -112,22 +118,34 @@ def recipe_starts(space: SearchSpace, backends: Sequence[str], report: Any = Non
     the best ones): see the module's docstring. ``backends``: ``[space] backends`` in order."""
     if not space.per_gemm:
         out = [(f"{name}@filter", params_picking(space, _recipe_pick(name, backends, SIZE_FILTERS[name])))
-               for name in ("tensorwise", "rowwise")]
+               for name in FILTER_RECIPES if any(name in sc.recipes for sc in space.sites)]
         if any(DISPATCH in sc.recipes for sc in space.sites) or report is not None:
             out.append(("dispatch", params_picking(space, _recipe_pick(DISPATCH, backends, _KeepAll()))))
-        return out
+        return _unique(out)
     ours = [b for b in backends if b not in ("torchao", "bf16")]
     out = []
     for prefix, bes in (("", ours), ("torchao:", ["torchao"] if "torchao" in backends else [])):
         if not bes:
             continue
-        for name in ("tensorwise", "rowwise"):
+        for name in (FILTER_RECIPES if not prefix else TORCHAO_FILTER_RECIPES):
             out.append((f"{prefix}{name}@filter", params_picking(space, _recipe_pick(name, bes, SIZE_FILTERS[name]))))
     if report is not None:
         from loka_tune.dispatch import build_plan
 
         plan = build_plan(report, max_error=max_error, min_speedup=min_speedup)
         out.append(("dispatch", params_from_config(space, plan)[0]))
+    return _unique(out)
+
+
+def _unique(starts: list[tuple[str, dict[str, Any]]]) -> list[tuple[str, dict[str, Any]]]:
+    """``starts`` less those whose parameters repeat an earlier one's (``tensorwise_fa@filter``
+    where the space offers no fast accumulation in the gradients' GEMMs is ``tensorwise@filter``)."""
+    seen: list[dict[str, Any]] = []
+    out = []
+    for label, params in starts:
+        if params not in seen:
+            seen.append(params)
+            out.append((label, params))
     return out
 
 

@@ -37,10 +37,12 @@ __all__ = ["TorchAOBackend", "RECIPES", "recipe_precision"]
 
 _DT = {Format.E4M3: torch.float8_e4m3fn, Format.E5M2: torch.float8_e5m2}
 
-# torchao's recipe names are loka-tune's uniform recipes (the table: loka_tune.recipes) on this backend
+#: torchao's own recipe names (``Float8LinearRecipeName``): loka-tune's uniform recipes of the same
+#: names (the table: loka_tune.recipes) on this backend; loka-tune's ``tensorwise_fa`` is not one
+TORCHAO_RECIPE_NAMES: tuple[str, ...] = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 RECIPES: dict[str, SitePrecision] = {
-    name: SitePrecision.parse(site.format(backend="torchao"), key="recipe")
-    for name, site in _UNIFORM.items() if name != "bf16"
+    name: SitePrecision.parse(_UNIFORM[name].format(backend="torchao"), key="recipe")
+    for name in TORCHAO_RECIPE_NAMES
 }
 
 
