@@ -26,6 +26,11 @@ def test_saving_is_gpu_time_saved_less_launches_and_an_opaque_ops_host_time():
         0.4e-3 - 10 * LAUNCH_S - 1.2e-3)
     assert saving_s(ref, {"gpu_s": 0.6e-3, "host_s": 0.1e-3}, "e4m3.row.fa.fbgemm") == pytest.approx(0.4e-3)
     assert saving_s(ref, slow_host) == pytest.approx(0.4e-3 - 10 * LAUNCH_S - 1.2e-3)  # unknown: conservative
+    # launches are priced only where both cells count them: an old bf16 cell without a count
+    # does not make all 16 of the FP8 cell's kernels extra (nor the other way round)
+    old_ref = {"gpu_s": 1.0e-3, "host_s": 0.2e-3}
+    assert saving_s(old_ref, slow_host, "e4m3.tensor.torch_scaled_mm") == pytest.approx(0.4e-3)
+    assert saving_s(ref, {"gpu_s": 0.6e-3, "host_s": 0.2e-3}, "e4m3.tensor.torch_scaled_mm") == pytest.approx(0.4e-3)
 
 
 def test_cache_round_trips_and_keys_by_device_versions_shape_precision(tmp_path):
