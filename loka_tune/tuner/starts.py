@@ -27,12 +27,13 @@ Two phases (unless ``[trials] enqueue_starts = false``: then the sampler picks e
 In the recipe space (the default) a start takes at each site the site's value of its recipe:
 ``tensorwise@filter`` the ``tensorwise`` value at the Linears torchao's filter keeps (bf16 where
 the site has no such value, and at every other site), ``rowwise@filter`` likewise, ``dispatch``
-the ``dispatch`` value everywhere. The torchao starts are not queued there: each site's recipe
+the ``dispatch`` value everywhere; a recipe that no site has a value of is no start there. The
+torchao starts are not queued there: each site's recipe
 value is already the one of its backends (torchao among them, when in the space) that prices
 fastest, so they would repeat ours. In the per-GEMM space (``[space] per_gemm = true``) each
 recipe is mapped into the pruned space per site and GEMM: a choice the space lacks there is
 bf16 (as :func:`~loka_tune.space.encode.params_from_config` does). A start whose parameters
-repeat an earlier trial's is not queued (``skip_if_exists``); one whose config repeats an
+repeat an earlier start's is dropped from the list; one that repeats an earlier trial's is not queued (``skip_if_exists``); one whose config repeats an
 earlier one's is a cache copy, which does not count toward ``n_trials``. The label is the
 trial's user attribute ``seeded``: the leaderboard's note and the MLflow tag show it.
 """
