@@ -67,16 +67,17 @@ class SizeFilter:
                        for mi, mo in self.skip)
 
 
+_TENSORWISE_FILTER = SizeFilter(skip=((4096, 1024),))  # small in and out at once lose (in <= 4096 and out <= 1024)
+
 #: torchao's size filter per recipe (its rowwise_with_gw_hp recipe has none), as torchao 0.17
 #: states it: ``N, K = weight.shape``, so K is ``in_features`` and N ``out_features`` (older
 #: releases read ``K, N = weight.shape``, the same bounds on the other sides; restated from
 #: those, this table converted ``dense_proj`` (2048 -> 1024) of the large Wukong, which torchao's
 #: own filter leaves in bf16, and kept 1 of the 5 Linears its rowwise filter converts).
 SIZE_FILTERS: dict[str, SizeFilter] = {
-    # tensorwise: small in and out at once lose (in <= 4096 and out <= 1024)
-    "tensorwise": SizeFilter(skip=((4096, 1024),)),
+    "tensorwise": _TENSORWISE_FILTER,
     # tensorwise_fa: the same Linears (torchao has no such recipe; its GEMMs are tensorwise's, faster)
-    "tensorwise_fa": SizeFilter(skip=((4096, 1024),)),
+    "tensorwise_fa": _TENSORWISE_FILTER,
     # rowwise: its scales cost more, so it needs out > 2048, in > 1024, and not both in <= 2048, out <= 4096
     "rowwise": SizeFilter(skip=((None, 2048), (1024, None), (2048, 4096))),
 }
