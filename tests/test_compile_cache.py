@@ -186,3 +186,95 @@ def test_the_confirmation_stores_the_studys_cache_counts(tmp_path: Path, monkeyp
     stored = study.user_attrs[ATTR_COMPILE_CACHE]
     assert (stored["runs"], stored["hits"], stored["misses"]) == (1, 1, 5)
     assert stored["confirmation"]["runs"] == 2 and stored["confirmation"]["hits"] == 12
+
+
+@pytest.mark.slow
+def test_a_compiled_runs_first_step_says_where_its_compile_went(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A compiled run's ``compile_s`` splits its first step's compile by dynamo's own timers: a
+    cold run traces and compiles both graphs (forward, backward), and inductor's kernel codegen
+    lies inside them; the same config run again from the caches traces but compiles neither graph.
+    The baseline line says it inside the first step's brackets, and the result's JSON keeps it."""
+    pytest.importorskip("torch._inductor")
+    import dataclasses
+    import json
+
+    from loka_tune.applier import apply
+    from loka_tune.objectives.compiled import strict_compile
+    from loka_tune.objectives.trainer import phases_note, train
+    from loka_tune.tuner.build import make_model, make_source, train_config
+    from loka_tune.tuner.study import load_study
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor_cache"))
+    p = tmp_path / "s.toml"
+    p.write_text(STUDY)
+    cfg = load_study(p, cwd=tmp_path)
+    source = make_source(cfg)
+    tcfg = dataclasses.replace(train_config(cfg, 0, device="cpu"), compile=True, steps=3)
+    runs = []
+    for _ in range(2):
+        model = make_model(cfg, source, seed=0)
+        apply(model, PrecisionConfig())
+        with strict_compile():
+            runs.append(train(model, source, tcfg, progress=False))
+    cold, warm = runs
+    assert cold.ok and warm.ok
+    c = cold.compile_s
+    assert {"tracing", "forward", "backward", "kernel codegen", "module load"} <= set(c), c
+    assert all(v > 0 for v in c.values() if v is not None), c
+    assert c["kernel codegen"] + c["module load"] < c["forward"] + c["backward"]  # inside the two compiles
+    assert "tracing" in warm.compile_s and not {"forward", "backward"} & set(warm.compile_s), warm.compile_s
+    assert "module load" in warm.compile_s  # the cached graphs' modules, loaded
+    note = phases_note(cold)
+    assert note.startswith(f"first step {cold.phases_s['first_step']:.1f}s (compiling: tracing "), note
+    assert f"forward {c['forward']:.1f}s, backward {c['backward']:.1f}s; kernel codegen" in note, note
+    assert json.loads(json.dumps(cold.to_dict()))["compile_s"]["forward"] == pytest.approx(c["forward"])
+
+
+def test_compile_note_says_the_parts_that_ran_and_the_compile_workers_state() -> None:
+    """``compile_note`` names each part in order, the two graphs apart from the kernels, and the
+    pool of compile workers with whether it was up (until it is, inductor compiles its kernels in
+    the process); an eager run's empty split says nothing."""
+    from loka_tune.objectives.compiled import compile_note
+
+    assert compile_note({}) == ""
+    split = {"tracing": 2.14, "forward": 12.0, "backward": 13.06, "kernel codegen": 15.0, "module load": 1.23,
+             "kernel wait": 3.0, "workers": 16.0, "workers_ready": 0.0}
+    assert compile_note(split) == ("tracing 2.1s, forward 12.0s, backward 13.1s; kernel codegen 15.0s,"
+                                   " module load 1.2s, kernel wait 3.0s; 16 compile workers (not up yet)")
+    assert compile_note({"tracing": 0.5, "workers": 8.0, "workers_ready": 1.0}) == (
+        "tracing 0.5s; 8 compile workers (up)")
+
+
+def test_compile_split_reads_dynamos_timers_and_the_pool_without_importing_either(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``compile_split`` sums dynamo's timers of each part (a part that did not run is left out)
+    and reads inductor's pool of compile workers only where one was made; with neither module
+    imported it returns ``{}`` (and imports nothing)."""
+    import sys
+    import types
+
+    from loka_tune.objectives import compiled
+
+    utils = types.ModuleType("torch._dynamo.utils")
+    utils.compilation_time_metrics = {"bytecode_tracing": [1.0, 0.5], "compile_fx.<locals>.fw_compiler_base": [4.0],
+                                      "Scheduler.codegen": [2.0, 1.0], "unrelated": [9.0]}  # type: ignore[attr-defined]
+
+    class Ready:
+        def done(self) -> bool:
+            return True
+
+    ac = types.ModuleType("torch._inductor.async_compile")
+    ac.AsyncCompile = type("AsyncCompile", (), {"_ready_future": Ready()})  # type: ignore[attr-defined]
+    ac.get_compile_threads = lambda: 16  # type: ignore[attr-defined]
+    ac._pool_set = set()  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "torch._dynamo.utils", utils)
+    monkeypatch.setitem(sys.modules, "torch._inductor.async_compile", ac)
+    assert compiled.compile_split() == {"tracing": 1.5, "forward": 4.0, "kernel codegen": 3.0}  # no pool made
+    ac._pool_set = {"pool"}  # type: ignore[attr-defined]
+    assert compiled.compile_split() == {"tracing": 1.5, "forward": 4.0, "kernel codegen": 3.0, "workers": 16.0,
+                                        "workers_ready": 1.0}
+    monkeypatch.delitem(sys.modules, "torch._dynamo.utils")
+    monkeypatch.delitem(sys.modules, "torch._inductor.async_compile")
+    assert compiled.compile_split() == {}
+    assert "torch._dynamo.utils" not in sys.modules

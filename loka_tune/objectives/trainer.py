@@ -211,11 +211,18 @@ def _json_float(x: float | None) -> float | None:
 
 def phases_note(result: "TrainResult") -> str:
     """Where a run's wall time went, for a progress line: ``"first step 8.1s (compiling), 199
-    steps 6.0s, eval 3.2s, setup 0.4s"`` (``""`` for a result without :attr:`TrainResult.phases_s`)."""
+    steps 6.0s, eval 3.2s, setup 0.4s"`` (``""`` for a result without :attr:`TrainResult.phases_s`);
+    a compiled run's :attr:`TrainResult.compile_s` is said inside the brackets
+    (:func:`~loka_tune.objectives.compiled.compile_note`)."""
     ph = result.phases_s
     if not ph:
         return ""
-    compiled = " (compiling)" if result.config.compile else ""
+    compiled = ""
+    if result.config.compile:
+        from loka_tune.objectives.compiled import compile_note
+
+        split = compile_note(getattr(result, "compile_s", None) or {})
+        compiled = f" (compiling: {split})" if split else " (compiling)"
     parts = [f"first step {ph.get('first_step', 0.0):.1f}s{compiled}",
              f"{max(result.steps_run - 1, 0)} steps {ph.get('steps', 0.0):.1f}s",
              f"eval {ph.get('eval', 0.0):.1f}s", f"setup {ph.get('setup', 0.0):.1f}s"]
@@ -257,6 +264,11 @@ class TrainResult:
                        tracing and compiling, or loading them from inductor's caches, happen
                        there), ``steps`` (every later step, callbacks and side collections
                        included) and ``eval``; :func:`phases_note` says it in words
+    compile_s:         a compiled run's first step, by dynamo's own timers: tracing, the forward
+                       and backward compiles, and inside them kernel codegen, the generated
+                       module's load and the wait for inductor's compile workers; and the
+                       workers' count and state
+                       (:func:`~loka_tune.objectives.compiled.compile_split`; ``{}`` eager)
     """
 
     status: str
@@ -282,6 +294,7 @@ class TrainResult:
     gpu_time_s: float = math.nan
     profile: dict[str, Any] | None = field(default=None, repr=False)
     phases_s: dict[str, float] = field(default_factory=dict)
+    compile_s: dict[str, float] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -312,6 +325,8 @@ class TrainResult:
             "gpu_time_s": _json_float(self.gpu_time_s),
             "phases_s": {k: _json_float(v) for k, v in self.phases_s.items()},
         }
+        if self.compile_s:
+            d["compile_s"] = {k: _json_float(v) for k, v in self.compile_s.items()}
         if self.profile is not None:
             d["profile"] = self.profile
         if step_losses:
@@ -476,6 +491,7 @@ class _Run:
     steps_run: int = 0
     profiled: int = 0  # the last steps, timed under the profiler
     profile: dict[str, Any] | None = None
+    compile_s: dict[str, float] = field(default_factory=dict)  # the first step's compile (compile_split)
 
 
 def train(
@@ -554,6 +570,7 @@ def train(
         num_params=_count(emb) + _count(dense), num_sparse_params=_count(emb),
         device=str(dev), precision="bf16" if dtype is not None else "fp32", config=cfg,
         gpu_time_s=gpu_ms / 1e3 if gpu_ms is not None else math.nan, profile=run.profile, phases_s=phases,
+        compile_s=run.compile_s,
     )
 
 
@@ -597,6 +614,10 @@ def _run_steps(step: TrainStep, source: Any, cfg: TrainConfig, dev: torch.device
                 if on_cuda:
                     torch.cuda.synchronize(dev)
                 run.first_step_wall_s = time.perf_counter() - t_first
+                if cfg.compile:
+                    from loka_tune.objectives.compiled import compile_split
+
+                    run.compile_s = compile_split()
             run.steps_run = i + 1
             if after_step is not None:
                 after_step(run.steps_run)
