@@ -45,6 +45,10 @@
 #                                             # -> $OUT/baseline_learning.{json,log}
 #   bash benchmarks/device.sh "$OUT" train-export  # loka-tune train --config CONFIG (an export) beside plain bf16,
 #                                             # at the study's schedule -> $OUT/train_export.json
+#   bash benchmarks/device.sh "$OUT" first-compile  # the study's bf16 baseline compiled from fresh processes on
+#                                             # cold caches, plain vs inductor's compile workers started early
+#                                             # vs the compiler imported in a thread (benchmarks/first_compile.py)
+#                                             # -> $OUT/first_compile.{json,log}
 # Settings (environment): CALL_LIMIT (600 s: the device call's own limit; the study part SIGINTs the
 # study early enough that its report and files still come back), STUDY (studies/wukong_h200.toml), PRICE_BUDGET (270 s), E2E_BUDGET
 # (250 s for prices, 470 s for e2e), E2E_STEPS (80; 60 for scaling), BATCH (the study's regime batch;
@@ -64,9 +68,10 @@
 # (300 s); for linear-block: BLOCK_BUDGET (290 s); for tune: N_TRIALS (4), STUDY_TIMEOUT (420 s, then
 # SIGINT: tune keeps what it finished; 470 s for study); for baselines: BASELINE_STUDIES
 # (studies/interformer_h200.toml; a comma list), BL_BUDGET (240 s); for train-export: CONFIG
-# (benchmarks/results/study_best_h200.json).
+# (benchmarks/results/study_best_h200.json); for first-compile: FC_ARMS (plain,warm_pool,import_thread),
+# FC_REPS (2), FC_BUDGET (240 s: no run starts after it).
 set -uo pipefail
-usage="usage: device.sh OUT smoke|prices|study|study-e2e|serve|e2e|scaling|probe|train-step|kernels|linear-block|tune|baselines|train-export"
+usage="usage: device.sh OUT smoke|prices|study|study-e2e|serve|e2e|scaling|probe|train-step|kernels|linear-block|tune|baselines|train-export|first-compile"
 out=${1:?$usage}
 part=${2:?$usage}
 shift 2
@@ -204,6 +209,12 @@ for line in sys.stdin:
       --studies "${BASELINE_STUDIES:-studies/interformer_h200.toml}" \
       --variants study --budget-s "${BL_BUDGET:-240}" --out "$out/baseline_learning.json" "$@" 2>&1 \
       | tee "$out/baseline_learning.log" | tail -15
+    exit "${PIPESTATUS[0]}" ;;
+  first-compile)  # each run its own process and cold caches: nothing of another run or part is reused
+    env_txt
+    timeout -k 10 $(( ${FC_BUDGET:-240} + 170 )) python3 benchmarks/first_compile.py --study "$study" \
+      --arms "${FC_ARMS:-plain,warm_pool,import_thread}" --reps "${FC_REPS:-2}" --budget "${FC_BUDGET:-240}" \
+      --out "$out/first_compile.json" "$@" 2>&1 | quiet | tee "$out/first_compile.log" | tail -40
     exit "${PIPESTATUS[0]}" ;;
   train-export)  # an export trained as its study trained, beside the same model in plain bf16
     env_txt
