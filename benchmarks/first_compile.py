@@ -135,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--arms {a.arms!r}: {bad or 'none'} not among {', '.join(ARMS)}")
     if a.steps < 2:
         ap.error(f"--steps {a.steps}: at least 2 (the first compiles; the trainer times the rest)")
+    from loka_tune.objectives.compiled import compile_note  # light: imports no torch
+
     t0 = time.perf_counter()
     rows: list[dict[str, Any]] = []
     for rep in range(a.reps):
@@ -156,8 +158,6 @@ def main(argv: list[str] | None = None) -> int:
                 row = json.loads(res.read_text()) if res.exists() else {"arm": arm, "status": "error"}
                 row.update(rep=rep, process_s=time.perf_counter() - t, error=err)
             rows.append(row)
-            from loka_tune.objectives.compiled import compile_note
-
             print(f"[first_compile] {arm:13s} rep {rep}: {row.get('status')}, to the first step's end"
                   f" {row.get('to_first_step_s', float('nan')):.1f}s (first step {row.get('first_step_s') or float('nan'):.1f}s:"
                   f" {compile_note(row.get('compile_s') or {})}), process {row['process_s']:.1f}s"
