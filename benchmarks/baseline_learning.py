@@ -15,7 +15,8 @@ Each variant changes only the learning-rate keys of ``[training]``:
 - ``old``: main 575a6f3's settings (lr_dense 1e-3, lr_sparse 1e-2, no learning-rate warm-up);
 - ``warmup_only``: the study's warm-up at the old lr_dense 1e-3;
 - ``lr3e-4`` / ``lr3e-5``: the study's warm-up with lr_dense 3e-4 / 3e-5;
-- any ``--add NAME:key=value,key=value`` (TrainConfig fields: lr_dense, lr_sparse, lr_warmup_steps, steps).
+- any ``--add NAME:key=value,key=value`` (TrainConfig fields: lr_dense, lr_sparse, lr_warmup_steps,
+  lr_cooldown_steps, steps).
 
 The bar (issue 20): every seed of the ``study`` variant ends at eval NE <= 0.97 on the held-out
 synthetic rows and the seeds' NE differ by < 0.01. The script prints a table (study, variant, seed,
@@ -77,9 +78,10 @@ def parse_add(spec: str) -> tuple[str, dict[str, Any]]:
     for item in body.split(","):
         key, _, raw = item.partition("=")
         key = key.strip()
-        if key not in ("lr_dense", "lr_sparse", "lr_warmup_steps", "steps"):
-            raise SystemExit(f"--add {spec!r}: {key!r} is not one of lr_dense, lr_sparse, lr_warmup_steps, steps")
-        out[key] = int(raw) if key in ("lr_warmup_steps", "steps") else float(raw)
+        if key not in ("lr_dense", "lr_sparse", "lr_warmup_steps", "lr_cooldown_steps", "steps"):
+            raise SystemExit(f"--add {spec!r}: {key!r} is not one of lr_dense, lr_sparse, lr_warmup_steps,"
+                             " lr_cooldown_steps, steps")
+        out[key] = int(raw) if key in ("lr_warmup_steps", "lr_cooldown_steps", "steps") else float(raw)
     return name, out
 
 
@@ -149,6 +151,7 @@ def run_one(cfg: Any, source: Any, seed: int, changes: dict[str, Any], device: s
     res = run_train(model, source, tcfg)
     del model
     return {"lr_dense": tcfg.lr_dense, "lr_sparse": tcfg.lr_sparse, "lr_warmup_steps": tcfg.lr_warmup_steps,
+            "lr_cooldown_steps": tcfg.lr_cooldown_steps,
             "steps": tcfg.steps, "batch_size": tcfg.batch_size, "compiled": tcfg.compile,
             "autocast": tcfg.autocast}, res
 
@@ -159,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variants", default="study,warmup_only,lr3e-5,old", help=f"comma list of {', '.join(VARIANTS)}"
                     " and the --add names (\"study\" always runs first)")
     ap.add_argument("--add", action="append", default=[], metavar="NAME:key=value,...",
-                    help="another variant, e.g. lr1e-4:lr_dense=1e-4 (keys: lr_dense, lr_sparse, lr_warmup_steps, steps)")
+                    help="another variant, e.g. lr1e-4:lr_dense=1e-4 (keys: lr_dense, lr_sparse, lr_warmup_steps,"
+                         " lr_cooldown_steps, steps)")
     ap.add_argument("--seeds", default="", help="comma list (default: the study's training.seeds)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--preset", default=None, help="override the model preset (e.g. tiny, to check the code path)")

@@ -448,6 +448,7 @@ def main(argv: list[str] | None = None) -> int:
     t = cfg.training
     tcfg = TrainConfig(steps=args.steps, batch_size=args.batch or t.batch_size, lr_dense=t.lr_dense,
                        lr_sparse=t.lr_sparse, lr_warmup_steps=t.lr_warmup_steps,
+                       lr_cooldown_steps=min(t.lr_cooldown_steps, args.steps),
                        warmup_steps=min(args.warmup, args.steps - 1), window=min(25, args.steps),
                        eval_batches=args.eval_batches, device=str(dev), compile=args.compile,
                        log_every=max(args.steps, 10), cuda_graphs=args.cuda_graphs,

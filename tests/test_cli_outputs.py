@@ -98,7 +98,8 @@ def test_train_config_trains_with_the_studys_schedule_and_rates(tmp_path: Path,
     d.mkdir()
     p = d / "sched.toml"
     p.write_text(STUDY.format(out=d / "runs").replace("name = \"outs\"", "name = \"sched\"")
-                 .replace("steps = 6\n", "steps = 6\nlr_dense = 3e-4\nlr_warmup_steps = 2\nlr_sparse = 0.02\n")
+                 .replace("steps = 6\n", "steps = 6\nlr_dense = 3e-4\nlr_warmup_steps = 2\nlr_cooldown_steps = 2\n"
+                                                     "lr_sparse = 0.02\n")
                  .replace("n_trials = 3", "n_trials = 1") + "[regime]\nbatch_size = 16\n")
     assert main(["tune", str(p), "--no-tracking"]) == 0
     best = tmp_path / "best.json"
@@ -106,7 +107,7 @@ def test_train_config_trains_with_the_studys_schedule_and_rates(tmp_path: Path,
     prov = json.loads(best.read_text())["provenance"]
     # the batch the study's runs trained at: [regime] batch_size over [training]'s
     assert prov["training"] == {"steps": 6, "batch_size": 16, "lr_dense": 3e-4, "lr_sparse": 0.02,
-                                "lr_warmup_steps": 2, "sparse_optimizer": "rowwise_adagrad"}
+                                "lr_warmup_steps": 2, "lr_cooldown_steps": 2, "sparse_optimizer": "rowwise_adagrad"}
     capsys.readouterr()
     out = tmp_path / "m.json"
     assert main(["train", "--config", str(best), "--json", str(out)]) == 0
@@ -114,16 +115,17 @@ def test_train_config_trains_with_the_studys_schedule_and_rates(tmp_path: Path,
     m = json.loads(out.read_text())
     assert m["steps_run"] == 6 and m["training"] == {**prov["training"]}
     assert main(["train", "--config", str(best), "--lr-dense", "1e-3", "--steps", "3", "--lr-warmup-steps", "0",
-                 "--no-progress", "--json", str(out)]) == 0
+                 "--lr-cooldown-steps", "1", "--no-progress", "--json", str(out)]) == 0
     m = json.loads(out.read_text())
     assert m["steps_run"] == 3 and m["training"]["lr_dense"] == 1e-3 and m["training"]["lr_warmup_steps"] == 0
+    assert m["training"]["lr_cooldown_steps"] == 1
     assert m["training"]["lr_sparse"] == 0.02 and m["training"]["batch_size"] == 16
     # without --config (or with --model) the command line's defaults, as before
     assert main(["train", "--model", "dlrm", "--steps", "2", "--batch-size", "16", "--no-progress",
                  "--json", str(out)]) == 0
     assert json.loads(out.read_text())["training"] == {"steps": 2, "batch_size": 16, "lr_dense": 1e-3,
                                                        "lr_sparse": 1e-2, "lr_warmup_steps": 0,
-                                                       "sparse_optimizer": "rowwise_adagrad"}
+                                                       "lr_cooldown_steps": 0, "sparse_optimizer": "rowwise_adagrad"}
 
 
 def test_train_without_model_or_recorded_model_says_what_to_give(tmp_path: Path,

@@ -129,6 +129,8 @@ MALFORMED = [
     ("[training]\nsteps = 10\nwindow = 20\n", "training.window", "window=20"),
     ("[training]\nsteps = 10\nwindow = 5\nlr_warmup_steps = 20\n", "training.lr_warmup_steps", "lr_warmup_steps=20"),
     ("[training]\nlr_warmup_steps = -5\n", "training.lr_warmup_steps", "-5"),
+    ("[training]\nsteps = 10\nwindow = 5\nlr_cooldown_steps = 11\n", "training.lr_cooldown_steps", "11 > steps=10"),
+    ("[training]\nlr_cooldown_steps = -1\n", "training.lr_cooldown_steps", "-1"),
     ("[objective]\nbudget_pct = 0\n", "objective.budget_pct", "> 0"),
     ("[objective]\nkind = \"latency\"\n", "objective.kind", "'latency'"),
     ("[objective]\ncost_device = \"a100\"\n", "objective.cost_device", "'a100'"),
@@ -278,7 +280,8 @@ def test_train_config_is_the_one_built_before_the_training_section_held_it(studi
                              eval_batch_size=t.eval_batch_size, window=t.window, warmup_steps=t.warmup_steps,
                              device=device or t.device, autocast=t.autocast, compile=t.compile,
                              cpu_threads=t.cpu_threads,  # newer than that builder; quickstart.toml sets it
-                             lr_warmup_steps=t.lr_warmup_steps)  # issue 20: the H200 studies set it
+                             lr_warmup_steps=t.lr_warmup_steps,  # issue 20: the H200 studies set it
+                             lr_cooldown_steps=t.lr_cooldown_steps)  # wukong_h200_b32768 sets it
         # ... then put in the study's production [regime] (issue 13): on a CPU, without a
         # [regime] table, that changes nothing
         from loka_tune.tuner.build import resolve_device

@@ -362,6 +362,9 @@ def test_finite_train_iterator_is_a_data_error():
         ({"lr_warmup_steps": -1}, "lr_warmup_steps"),
         ({"lr_warmup_steps": True}, "lr_warmup_steps"),
         ({"lr_warmup_steps": 2.5}, "lr_warmup_steps"),
+        ({"lr_cooldown_steps": -1}, "lr_cooldown_steps"),
+        ({"lr_cooldown_steps": 1.5}, "lr_cooldown_steps"),
+        ({"lr_cooldown_steps": 301}, "lr_cooldown_steps"),  # longer than the run (steps 300)
     ],
 )
 def test_config_validation(kw, key):
@@ -550,6 +553,62 @@ def test_lr_warmup_scales_the_first_updates_exactly():
     assert moved == len(w0)  # every parameter (embedding tables included) took a step
 
 
+# ---- the learning-rate cool-down (lr_cooldown_steps) ------------------------------------------------
+
+
+def test_cooldown_factor_falls_linearly_over_the_last_steps():
+    from loka_tune.objectives.step import cooldown_factor, lr_factor
+
+    assert [cooldown_factor(i, 8, 3) for i in range(8)] == [1.0] * 5 + [0.75, 0.5, 0.25]
+    assert all(cooldown_factor(i, 8, 0) == 1.0 for i in range(8))  # off
+    assert [cooldown_factor(i, 3, 3) for i in range(3)] == [0.75, 0.5, 0.25]  # the whole run
+    assert cooldown_factor(9, 8, 3) == 0.25  # a step past the run's end stays at the last rate
+    # with a warm-up: the smaller factor where they meet
+    assert [lr_factor(i, warmup_steps=4, total_steps=6, cooldown_steps=3) for i in range(6)] \
+        == [0.25, 0.5, 0.75, 0.75, 0.5, 0.25]
+    assert lr_factor(5, warmup_steps=0, total_steps=0, cooldown_steps=0) == 1.0
+
+
+def test_lr_cooldown_lowers_every_optimizer_over_the_last_steps():
+    from loka_tune.objectives.step import TrainStep
+
+    model = fresh()
+    cfg = TrainConfig(**{**CFG.__dict__, "steps": 7, "lr_warmup_steps": 2, "lr_cooldown_steps": 3})
+    opts = build_optimizers(model, cfg)
+    step = TrainStep(model, opts, device=torch.device("cpu"), dtype=None, lr_warmup_steps=2,
+                     lr_cooldown_steps=3, total_steps=7)
+    it = TinySource().batches("train", 64)
+    used = []
+    for _ in range(7):
+        step(next(it))
+        used.append([g["lr"] for o in opts for g in o.param_groups])
+    sparse, dense = cfg.lr_sparse, cfg.lr_dense
+    assert used == [[sparse * f, dense * f] for f in (0.5, 1.0, 1.0, 1.0, 0.75, 0.5, 0.25)]
+
+
+def test_lr_cooldown_needs_the_run_length():
+    from loka_tune.objectives.step import TrainStep
+
+    model = fresh()
+    with pytest.raises(ValueError, match="total_steps"):
+        TrainStep(model, build_optimizers(model, CFG), device=torch.device("cpu"), dtype=None, lr_cooldown_steps=3)
+
+
+def test_train_cools_the_last_updates_exactly():
+    """``train`` hands the run's length to the step: with a cool-down over the whole of a 1-step
+    run that step is exactly half of the full-rate step (factor 1 / (1 + 1)), as in the warm-up's test."""
+    src = TinySource()
+    full = fresh()
+    w0 = {n: p.detach().double().clone() for n, p in full.named_parameters()}
+    train(full, src, TrainConfig(**{**CFG.__dict__, "steps": 1}), progress=False)
+    cool = fresh()
+    train(cool, src, TrainConfig(**{**CFG.__dict__, "steps": 1, "lr_cooldown_steps": 1}), progress=False)
+    for (n, pf), (_, pc) in zip(full.named_parameters(), cool.named_parameters()):
+        d_full, d_cool = pf.detach().double() - w0[n], pc.detach().double() - w0[n]
+        ulp = torch.finfo(torch.float32).eps * float(w0[n].abs().max())
+        torch.testing.assert_close(d_cool, d_full / 2, rtol=1e-5, atol=2 * ulp)
+
+
 def test_rowwise_adagrad_takes_a_tensor_rate():
     """A CUDA-graph step's warm-up hands the fused update its rate as a 0-d tensor."""
     from loka_tune.objectives.optim import rowwise_adagrad_update_
@@ -631,6 +690,33 @@ def test_cuda_graph_step_follows_the_warmup_schedule():
         torch.cuda.synchronize()
         lrs = [float(g["lr"]) for o in opts for g in o.param_groups]
         assert lrs == pytest.approx([cfg.lr_sparse, cfg.lr_dense], rel=1e-6)  # the full rates at the end
+        weights.append([p.detach().clone() for p in model.parameters()])
+    for eager_w, graph_w in zip(*weights):
+        torch.testing.assert_close(graph_w, eager_w, rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_step_follows_the_cooldown_schedule():
+    """The cool-down through a captured step: a 2-step warm-up and a 5-step cool-down over 10
+    steps give the eager steps' weights and end at the last step's rate, 1/6 of the full one."""
+    from loka_tune.objectives.step import TrainStep
+
+    dev = torch.device("cuda")
+    src = TinySource()
+    weights = []
+    for graphs in (False, True):
+        model = fresh().to(dev)
+        cfg = TrainConfig(**{**CFG.__dict__, "device": "cuda", "steps": 10, "lr_warmup_steps": 2,
+                             "lr_cooldown_steps": 5, "cuda_graphs": graphs})
+        opts = build_optimizers(model, cfg)
+        step = TrainStep(model, opts, device=dev, dtype=None, cuda_graphs=graphs, lr_warmup_steps=2,
+                         lr_cooldown_steps=5, total_steps=10)
+        it = src.batches("train", 64, device=dev)
+        for _ in range(10):
+            step(next(it))
+        torch.cuda.synchronize()
+        lrs = [float(g["lr"]) for o in opts for g in o.param_groups]
+        assert lrs == pytest.approx([cfg.lr_sparse / 6, cfg.lr_dense / 6], rel=1e-6)
         weights.append([p.detach().clone() for p in model.parameters()])
     for eager_w, graph_w in zip(*weights):
         torch.testing.assert_close(graph_w, eager_w, rtol=1e-3, atol=1e-4)

@@ -25,6 +25,8 @@ paired comparison. Embedding tables train with row-wise Adagrad (--lr-sparse), e
 else with Adam (--lr-dense); bf16 autocast on CUDA, fp32 on CPU. --lr-warmup-steps N ramps both
 rates up linearly over the first N steps: wide models (the large presets) need it and a lower
 --lr-dense (e.g. 1e-4), or Adam's first full-rate steps can collapse them to the base rate.
+--lr-cooldown-steps N brings them down linearly over the last N steps, so that the final weights
+(what the eval reads) carry less of the last steps' noise.
 
 --data takes:
   synthetic[:k=v,...]  a synthetic CTR stream with realistic distributions
@@ -37,7 +39,7 @@ rates up linearly over the first N steps: wide models (the large presets) need i
 --config with a config exported by `loka-tune export` and no --model rebuilds the tuned model
 from the config's provenance (model, preset, overrides, data spec and parameters) and trains it
 with the study's schedule and rates (--steps, --batch-size, --lr-dense, --lr-sparse,
---lr-warmup-steps, --sparse-optimizer as its [training] had them); any of those options, and
+--lr-warmup-steps, --lr-cooldown-steps, --sparse-optimizer as its [training] had them); any of those options, and
 --model-arg, --preset and --data, still override what it recorded.
 
 Exit status: 0 ok, 1 the loss went non-finite, 2 a usage or input error.
@@ -92,6 +94,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="embedding-table learning rate (default: 1e-2)")
     t.add_argument("--lr-warmup-steps", type=integer("a number of steps", minimum=0), default=None,
                    help="ramp both learning rates linearly over the first N steps (default: 0, none)")
+    t.add_argument("--lr-cooldown-steps", type=integer("a number of steps", minimum=0), default=None,
+                   help="bring both learning rates down linearly over the last N steps, the last step at"
+                        " 1/(N+1) of them (default: 0, none)")
     t.add_argument("--sparse-optimizer", default=None,
                    choices=("rowwise_adagrad", "sparse_adam"),
                    help="optimizer of the embedding tables (default: rowwise_adagrad)")
@@ -203,7 +208,7 @@ def _recorded_spec(args: argparse.Namespace) -> dict[str, Any]:
 
 
 # the rates' defaults (the command line's, where neither it nor --config's provenance gives one)
-TRAINING_DEFAULTS: dict[str, Any] = {"lr_dense": 1e-3, "lr_sparse": 1e-2, "lr_warmup_steps": 0,
+TRAINING_DEFAULTS: dict[str, Any] = {"lr_dense": 1e-3, "lr_sparse": 1e-2, "lr_warmup_steps": 0, "lr_cooldown_steps": 0,
                                      "sparse_optimizer": "rowwise_adagrad"}
 _SCHEDULE = ("steps", "batch_size", *TRAINING_DEFAULTS)  # what an export's provenance.training may set
 
@@ -282,6 +287,7 @@ def run(args: argparse.Namespace) -> int:
         lr_dense=opts["lr_dense"],
         lr_sparse=opts["lr_sparse"],
         lr_warmup_steps=opts["lr_warmup_steps"],
+        lr_cooldown_steps=opts["lr_cooldown_steps"],
         seed=args.seed,
         eval_batches=args.eval_batches,
         window=args.window,

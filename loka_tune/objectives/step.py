@@ -16,9 +16,14 @@ CUDA graphs.
 
 ``lr_warmup_steps = W`` (W > 0) ramps every optimizer's learning rate linearly: step ``i``
 (0-based) runs at ``min(1, (i + 1) / W)`` times each parameter group's own rate
-(:func:`warmup_factor`), so step ``W - 1`` and every later one run at the full rate. The rates
-are set before each step on the host; in a CUDA-graph step they are 0-d device tensors that
-the captured optimizers read, filled before each replay, so the schedule survives capture.
+(:func:`warmup_factor`), so step ``W - 1`` and every later one run at the full rate.
+``lr_cooldown_steps = C`` (C > 0, with the run's length ``total_steps = S``) brings every rate
+down linearly over the run's last C steps: step ``i >= S - C`` runs at ``(S - i) / (C + 1)`` of
+it, the last step at ``1 / (C + 1)`` (:func:`lr_factor` takes the smaller of the two factors).
+A short run is judged by its final weights; at a constant rate they carry the last steps' noise,
+and a paired comparison of two runs' eval loss with them. The rates are set before each step on
+the host; in a CUDA-graph step they are 0-d device tensors that the captured optimizers read,
+filled before each replay, so the schedule survives capture.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from torch import nn
 from loka_tune.data.base import model_inputs
 from loka_tune.errors import ConfigError, DataError
 
-__all__ = ["TrainStep", "autocast_for", "warmup_factor"]
+__all__ = ["TrainStep", "autocast_for", "cooldown_factor", "lr_factor", "warmup_factor"]
 
 
 def autocast_for(mode: str, device: torch.device) -> torch.dtype | None:
@@ -57,6 +62,21 @@ def warmup_factor(step: int, warmup_steps: int) -> float:
     return min(1.0, (step + 1) / warmup_steps)
 
 
+def cooldown_factor(step: int, total_steps: int, cooldown_steps: int) -> float:
+    """The learning-rate multiplier of 0-based ``step`` of a ``total_steps`` run under a linear
+    cool-down over its last ``cooldown_steps``: ``(total_steps - step) / (cooldown_steps + 1)``
+    there, else 1; 1 for every step when ``cooldown_steps`` is 0."""
+    left = total_steps - step  # this step and the ones after it
+    if cooldown_steps <= 0 or left > cooldown_steps:
+        return 1.0
+    return max(left, 1) / (cooldown_steps + 1)
+
+
+def lr_factor(step: int, *, warmup_steps: int = 0, total_steps: int = 0, cooldown_steps: int = 0) -> float:
+    """The schedule's multiplier of 0-based ``step``: the warm-up's and the cool-down's, the smaller."""
+    return min(warmup_factor(step, warmup_steps), cooldown_factor(step, total_steps, cooldown_steps))
+
+
 class TrainStep:
     """``step(batch) -> loss`` (a 0-d float32 device tensor); see the module docstring."""
 
@@ -71,6 +91,8 @@ class TrainStep:
         cuda_graphs: bool = False,
         graph_warmup: int = 3,
         lr_warmup_steps: int = 0,
+        lr_cooldown_steps: int = 0,
+        total_steps: int | None = None,
     ) -> None:
         if cuda_graphs and device.type != "cuda":
             raise ConfigError(
@@ -90,9 +112,15 @@ class TrainStep:
         self._warm = 0
         self._stream: torch.cuda.Stream | None = None
         self.lr_warmup_steps, self.steps_done = int(lr_warmup_steps), 0
-        # each parameter group's own rate: the warm-up scales it (the groups' "lr" is what the step reads)
+        self.lr_cooldown_steps = int(lr_cooldown_steps)
+        if self.lr_cooldown_steps > 0 and (total_steps is None or total_steps < 1):
+            raise ValueError(f"lr_cooldown_steps={lr_cooldown_steps} needs the run's length: pass total_steps"
+                             f" (the number of steps the run takes), got {total_steps!r}")
+        self.total_steps = int(total_steps or 0)
+        self._factor = 1.0  # the multiplier the groups' rates hold now
+        # each parameter group's own rate: the schedule scales it (the groups' "lr" is what the step reads)
         self._base_lrs = [[float(g["lr"]) for g in opt.param_groups] for opt in optimizers]
-        if self.lr_warmup_steps > 0 and cuda_graphs:  # a captured optimizer reads its rate from device memory
+        if self._scheduled and cuda_graphs:  # a captured optimizer reads its rate from device memory
             for opt in optimizers:
                 for g in opt.param_groups:
                     g["lr"] = torch.tensor(float(g["lr"]), dtype=torch.float32, device=device)
@@ -113,11 +141,18 @@ class TrainStep:
             opt.step()
         return loss.detach()
 
+    @property
+    def _scheduled(self) -> bool:
+        """Whether the rates change during the run (a warm-up or a cool-down)."""
+        return self.lr_warmup_steps > 0 or self.lr_cooldown_steps > 0
+
     def _set_lrs(self) -> None:
-        """The warm-up's rates for the step about to run (nothing to do once it is over)."""
-        if self.steps_done > self.lr_warmup_steps:
+        """The schedule's rates for the step about to run (nothing to do while they stay put)."""
+        f = lr_factor(self.steps_done, warmup_steps=self.lr_warmup_steps, total_steps=self.total_steps,
+                      cooldown_steps=self.lr_cooldown_steps)
+        if f == self._factor and self.steps_done > 0:
             return
-        f = warmup_factor(self.steps_done, self.lr_warmup_steps)
+        self._factor = f
         for opt, bases in zip(self.optimizers, self._base_lrs):
             for g, base in zip(opt.param_groups, bases):
                 if isinstance(g["lr"], torch.Tensor):
@@ -126,7 +161,7 @@ class TrainStep:
                     g["lr"] = base * f
 
     def __call__(self, batch: Any) -> torch.Tensor:
-        if self.lr_warmup_steps > 0:
+        if self._scheduled:
             self._set_lrs()
         self.steps_done += 1
         if not self.cuda_graphs:

@@ -15,8 +15,9 @@ layers are a *paired* comparison:
 Optimizers follow LRM practice (:mod:`loka_tune.objectives.optim`): embedding tables get a
 sparse-aware optimizer that only touches the rows a batch used (row-wise Adagrad, the
 torchrec/FBGEMM default, or ``torch.optim.SparseAdam``); every other parameter gets Adam.
-``cfg.lr_warmup_steps`` ramps both learning rates up linearly over the first steps (off by
-default; ``cfg.warmup_steps`` is only the timing warm-up). Training runs under bf16 autocast on CUDA and in fp32 on the CPU (``cfg.autocast``).
+``cfg.lr_warmup_steps`` ramps both learning rates up linearly over the first steps and
+``cfg.lr_cooldown_steps`` down over the last ones (both off by default; ``cfg.warmup_steps`` is
+only the timing warm-up). Training runs under bf16 autocast on CUDA and in fp32 on the CPU (``cfg.autocast``).
 
 On a GPU the step is built to be GPU-bound (:mod:`loka_tune.objectives.step`): no host sync
 inside it (losses are read back every ``log_every`` steps), fused optimizers, the model
@@ -110,6 +111,13 @@ class TrainConfig:
                       gradient's size, so a layer of fan-in ``n`` shifts its outputs by up to
                       ``lr * n`` times its inputs' size at once: wide models need it (and a lower
                       ``lr_dense``); see :mod:`loka_tune.objectives.step`
+    lr_cooldown_steps: *learning-rate* cool-down: every optimizer's rate falls linearly over the run's
+                      last ``lr_cooldown_steps`` steps, step ``i`` (0-based) of ``steps`` at
+                      ``(steps - i) / (lr_cooldown_steps + 1)`` of it (0 = none). A short run is
+                      judged by its final weights: at a constant rate they carry the last steps'
+                      noise, and the paired eval loss of two runs with them (a study's noise
+                      floor): cooling the rate lets the run settle first (``lr_warmup_steps`` and
+                      it take the smaller factor where they meet)
     device:           "auto" (cuda if available, else cpu), "cpu", "cuda" or "cuda:N"
     autocast:         "auto" (bf16 on CUDA, fp32 on CPU), "bf16" (everywhere) or "off" (fp32)
     compile:          wrap the model in ``torch.compile`` (CPU bit-identity not promised then)
@@ -140,6 +148,7 @@ class TrainConfig:
     window: int = 50
     warmup_steps: int = 5
     lr_warmup_steps: int = 0
+    lr_cooldown_steps: int = 0
     device: str = "auto"
     autocast: str = "auto"
     compile: bool = False
@@ -155,10 +164,13 @@ class TrainConfig:
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"must be an integer >= 1, got {v!r}", key=key)
-        for key in ("seed", "eval_seed", "warmup_steps", "lr_warmup_steps", "profile_steps"):
+        for key in ("seed", "eval_seed", "warmup_steps", "lr_warmup_steps", "lr_cooldown_steps", "profile_steps"):
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ConfigError(f"must be an integer >= 0, got {v!r}", key=key)
+        if self.lr_cooldown_steps > self.steps:
+            raise ConfigError(f"got {self.lr_cooldown_steps!r} > steps={self.steps}: the cool-down must fit in the"
+                              " run; give a few tenths of it (e.g. a quarter), or 0 for none", key="lr_cooldown_steps")
         for key in ("eval_batches", "eval_batch_size", "cpu_threads"):
             v = getattr(self, key)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
@@ -538,7 +550,8 @@ def train(
         ddp = D.wrap_model(model, dev) if env is not None else model
         src = D.RankSource(source, env) if env is not None else source
         step = TrainStep(ddp, build_optimizers(model, cfg), device=dev, dtype=dtype, compile=cfg.compile,
-                         cuda_graphs=cfg.cuda_graphs, lr_warmup_steps=cfg.lr_warmup_steps)
+                         cuda_graphs=cfg.cuda_graphs, lr_warmup_steps=cfg.lr_warmup_steps,
+                         lr_cooldown_steps=cfg.lr_cooldown_steps, total_steps=cfg.steps)
         t_loop = time.perf_counter()
         run = _run_steps(step, src, cfg, dev, on_step, progress if env is None or env.is_main else False,
                          f"train {type(model).__name__}", after_step, env=env, on_batch=on_batch)

@@ -358,7 +358,8 @@ def export_best(study: Any, out: str | Path | None = None, *, trial: int | None 
     return config
 
 
-RECORDED_TRAINING = ("steps", "batch_size", "lr_dense", "lr_sparse", "lr_warmup_steps", "sparse_optimizer")
+RECORDED_TRAINING = ("steps", "batch_size", "lr_dense", "lr_sparse", "lr_warmup_steps", "lr_cooldown_steps",
+                     "sparse_optimizer")
 
 
 def _recorded_training(training: dict[str, Any], regime: dict[str, Any]) -> dict[str, Any] | None:
