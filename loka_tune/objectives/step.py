@@ -21,7 +21,7 @@ CUDA graphs.
 down linearly over the run's last C steps: step ``i >= S - C`` runs at ``(S - i) / (C + 1)`` of
 it, the last step at ``1 / (C + 1)`` (:func:`lr_factor` takes the smaller of the two factors).
 A short run is judged by its final weights; at a constant rate they carry the last steps' noise,
-and a paired comparison of two runs' eval loss with them. The rates are set before each step on
+and so does a paired comparison of two runs' eval losses. The rates are set before each step on
 the host; in a CUDA-graph step they are 0-d device tensors that the captured optimizers read,
 filled before each replay, so the schedule survives capture.
 """
