@@ -533,24 +533,30 @@ def test_lr_warmup_ramps_every_optimizer_then_holds_its_rate():
     assert all(isinstance(v, float) for row in used for v in row)  # eager steps: plain floats
 
 
-def test_lr_warmup_scales_the_first_updates_exactly():
-    """Adam's first step moves each weight by lr * g / (|g| + eps) and row-wise Adagrad's by
-    lr * g / (rms(g) + eps): both linear in lr, so a warm-up of W steps makes step 0 exactly 1/W
-    of the full-rate step (the changes, taken in float64 from float32 weights, agree up to the
-    rounding of those weights: 2 ulp of the largest)."""
+def assert_one_step_scaled(changes: dict[str, int], scale: float) -> None:
+    """A 1-step run with ``changes`` moves every parameter by exactly ``scale`` times the
+    full-rate step (the changes, taken in float64 from float32 weights, agree up to the rounding
+    of those weights: 2 ulp of the largest), and every parameter moves."""
     src = TinySource()
     full = fresh()
     w0 = {n: p.detach().double().clone() for n, p in full.named_parameters()}
     train(full, src, TrainConfig(**{**CFG.__dict__, "steps": 1}), progress=False)
-    warm = fresh()
-    train(warm, src, TrainConfig(**{**CFG.__dict__, "steps": 1, "lr_warmup_steps": 8}), progress=False)
+    scaled = fresh()
+    train(scaled, src, TrainConfig(**{**CFG.__dict__, "steps": 1, **changes}), progress=False)
     moved = 0
-    for (n, pf), (_, pw) in zip(full.named_parameters(), warm.named_parameters()):
-        d_full, d_warm = pf.detach().double() - w0[n], pw.detach().double() - w0[n]
+    for (n, pf), (_, ps) in zip(full.named_parameters(), scaled.named_parameters()):
+        d_full, d_scaled = pf.detach().double() - w0[n], ps.detach().double() - w0[n]
         ulp = torch.finfo(torch.float32).eps * float(w0[n].abs().max())
-        torch.testing.assert_close(d_warm, d_full / 8, rtol=1e-5, atol=2 * ulp)
+        torch.testing.assert_close(d_scaled, d_full * scale, rtol=1e-5, atol=2 * ulp)
         moved += int(d_full.abs().max() > 0)
     assert moved == len(w0)  # every parameter (embedding tables included) took a step
+
+
+def test_lr_warmup_scales_the_first_updates_exactly():
+    """Adam's first step moves each weight by lr * g / (|g| + eps) and row-wise Adagrad's by
+    lr * g / (rms(g) + eps): both linear in lr, so a warm-up of W steps makes step 0 exactly 1/W
+    of the full-rate step."""
+    assert_one_step_scaled({"lr_warmup_steps": 8}, 1 / 8)
 
 
 # ---- the learning-rate cool-down (lr_cooldown_steps) ------------------------------------------------
@@ -596,17 +602,8 @@ def test_lr_cooldown_needs_the_run_length():
 
 def test_train_cools_the_last_updates_exactly():
     """``train`` hands the run's length to the step: with a cool-down over the whole of a 1-step
-    run that step is exactly half of the full-rate step (factor 1 / (1 + 1)), as in the warm-up's test."""
-    src = TinySource()
-    full = fresh()
-    w0 = {n: p.detach().double().clone() for n, p in full.named_parameters()}
-    train(full, src, TrainConfig(**{**CFG.__dict__, "steps": 1}), progress=False)
-    cool = fresh()
-    train(cool, src, TrainConfig(**{**CFG.__dict__, "steps": 1, "lr_cooldown_steps": 1}), progress=False)
-    for (n, pf), (_, pc) in zip(full.named_parameters(), cool.named_parameters()):
-        d_full, d_cool = pf.detach().double() - w0[n], pc.detach().double() - w0[n]
-        ulp = torch.finfo(torch.float32).eps * float(w0[n].abs().max())
-        torch.testing.assert_close(d_cool, d_full / 2, rtol=1e-5, atol=2 * ulp)
+    run that step is exactly half of the full-rate step (factor 1 / (1 + 1))."""
+    assert_one_step_scaled({"lr_cooldown_steps": 1}, 1 / 2)
 
 
 def test_rowwise_adagrad_takes_a_tensor_rate():
