@@ -79,24 +79,35 @@ def _ctx(cfg: Any, *, speed: str = "measured", study: Any = None) -> Any:
     return StudyContext(cfg, study, make_source(cfg), bl, space=None, device="cpu", speed=speed)  # type: ignore[arg-type]
 
 
+def _counting_runs(monkeypatch: pytest.MonkeyPatch, step_s: list[float]) -> list[Any]:
+    """Every training run of a trial (``trial``) and of a bf16 + Mods reference (``baseline``)
+    through one fake, its n-th run timed at ``step_s[n]``; returns the runs' TrainConfigs."""
+    from loka_tune.tuner import baseline, trial
+
+    seen: list[Any] = []
+
+    def fake_train(model: nn.Module, source: Any, tcfg: Any, on_step: Any = None, **kw: Any) -> Any:
+        seen.append(tcfg)
+        return _fake_result(step_s[len(seen) - 1])
+
+    monkeypatch.setattr(trial, "train_in_study", fake_train)
+    monkeypatch.setattr(baseline, "train_in_study", fake_train)
+    return seen
+
+
+ROW = "e4m3.row.emulated"
+
+
 def test_the_regime_reaches_the_trial_trainer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A trial's run, and the bf16 + Mods reference it is compared with, are timed in the regime."""
     from loka_tune.tuner import trial
 
     cfg = _cfg(tmp_path, "[regime]\ncompile = true\nbatch_size = 48\n")
-    seen: list[Any] = []
-
-    def fake_train(model: nn.Module, source: Any, tcfg: Any, on_step: Any = None, **kw: Any) -> Any:
-        seen.append(tcfg)
-        return _fake_result(0.010 if len(seen) == 1 else 0.011)
-
-    monkeypatch.setattr(trial, "train_in_study", fake_train)
-    from loka_tune.tuner import baseline
-
-    monkeypatch.setattr(baseline, "train_in_study", fake_train)
+    seen = _counting_runs(monkeypatch, [0.010, 0.011, 0.009])
     study = SimpleNamespace(user_attrs={}, set_user_attr=lambda k, v: study.user_attrs.__setitem__(k, v))
     ctx = _ctx(cfg, study=study)
-    out = trial.evaluate_config(ctx, PrecisionConfig(mods=ModsConfig(no_bias=True)))
+    fp8 = PrecisionConfig.from_sites({"top_mlp.0.linear": ROW}, mods=ModsConfig(no_bias=True))
+    out = trial.evaluate_config(ctx, fp8)
     assert out.status == "ok"
     assert [(t.compile, t.batch_size, t.warmup_steps) for t in seen] == [(True, 48, 3), (True, 48, 3)]
     # speed vs bf16 (the baseline's 12 ms) and vs bf16 + the same Mods (the reference run's 11 ms)
@@ -104,10 +115,75 @@ def test_the_regime_reaches_the_trial_trainer(tmp_path: Path, monkeypatch: pytes
     assert out.mods_step_time_s == pytest.approx(0.011)
     # the reference is measured once per Mods set and shared through the study
     assert study.user_attrs["loka.reference.nobias"] == pytest.approx(0.011)
-    trial.evaluate_config(ctx, PrecisionConfig(mods=ModsConfig(no_bias=True)))
-    assert len(seen) == 3  # the second trial ran, its reference did not
+    again = trial.evaluate_config(ctx, fp8)
+    assert len(seen) == 3 and again.mods_step_time_s == pytest.approx(0.011)  # the trial ran, its reference did not
     # without Mods the reference is the bf16 baseline itself
     assert trial.reference_seconds(ctx, ModsConfig()) == pytest.approx(0.012)
+
+
+def test_a_plain_bf16_trial_under_mods_is_its_own_reference(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The "bf16+mods" start trains bf16 + those Mods in the regime: its run times the Mods set's
+    reference (no second run), and later trials under those Mods are compared with it."""
+    from loka_tune.tuner import trial
+
+    cfg = _cfg(tmp_path, "[regime]\ncompile = true\nbatch_size = 48\n")
+    seen = _counting_runs(monkeypatch, [0.011, 0.010])
+    study = SimpleNamespace(user_attrs={}, set_user_attr=lambda k, v: study.user_attrs.__setitem__(k, v))
+    ctx = _ctx(cfg, study=study)
+    mods = ModsConfig(no_bias=True)
+    start = trial.evaluate_config(ctx, PrecisionConfig(mods=mods))
+    assert len(seen) == 1 and start.status == "ok"
+    assert start.mods_step_time_s == pytest.approx(0.011) and start.speedup_vs_mods == pytest.approx(1.0)
+    assert start.speedup == pytest.approx(0.012 / 0.011)
+    assert study.user_attrs["loka.reference.nobias"] == pytest.approx(0.011)
+    fp8 = trial.evaluate_config(ctx, PrecisionConfig.from_sites({"top_mlp.0.linear": ROW}, mods=mods))
+    assert len(seen) == 2 and fp8.speedup_vs_mods == pytest.approx(0.011 / 0.010)
+    # a reference the study already has (another worker's, or a resumed study's) is kept
+    seen2 = _counting_runs(monkeypatch, [0.013])
+    study2 = SimpleNamespace(user_attrs={"loka.reference.nobias": 0.0115},
+                             set_user_attr=lambda k, v: study2.user_attrs.__setitem__(k, v))
+    other = trial.evaluate_config(_ctx(cfg, study=study2), PrecisionConfig(mods=mods))
+    assert len(seen2) == 1 and other.mods_step_time_s == pytest.approx(0.0115)
+    assert study2.user_attrs["loka.reference.nobias"] == pytest.approx(0.0115)
+    # a modeled study models its reference: a measured step time never stands in for it
+    seen3 = _counting_runs(monkeypatch, [0.5])
+    modeled = _ctx(cfg, speed="modeled", study=SimpleNamespace(user_attrs={}, set_user_attr=lambda k, v: None))
+    assert trial.plain_bf16(PrecisionConfig(mods=mods))
+    assert not trial.plain_bf16(PrecisionConfig.from_sites({"top_mlp.0.linear": ROW}))
+    ref_key = "loka.reference.nobias"
+    monkeypatch.setattr(trial, "modeled_seconds", lambda *a, **k: 0.004)
+    trial.evaluate_config(modeled, PrecisionConfig(mods=mods))
+    assert len(seen3) == 1 and modeled.references[ref_key] == pytest.approx(0.004)
+
+
+def test_the_all_bf16_trial_is_the_baselines_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plain bf16 without Mods on the pairing seed is the baseline's run: the trial takes its
+    numbers and trains nothing; the inference objective (whose speed is a forward pass of
+    the trained model) and any other config still run."""
+    from loka_tune.tuner import trial
+
+    cfg = _cfg(tmp_path, "[regime]\ncompile = true\nbatch_size = 48\n")
+    seen = _counting_runs(monkeypatch, [0.010])
+    ctx = _ctx(cfg)
+    out = trial.evaluate_config(ctx, PrecisionConfig())
+    assert seen == []
+    assert (out.status, out.rel_logloss_pct, out.speedup, out.speedup_vs_mods) == ("ok", 0.0, 1.0, 1.0)
+    assert out.eval_logloss == ctx.baseline.logloss == 0.5
+    assert out.step_time_s == out.mods_step_time_s == out.measured_step_time_s == pytest.approx(0.012)
+    assert out.reason.startswith(trial.BASELINE_RUN) and "seed 0" in out.reason
+    assert out.run is not None  # the confirmation takes it as seed 0's run, as it takes any trial's
+    assert {k: out.run[k] for k in ("seed", "steps", "compile", "batch_size", "nproc")} == {
+        "seed": 0, "steps": cfg.training.steps, "compile": True, "batch_size": 48, "nproc": 1}
+    assert out.feasible(0.1)
+    # a bf16 config with a backend of its own is not the baseline's run
+    own = PrecisionConfig.from_sites({"top_mlp.0.linear": "bf16.emulated"})
+    assert not trial.plain_bf16(own)
+    # another pairing seed than the baseline's first: trained
+    other = _cfg(tmp_path, "[regime]\ncompile = true\nbatch_size = 48\n")
+    ctx2 = _ctx(other)
+    ctx2.baseline = type(ctx.baseline)(**{**ctx.baseline.__dict__, "seeds": (5, 1)})
+    trial.evaluate_config(ctx2, PrecisionConfig())
+    assert len(seen) == 1
 
 
 # ---------------------------------------------------------------------------------------------

@@ -72,7 +72,7 @@ from loka_tune.tuner.results import STATES_DONE, TrialRecord, best_trial, noise_
 from loka_tune.tuner.starts import enqueue_recipe_starts
 from loka_tune.tuner.study import StudyConfig
 from loka_tune.tuner.tracking import Tracker
-from loka_tune.tuner.trial import evaluate_config
+from loka_tune.tuner.trial import BASELINE_RUN, evaluate_config
 
 __all__ = ["run_study"]
 
@@ -349,7 +349,7 @@ def _progress_line(ctx: StudyContext, number: int, n_total: int | None, attrs: M
     best_s = f"{TrialRecord.of(b).speedup:.3f}x" if b is not None else "-"
     r = TrialRecord.from_attrs(attrs)
     rel, sp = r.rel_logloss_pct, r.speedup
-    tag = " (cache)" if r.cache_hit else ""
+    tag = " (cache)" if r.cache_hit else " (the baseline's run)" if (r.reason or "").startswith(BASELINE_RUN) else ""
     vs_mods = f" ({r.speedup_vs_mods:.3f}x vs bf16+Mods)" if r.speedup_vs_mods is not None else ""
     noise = noise_note(rel, ctx.baseline.noise_floor_pct)
     what = (f"rel.LL {rel:+.4f}%{noise}  speed-up {sp:.3f}x{vs_mods}"
