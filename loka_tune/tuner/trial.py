@@ -103,8 +103,7 @@ def reference_seconds(ctx: StudyContext, mods: ModsConfig) -> float:
     bl = ctx.baseline
     if mods == ModsConfig():
         return float(bl.step_time_s)
-    key = ATTR_REFERENCE + mods.short_str()
-    known = _known_reference(ctx, key)
+    known = _known_reference(ctx, mods)
     if known is not None:
         return known
     cfg = ctx.cfg
@@ -119,11 +118,12 @@ def reference_seconds(ctx: StudyContext, mods: ModsConfig) -> float:
                                         autocast=cfg.training.autocast)
     else:
         t = time_reference(cfg, ctx.source, ctx.device, mods)
-    return _keep_reference(ctx, key, float(t))
+    return _keep_reference(ctx, mods, float(t))
 
 
-def _known_reference(ctx: StudyContext, key: str) -> float | None:
+def _known_reference(ctx: StudyContext, mods: ModsConfig) -> float | None:
     """A Mods set's reference seconds already had: this process's, else the study's stored one."""
+    key = ATTR_REFERENCE + mods.short_str()
     if key in ctx.references:
         return ctx.references[key]
     stored = ctx.study.user_attrs.get(key) if ctx.study is not None else None
@@ -133,7 +133,9 @@ def _known_reference(ctx: StudyContext, key: str) -> float | None:
     return float(stored)
 
 
-def _keep_reference(ctx: StudyContext, key: str, t: float) -> float:
+def _keep_reference(ctx: StudyContext, mods: ModsConfig, t: float) -> float:
+    """Keep ``t`` as a Mods set's reference seconds (in this process; on the study too, unless modeled)."""
+    key = ATTR_REFERENCE + mods.short_str()
     ctx.references[key] = t
     if ctx.study is not None and ctx.speed != "modeled":  # modeled is cheap and deterministic: not stored
         ctx.study.set_user_attr(key, t)
@@ -229,9 +231,8 @@ def evaluate_config(ctx: StudyContext, config: PrecisionConfig, *,
         t = float(res.step_time_s)
     rel = relative_log_loss(res.eval_logloss, bl.logloss) * 100.0
     if training and modeled is None and config.mods != ModsConfig() and plain_bf16(config):
-        key = ATTR_REFERENCE + config.mods.short_str()  # this run is its Mods set's bf16 reference
-        if _known_reference(ctx, key) is None:
-            _keep_reference(ctx, key, t)
+        if _known_reference(ctx, config.mods) is None:  # this run is its Mods set's bf16 reference
+            _keep_reference(ctx, config.mods, t)
     ref = reference_seconds(ctx, config.mods)
     return TrialOutcome("ok", rel_logloss_pct=float(rel), step_time_s=float(t), speedup=float(bl.step_time_s / t),
                         mods_step_time_s=ref, speedup_vs_mods=float(ref / t),
