@@ -13,6 +13,7 @@ baseline's speed in the objective's terms (measured, or modeled GEMMs + a non-GE
 from __future__ import annotations
 
 import statistics
+import threading
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -159,12 +160,23 @@ def _say_progress(label: str, total: int) -> Callable[[int, float], None]:
 
 def run_baseline(cfg: StudyConfig, source: Any, device: str, *, force: bool = False,
                  probe_out: Path | None = None,
-                 on_run: Callable[[int, Any], None] | None = None) -> tuple[Baseline, Any, nn.Module]:
+                 on_run: Callable[[int, Any], None] | None = None,
+                 with_stats: Callable[[Any], None] | None = None,
+                 beside_twin: bool = False) -> tuple[Baseline, Any, nn.Module]:
     """bf16 short runs on every seed (the Probe watching the first), each followed by its
     noise twin (the same run from perturbed initial weights: :func:`perturb_weights`); returns
     the baseline, the probe's statistics (or None) and the first seed's trained model.
     ``on_run(seed, result)`` sees each baseline run's
     :class:`~loka_tune.objectives.trainer.TrainResult` (its per-step losses go to MLflow).
+
+    ``with_stats(stats)``: work on the probe's statistics (the study's probe measurement), done
+    before this returns, its error raised here. ``beside_twin`` (a GPU, where the twin's steps
+    leave the host waiting): the statistics are read back and ``with_stats`` runs in a thread
+    while the probed seed's twins train (:class:`_Beside`), the twins' step times then left out
+    of the bf16 step time (the work beside them shares their GPU); otherwise one after the
+    other, the twins first. Neither the probe's read-back nor its measurement draws on a global
+    random generator, times a kernel or changes a global setting, so the twins train and the
+    statistics read as they would alone (``tests/test_prepare_beside.py``).
 
     Every run is in the study's ``[regime]``, the probed one included: on a compiled or
     CUDA-graph regime the probe collects from a sub-batch of the step's batch on the uncompiled
@@ -181,6 +193,8 @@ def run_baseline(cfg: StudyConfig, source: Any, device: str, *, force: bool = Fa
     results, regime_times, twins, paired = [], [], [], []
     stats = None
     first_model: nn.Module | None = None
+    beside: _Beside | None = None  # the probe's read-back and with_stats, in a thread beside the twins
+    read: Callable[[], Any] | None = None  # the same, here, after the twins
     for i, seed in enumerate(cfg.training.seeds):
         model = make_model(cfg, source, seed=seed)
         apply(model, bf16)
@@ -191,9 +205,11 @@ def run_baseline(cfg: StudyConfig, source: Any, device: str, *, force: bool = Fa
         log(f"[loka-tune] baseline seed {seed} (bf16, {what}{_regime_str(tcfg)}): {tcfg.steps} steps ...")
         say = _say_progress(f"baseline seed {seed}", tcfg.steps)
         if probed:
-            res, stats = _probed_run(cfg, model, source, tcfg, seed, say)
-            if probe_out is not None:
-                stats.save(probe_out)
+            res, probe, note = _probed_run(cfg, model, source, tcfg, seed, say)
+            read = _reader(probe, note, probe_out, with_stats, beside_twin)
+            if beside_twin:
+                beside = _Beside(read)
+                read = None
             regime_times.append(float(res.step_time_s))  # in the regime; collections are outside its timing
         else:
             res = train_in_study(model, source, tcfg, seed=seed, config=bf16, progress=say)
@@ -209,10 +225,18 @@ def run_baseline(cfg: StudyConfig, source: Any, device: str, *, force: bool = Fa
         if on_run is not None:
             on_run(seed, res)
         for k in range(cfg.objective.noise_twins):
-            twin = _noise_twin(cfg, source, tcfg, seed, k, float(res.eval_logloss))
+            twin = _noise_twin(cfg, source, tcfg, seed, k, float(res.eval_logloss),
+                               beside="; the probe's read-back and measurement beside it" if beside else "")
             twins.append(float(twin.eval_logloss))
             paired.append(relative_log_loss(twin.eval_logloss, res.eval_logloss) * 100)
-            regime_times.append(float(twin.step_time_s))
+            if beside is None:  # beside the probe's work it shares the GPU: its step time is not bf16's alone
+                regime_times.append(float(twin.step_time_s))
+        if beside is not None:
+            stats = beside.result()
+            beside = None
+        elif read is not None:
+            stats = read()
+            read = None
     lls = tuple(float(r.eval_logloss) for r in results)
     spread = max([abs(relative_log_loss(ll, lls[0])) * 100 for ll in lls[1:]], default=None)
     floor = paired_noise_floor(paired)
@@ -236,8 +260,10 @@ def run_baseline(cfg: StudyConfig, source: Any, device: str, *, force: bool = Fa
 
 
 def _probed_run(cfg: StudyConfig, model: nn.Module, source: Any, tcfg: Any, seed: int,
-                progress: Callable[[int, float], None]) -> tuple[Any, Any]:
-    """The probed baseline run, in the regime: ``(TrainResult, ProbeStats)``.
+                progress: Callable[[int, float], None]) -> tuple[Any, Any, str]:
+    """The probed baseline run, in the regime: ``(TrainResult, Probe, note)``, the probe detached
+    and its statistics not yet read back (:func:`_reader`); ``note`` says where its collections'
+    time went, for the read-back's log line.
 
     A compiled or CUDA-graph regime gets ``Probe(step_on="batch")``: after each step the
     trainer hands it the step's batch (under the run's autocast), and a collection step runs
@@ -265,15 +291,56 @@ def _probed_run(cfg: StudyConfig, model: nn.Module, source: Any, tcfg: Any, seed
         with probe:
             res = train_in_study(model, source, tcfg, seed=seed, config=PrecisionConfig(), on_batch=side, progress=progress)
         t = time.perf_counter()
-        stats = probe.stats  # the snapshot: every site's statistics and weight model read back to the host
-        log(f"[loka-tune] probe: {probe.collections} side collection(s) ({_side_note(side_s)}); their statistics"
-            f" ran {probe.graph_note}; read back in {time.perf_counter() - t:.1f}s; attach, train's imports and"
-            f" exit outside its run {max(t - t_in - float(res.wall_s), 0.0):.1f}s")
-        return res, stats
+        return res, probe, (f"{probe.collections} side collection(s) ({_side_note(side_s)}); their statistics ran"
+                            f" {probe.graph_note}; attach, train's imports and exit outside its run"
+                            f" {max(t - t_in - float(res.wall_s), 0.0):.1f}s")
     with Probe(model, every=every, step_on="manual") as probe:
         res = train_in_study(model, source, tcfg, seed=seed, config=PrecisionConfig(), after_step=lambda _n: probe.step(),
                      progress=progress)
-    return res, probe.stats
+    return res, probe, f"{probe.collections} collection(s) in the steps"
+
+
+def _reader(probe: Any, note: str, out: Path | None, with_stats: Callable[[Any], None] | None,
+            beside: bool) -> Callable[[], Any]:
+    """The probe's read-back (the snapshot: every site's statistics and weight model read back
+    to the host), its file (``out``) and ``with_stats``, as one call returning the statistics."""
+
+    def read() -> Any:
+        t = time.perf_counter()
+        stats = probe.stats
+        where = " beside the noise twin" if beside else ""
+        log(f"[loka-tune] probe: {note}; read back in {time.perf_counter() - t:.1f}s{where}")
+        if out is not None:
+            stats.save(out)
+        if with_stats is not None:
+            with_stats(stats)
+        return stats
+
+    return read
+
+
+class _Beside:
+    """``fn()`` in a daemon thread from now; :meth:`result` waits for it and returns its value or
+    raises its error. A daemon: an interrupted study does not wait for it to end."""
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self._value: Any = None
+        self._error: BaseException | None = None
+
+        def run() -> None:
+            try:
+                self._value = fn()
+            except BaseException as e:  # noqa: BLE001 - raised again in the caller's thread by result()
+                self._error = e
+
+        self._thread = threading.Thread(target=run, name="loka-probe-beside-twin", daemon=True)
+        self._thread.start()
+
+    def result(self) -> Any:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value
 
 
 def _side_note(side_s: Sequence[float]) -> str:
@@ -284,7 +351,8 @@ def _side_note(side_s: Sequence[float]) -> str:
     return f"{sum(side_s):.1f}s in the steps, the slowest {max(side_s):.1f}s"
 
 
-def _noise_twin(cfg: StudyConfig, source: Any, tcfg: Any, seed: int, twin: int, base_logloss: float) -> Any:
+def _noise_twin(cfg: StudyConfig, source: Any, tcfg: Any, seed: int, twin: int, base_logloss: float,
+                beside: str = "") -> Any:
     """Seed ``seed``'s noise twin number ``twin``: its bf16 baseline run again in the regime
     (``tcfg``), from initial weights perturbed by :func:`perturb_weights`. With ``[regime]
     nproc > 1`` the other ranks build the unperturbed model and DDP's initial broadcast gives
@@ -297,7 +365,7 @@ def _noise_twin(cfg: StudyConfig, source: Any, tcfg: Any, seed: int, twin: int, 
     apply(model, bf16)
     t0 = time.perf_counter()
     what = f"noise twin {twin + 1} of seed {seed}"
-    log(f"[loka-tune] {what} (bf16, {NOISE_PERTURBATION}, {_regime_str(tcfg)}): {tcfg.steps} steps ...")
+    log(f"[loka-tune] {what} (bf16, {NOISE_PERTURBATION}, {_regime_str(tcfg)}{beside}): {tcfg.steps} steps ...")
     res = train_in_study(model, source, tcfg, seed=seed, config=bf16, progress=_say_progress(what, tcfg.steps))
     if res.status != "ok":
         raise StudyError(f"the {what} (its bf16 baseline from perturbed initial weights) did not finish: status"

@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from loka_tune.config import GemmChoice
 from loka_tune.data.base import model_inputs
 from loka_tune.errors import UnsupportedChoiceError
@@ -276,6 +278,14 @@ def prepare_study(cfg: StudyConfig, study: Any, *, device: str, force: bool = Fa
         raise
 
 
+def beside_twin(device: str) -> bool:
+    """Whether the probe's read-back and measurement run beside the noise twin (in a thread) on
+    ``device``: on a GPU, where the twin's compiled steps keep the GPU busy and the host mostly
+    waiting (large Wukong at B = 8192 on the H200: a 9.9 s twin, 8.6 s of read-back and
+    measurement); not on a CPU, where both would share its cores."""
+    return torch.device(device).type == "cuda"
+
+
 def _private_dir(cfg: StudyConfig) -> Path:
     """This process's preparation folder: two workers racing to prepare never share a file."""
     return cfg.output_dir / f".prepare-{os.getpid()}"
@@ -308,17 +318,33 @@ def _prepare(cfg: StudyConfig, study: Any, *, device: str, force: bool = False,
         mark = now
 
     # the probe's raw statistics stay in memory: nothing reads them back (the report does), and
-    # their float64 covariances were 134 MB for the quickstart's 2048-wide layers
-    baseline, stats, _model = run_baseline(cfg, source, device, force=force,
-                                           on_run=lambda seed, res: curves.__setitem__(seed, res.step_losses))
-    check_budget(cfg, baseline, force=force)
-    lap("baselines")
-
-    # sites on a fresh (unapplied) model, candidates, eligibility
-    model = make_model(cfg, source)
-    sites = discover_sites(model, *model_inputs(model, batch))
+    # their float64 covariances were 134 MB for the quickstart's 2048-wide layers. The probe's
+    # measurement runs on them as soon as they are read back: on a GPU beside the noise twin
+    # (:func:`beside_twin`), its seconds then inside the twin's (the phases stay wall laps that
+    # add up: "probe" is then the pruning alone, and the space line says what ran beside)
     candidates = enumerate_candidates(cfg.space.backends, cfg.space.formats, cfg.space.granularities,
                                       cfg.space.roundings, device=device)
+    beside = beside_twin(device)
+    reports: list[Any] = []
+    probe_s: list[float] = []
+
+    def measure(stats: Any) -> None:
+        t = time.perf_counter()
+        reports.append(_probe_report(cfg, stats, candidates, device, prep / "probe_report.json"))
+        probe_s.append(time.perf_counter() - t)
+
+    baseline, stats, _model = run_baseline(cfg, source, device, force=force,
+                                           on_run=lambda seed, res: curves.__setitem__(seed, res.step_losses),
+                                           with_stats=measure, beside_twin=beside)
+    check_budget(cfg, baseline, force=force)
+    lap("baselines")
+    if probe_s and not beside:  # measured after the twins, inside the baselines' lap: the probe's part
+        phases["baselines"] -= probe_s[0]
+        phases["probe"] = probe_s[0]
+
+    # sites on a fresh (unapplied) model, eligibility
+    model = make_model(cfg, source)
+    sites = discover_sites(model, *model_inputs(model, batch))
     space = build_space(sites, candidates, batch_size=cfg.batch_size, align=cfg.space.align,
                         min_dim=cfg.space.min_dim, device=device, per_role=cfg.space.per_role,
                         mods=mods_dims(cfg.space.mods, blocknorm_sizes=cfg.space.blocknorm_sizes,
@@ -326,9 +352,8 @@ def _prepare(cfg: StudyConfig, study: Any, *, device: str, force: bool = False,
     lap("sites")
     baseline = price_baseline(cfg, baseline, source, batch, speed=speed, device=device)
     lap("baseline_price")
-    report = None
-    if stats is not None:
-        report = _probe_report(cfg, stats, candidates, device, prep / "probe_report.json")
+    report = reports[0] if reports else None
+    if report is not None:
         space = _prune(cfg, space, report, speed)
         lap("probe")
     n_fp8 = space.n_fp8_candidates()
@@ -338,7 +363,9 @@ def _prepare(cfg: StudyConfig, study: Any, *, device: str, force: bool = False,
     values = f", {space.n_recipe_values()} FP8 site recipes" if not space.per_gemm else ""
     log(f"[loka-tune] space: {len(space.sites)} sites, {n_fp8} FP8 candidates after pruning{values},"
          f" {len(distributions(space))} parameters ({time.perf_counter() - t0:.1f}s to prepare: "
-         + ", ".join(f"{k.replace('_', ' ')} {v:.1f}s" for k, v in phases.items()) + ")")
+         + ", ".join(f"{k.replace('_', ' ')} {v:.1f}s" for k, v in phases.items())
+         + (f"; the probe's measurement, {probe_s[0]:.1f}s, ran beside the noise twin" if probe_s and beside else "")
+         + ")")
     if n_fp8 == 0:
         log("[loka-tune] " + no_fp8_reason(space, cfg))
 
