@@ -37,8 +37,11 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     if a.profile:
         prof.enable()
+    from loka_tune.tuner.log import to_stderr
     from loka_tune.tuner.loop import run_study
     from loka_tune.tuner.study import load_study
+
+    to_stderr()  # the study's own lines, as the CLI prints them
 
     cfg = load_study(a.study).with_output_dir(a.work)
     study = run_study(cfg, device=a.device, n_trials=0, confirm=False, tracking=False, progress=False)
