@@ -3,7 +3,7 @@ baselines, noise twins, probe, pricing; no trial, no confirmation), from a fresh
 cold machine's imports and first compile are in it as the study meets them.
 
     python benchmarks/prepare_profile.py --study studies/wukong_h200.toml --work /tmp/p \
-        --out $OUT/prepare_profile.txt [--profile]
+        --out $OUT/prepare_profile.txt [--profile] [--sequential]
 
 Writes ``--out``: the first line JSON (``wall_s``, the study's ``prepare_s`` and its phases);
 with ``--profile`` the main thread under cProfile, then its functions by cumulative and by own
@@ -31,6 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda", help="the study's device (default %(default)s)")
     ap.add_argument("--top", type=int, default=70, help="rows per table (default %(default)s)")
     ap.add_argument("--profile", action="store_true", help="the main thread under cProfile (slower)")
+    ap.add_argument("--sequential", action="store_true",
+                    help="the probe's read-back and measurement after the noise twin, as on a CPU (the A/B"
+                         " of prepare.beside_twin; default: as the study runs on this device)")
     a = ap.parse_args(argv)
     a.work.mkdir(parents=True, exist_ok=True)
     prof = cProfile.Profile()
@@ -42,6 +45,10 @@ def main(argv: list[str] | None = None) -> int:
     from loka_tune.tuner.study import load_study
 
     to_stderr()  # the study's own lines, as the CLI prints them
+    if a.sequential:
+        from loka_tune.tuner import prepare
+
+        prepare.beside_twin = lambda device: False  # type: ignore[assignment]
 
     cfg = load_study(a.study).with_output_dir(a.work)
     study = run_study(cfg, device=a.device, n_trials=0, confirm=False, tracking=False, progress=False)
@@ -49,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     buf = io.StringIO()
     attrs = study.user_attrs
     buf.write(json.dumps({"wall_s": wall, "prepare_s": attrs.get("loka.prepare_s"),
-                          "phases": attrs.get("loka.prepare_phases"), "profiled": a.profile}) + "\n")
+                          "phases": attrs.get("loka.prepare_phases"), "profiled": a.profile,
+                          "sequential": a.sequential, "device": a.device}) + "\n")
     if a.profile:
         prof.disable()
         prof.dump_stats(str(a.work / "prepare.prof"))
