@@ -132,3 +132,29 @@ def test_beside_returns_the_value_or_raises_the_error_in_the_callers_thread() ->
     assert baseline._Beside(lambda: 42).result() == 42
     with pytest.raises(ZeroDivisionError):
         baseline._Beside(lambda: 1 / 0).result()
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_work_beside_runs_on_a_stream_of_its_own_and_sees_what_came_before() -> None:
+    """On a GPU the thread queues on its own stream (its host reads never wait behind the twin's
+    steps on the caller's), after what the caller had queued: a tensor still being written on
+    the caller's stream when the thread starts is read whole, while the caller queues more."""
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    a = torch.randn(4096, 4096, device=dev, generator=g)
+    b = a @ a  # queued on the caller's stream, perhaps not done when the thread starts
+    seen: list[Any] = []
+
+    def work() -> float:
+        seen.append(torch.cuda.current_stream(dev))
+        return float(b.double().sum().item())
+
+    beside = baseline._Beside(work, dev)
+    busy = a
+    for _ in range(20):  # the caller's stream stays busy meanwhile, as the twin's steps keep it
+        busy = torch.tanh(busy @ a * 1e-3)
+    got = beside.result()
+    assert seen and seen[0] != torch.cuda.default_stream(dev) and seen[0] != torch.cuda.current_stream(dev)
+    torch.cuda.synchronize()
+    assert got == float(b.double().sum().item())  # the whole product, as the caller reads it once done
+    assert torch.isfinite(busy).all()

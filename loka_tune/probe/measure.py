@@ -466,10 +466,14 @@ def _measure_site(
 
 
 def _syncer(device: str) -> Callable[[], None]:
-    """A function that waits for ``device``'s queued work (a no-op off CUDA), for the phase timers."""
-    if torch.device(device).type != "cuda":
+    """A function that waits for the work queued on ``device``'s current stream (a no-op off
+    CUDA), for the phase timers: the stream the measurement queues on, not the whole device, so
+    a measurement on a stream of its own beside a training run (the study's probe beside the
+    noise twin) never waits for the run's steps."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
         return lambda: None
-    return torch.cuda.synchronize
+    return lambda: torch.cuda.current_stream(dev).synchronize()
 
 
 def _time(speed: SpeedModel, cache: dict, choice: GemmChoice, m: int, k: int, n: int,
