@@ -69,12 +69,21 @@ def sequential(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any, list
 
         return checked_read
 
+    real_report = prepare._probe_report
+
+    def report(*a: Any, **kw: Any) -> Any:  # the measurement, after the budget check off a GPU
+        t, n = torch.get_rng_state(), np.random.get_state()[1].copy()
+        out = real_report(*a, **kw)
+        checked.append(torch.equal(torch.get_rng_state(), t) and np.array_equal(np.random.get_state()[1], n))
+        return out
+
     mp.setattr(baseline, "_reader", reader)
+    mp.setattr(prepare, "_probe_report", report)
     try:
         cfg, study = _prepare(tmp_path_factory.mktemp("seq"), "seq")
     finally:
         mp.undo()
-    assert checked == [True]  # read once, the global generators untouched
+    assert checked == [True, True]  # read once, measured once, the global generators untouched
     return cfg, study, runs
 
 
@@ -109,11 +118,11 @@ def test_beside_the_twin_the_preparation_is_the_sequential_one(
 
 
 def test_the_phases_still_add_up(sequential: tuple[Any, Any, list[Any]]) -> None:
-    """The stored phases are wall laps that add up to prepare_s at most; after the twins the
-    probe's measurement is its own phase, as before it moved into the baselines' stage."""
+    """The stored phases are wall laps that add up to prepare_s at most; off a GPU the probe's
+    measurement runs after the budget check, as its own phase (a refused study never measures)."""
     _cfg, study, _runs = sequential
     phases, total = study.user_attrs[ATTR_PREPARE_PHASES], study.user_attrs[ATTR_PREPARE_S]
-    assert list(phases) == ["baselines", "probe", "sites", "baseline_price", "prices"] and phases["probe"] > 0
+    assert list(phases) == ["baselines", "sites", "baseline_price", "probe", "prices"] and phases["probe"] > 0
     assert all(v >= 0 for v in phases.values()) and sum(phases.values()) <= total + 1e-6
 
 

@@ -492,21 +492,17 @@ def test_a_study_with_an_unprobed_site_goes_on_and_says_so(tmp_path: Path, monke
     picked: dict[str, str] = {}
 
     def run_baseline(*a, **k):  # noqa: ANN002, ANN003, ANN202
-        measure = k["with_stats"]  # the probe's measurement: it sees the statistics as read back
-
-        def broken(stats):  # noqa: ANN001, ANN202
-            names = list(stats.sites)
-            picked.update(unprobed=names[0], fallback=names[-1])
-            x = stats.sites[names[0]].x
-            x.var = x.var.copy()
-            x.var[0] = math.inf
-            x.fallbacks["var"] = "non-finite mean or variance (float64 overflow: |x| above ~1e154)"
-            y = stats.sites[names[-1]].x
-            y.fallbacks["cov"] = "non-finite covariance; the exact diagonal stands in"
-            y.cov, y.lr_vals, y.lr_vecs = None, np.zeros(0), np.zeros((0, y.dim))
-            measure(stats)
-
-        return real(*a, **{**k, "with_stats": broken})
+        bl, stats, model = real(*a, **k)
+        names = list(stats.sites)
+        picked.update(unprobed=names[0], fallback=names[-1])
+        x = stats.sites[names[0]].x
+        x.var = x.var.copy()
+        x.var[0] = math.inf
+        x.fallbacks["var"] = "non-finite mean or variance (float64 overflow: |x| above ~1e154)"
+        y = stats.sites[names[-1]].x
+        y.fallbacks["cov"] = "non-finite covariance; the exact diagonal stands in"
+        y.cov, y.lr_vals, y.lr_vecs = None, np.zeros(0), np.zeros((0, y.dim))
+        return bl, stats, model
 
     monkeypatch.setattr(prepare, "run_baseline", run_baseline)
     assert main(["tune", str(p), "--no-tracking"]) == 0

@@ -318,10 +318,10 @@ def _prepare(cfg: StudyConfig, study: Any, *, device: str, force: bool = False,
         mark = now
 
     # the probe's raw statistics stay in memory: nothing reads them back (the report does), and
-    # their float64 covariances were 134 MB for the quickstart's 2048-wide layers. The probe's
-    # measurement runs on them as soon as they are read back: on a GPU beside the noise twin
-    # (:func:`beside_twin`), its seconds then inside the twin's (the phases stay wall laps that
-    # add up: "probe" is then the pruning alone, and the space line says what ran beside)
+    # their float64 covariances were 134 MB for the quickstart's 2048-wide layers. On a GPU the
+    # probe's measurement runs beside the noise twin (:func:`beside_twin`; its seconds inside
+    # the twin's, the "probe" phase then the pruning alone, and the space line says what ran
+    # beside); elsewhere after the budget check, as its own phase
     candidates = enumerate_candidates(cfg.space.backends, cfg.space.formats, cfg.space.granularities,
                                       cfg.space.roundings, device=device)
     beside = beside_twin(device)
@@ -335,12 +335,9 @@ def _prepare(cfg: StudyConfig, study: Any, *, device: str, force: bool = False,
 
     baseline, stats, _model = run_baseline(cfg, source, device, force=force,
                                            on_run=lambda seed, res: curves.__setitem__(seed, res.step_losses),
-                                           with_stats=measure, beside_twin=beside)
+                                           with_stats=measure if beside else None, beside_twin=beside)
     check_budget(cfg, baseline, force=force)
     lap("baselines")
-    if probe_s and not beside:  # measured after the twins, inside the baselines' lap: the probe's part
-        phases["baselines"] -= probe_s[0]
-        phases["probe"] = probe_s[0]
 
     # sites on a fresh (unapplied) model, eligibility
     model = make_model(cfg, source)
@@ -352,6 +349,8 @@ def _prepare(cfg: StudyConfig, study: Any, *, device: str, force: bool = False,
     lap("sites")
     baseline = price_baseline(cfg, baseline, source, batch, speed=speed, device=device)
     lap("baseline_price")
+    if stats is not None and not reports:
+        measure(stats)
     report = reports[0] if reports else None
     if report is not None:
         space = _prune(cfg, space, report, speed)
