@@ -45,6 +45,12 @@
 #                                             # -> $OUT/baseline_learning.{json,log}
 #   bash benchmarks/device.sh "$OUT" train-export  # loka-tune train --config CONFIG (an export) beside plain bf16,
 #                                             # at the study's schedule -> $OUT/train_export.json
+#   bash benchmarks/device.sh "$OUT" prepare-ab  # the study's preparation alone (benchmarks/prepare_profile.py),
+#                                             # as the device runs it (the probe beside the noise twin) and
+#                                             # --sequential, each from a fresh process on cold inductor and
+#                                             # triton caches of its own (none of the machine's compiled
+#                                             # graphs read or left for a later part; the price cache is the
+#                                             # user's, as a study reads it) -> $OUT/prepare_{beside,sequential}.{txt,log}
 #   bash benchmarks/device.sh "$OUT" first-compile  # the study's bf16 baseline compiled from fresh processes on
 #                                             # cold caches, plain vs inductor's compile workers started early
 #                                             # vs the compiler imported in a thread (benchmarks/first_compile.py)
@@ -65,13 +71,13 @@
 # for probe: STEPS (400), PROBE_STEPS (600), PROBE_TESTS (four probe test files; empty: none),
 # TEST_TIMEOUT (200 s), STEP_TIMEOUT (420 s); for train-step: STEPS (200), VSTEPS (40), STEP_TIMEOUT (190 s); for kernels: QUICK (0; 1: --quick),
 # SKIP_TESTS / SKIP_QUANT / SKIP_SUITE (0), TEST_TIMEOUT (200 s), QUANT_TIMEOUT (60 s), SUITE_TIMEOUT
-# (300 s); for linear-block: BLOCK_BUDGET (290 s); for tune: N_TRIALS (4), STUDY_TIMEOUT (420 s, then
+# (300 s); for prepare-ab: ARMS ("beside sequential"), AB_TIMEOUT (170 s an arm); for linear-block: BLOCK_BUDGET (290 s); for tune: N_TRIALS (4), STUDY_TIMEOUT (420 s, then
 # SIGINT: tune keeps what it finished; 470 s for study); for baselines: BASELINE_STUDIES
 # (studies/interformer_h200.toml; a comma list), BL_BUDGET (240 s); for train-export: CONFIG
 # (benchmarks/results/study_best_h200.json); for first-compile: FC_ARMS (plain,warm_pool,import_thread),
 # FC_REPS (2), FC_BUDGET (240 s: no run starts after it).
 set -uo pipefail
-usage="usage: device.sh OUT smoke|prices|study|study-e2e|serve|e2e|scaling|probe|train-step|kernels|linear-block|tune|baselines|train-export|first-compile"
+usage="usage: device.sh OUT smoke|prices|study|study-e2e|serve|e2e|scaling|probe|train-step|kernels|linear-block|tune|baselines|train-export|first-compile|prepare-ab"
 out=${1:?$usage}
 part=${2:?$usage}
 shift 2
@@ -210,6 +216,22 @@ for line in sys.stdin:
       --variants study --budget-s "${BL_BUDGET:-240}" --out "$out/baseline_learning.json" "$@" 2>&1 \
       | tee "$out/baseline_learning.log" | tail -15
     exit "${PIPESTATUS[0]}" ;;
+  prepare-ab)  # the arms in ARMS' order, each under AB_TIMEOUT
+    env_txt
+    rc=0
+    for arm in ${ARMS:-beside sequential}; do
+      flag=(); [ "$arm" = sequential ] && flag=(--sequential)
+      cache=$(mktemp -d)
+      echo "== $arm: prepare_profile.py --study $study ${flag[*]} (compile caches in $cache)"
+      TORCHINDUCTOR_CACHE_DIR="$cache/inductor" TRITON_CACHE_DIR="$cache/triton" \
+        timeout -k 10 "${AB_TIMEOUT:-170}" python3 benchmarks/prepare_profile.py --study "$study" --work "$cache/w" \
+        --out "$out/prepare_$arm.txt" "${flag[@]}" "$@" > "$out/prepare_$arm.log" 2>&1
+      r=$?; [ "$r" = 0 ] || rc=$r
+      echo "== $arm exit $r"; grep -v "UserWarning\|warn_once\|^  " "$out/prepare_$arm.log" | tail -14
+      head -1 "$out/prepare_$arm.txt" 2>/dev/null
+      rm -rf "$cache"
+    done
+    exit "$rc" ;;
   first-compile)  # each run its own process and cold caches: nothing of another run or part is reused
     env_txt
     timeout -k 10 $(( ${FC_BUDGET:-240} + 170 )) python3 benchmarks/first_compile.py --study "$study" \
