@@ -49,8 +49,9 @@
 #                                             # as the device runs it (the probe beside the noise twin) and
 #                                             # --sequential, each from a fresh process on cold inductor and
 #                                             # triton caches of its own (none of the machine's compiled
-#                                             # graphs read or left for a later part; the price cache is the
-#                                             # user's, as a study reads it) -> $OUT/prepare_{beside,sequential}.{txt,log}
+#                                             # graphs read or left for a later part; each arm prices from its
+#                                             # own copy of the user's price cache, so neither gets the other's
+#                                             # new cells) -> $OUT/prepare_{beside,sequential}.{txt,log}
 #   bash benchmarks/device.sh "$OUT" first-compile  # the study's bf16 baseline compiled from fresh processes on
 #                                             # cold caches, plain vs inductor's compile workers started early
 #                                             # vs the compiler imported in a thread (benchmarks/first_compile.py)
@@ -219,11 +220,17 @@ for line in sys.stdin:
   prepare-ab)  # the arms in ARMS' order, each under AB_TIMEOUT
     env_txt
     rc=0
+    prices=${LOKA_TUNE_CACHE_DIR:-$HOME/.cache/loka-tune}/site_prices.json
     for arm in ${ARMS:-beside sequential}; do
-      flag=(); [ "$arm" = sequential ] && flag=(--sequential)
-      cache=$(mktemp -d)
-      echo "== $arm: prepare_profile.py --study $study ${flag[*]} (compile caches in $cache)"
-      TORCHINDUCTOR_CACHE_DIR="$cache/inductor" TRITON_CACHE_DIR="$cache/triton" \
+      case "$arm" in
+        beside) flag=() ;;
+        sequential) flag=(--sequential) ;;
+        *) echo "ARMS has '$arm': each arm is beside or sequential (e.g. ARMS=\"beside sequential\")" >&2; exit 2 ;;
+      esac
+      cache=$(mktemp -d); mkdir -p "$cache/loka"
+      [ -f "$prices" ] && cp "$prices" "$cache/loka/"
+      echo "== $arm: prepare_profile.py --study $study ${flag[*]} (compile and price caches in $cache)"
+      TORCHINDUCTOR_CACHE_DIR="$cache/inductor" TRITON_CACHE_DIR="$cache/triton" LOKA_TUNE_CACHE_DIR="$cache/loka" \
         timeout -k 10 "${AB_TIMEOUT:-170}" python3 benchmarks/prepare_profile.py --study "$study" --work "$cache/w" \
         --out "$out/prepare_$arm.txt" "${flag[@]}" "$@" > "$out/prepare_$arm.log" 2>&1
       r=$?; [ "$r" = 0 ] || rc=$r
