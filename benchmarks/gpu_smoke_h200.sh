@@ -9,7 +9,7 @@
 # from the repo root. Writes into $OUT: env.txt, gpu_smoke.log (pytest's output), gpu_smoke.xml
 # (JUnit), gpu_smoke.jsonl (one JSON line per model variant, probe and study) and
 # gpu_smoke_summary.txt (their table, also printed last). Exit status: pytest's.
-# Settings (environment): SMOKE_WORKERS (8 pytest-xdist workers, 4 on a GPU under 100 GB; --dist worksteal: an idle worker
+# Settings (environment): SMOKE_WORKERS (8 pytest-xdist workers, 2 on a GPU under 100 GB; --dist worksteal: an idle worker
 # takes queued tests from a busy one, the longest are first in the file; 0 runs serially),
 # SMOKE_TIMEOUT (420 s for the whole run; the bar is 300), TEST_TIMEOUT (240 s per test, where
 # pytest-timeout is installed: a hung test fails alone and the run still prints its tracebacks),
@@ -40,9 +40,10 @@ export LOKA_SMOKE_LOG="$out/gpu_smoke.jsonl"
 : > "$LOKA_SMOKE_LOG"
 args=(-v -m gpu -p no:cacheprovider -rfEs --tb=short --durations=30 --junitxml "$out/gpu_smoke.xml")
 # 8 workers fit the H200's 139 GB; on an 80 GB H100 three large-model tests of 8 ran out of
-# memory (2026-12-05): 4 workers there, 8 from 100 GB up
+# memory (2026-12-05), and two of 4 still did (third session); 2 ran 22 tests without one (fourth
+# session): 2 workers there, 8 from 100 GB up
 gpu_gb=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
-default_workers=8; [ -n "$gpu_gb" ] && [ "${gpu_gb%%.*}" -lt 100000 ] 2>/dev/null && default_workers=4
+default_workers=8; [ -n "$gpu_gb" ] && [ "${gpu_gb%%.*}" -lt 100000 ] 2>/dev/null && default_workers=2
 workers=${SMOKE_WORKERS:-$default_workers}
 if [ "$workers" -gt 0 ] && python3 -c "import xdist" 2>/dev/null; then
   args+=(-n "$workers" --dist worksteal)
