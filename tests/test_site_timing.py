@@ -56,6 +56,30 @@ def test_shipped_file_is_read_behind_the_users_and_never_written(tmp_path):
     assert c.get(1, 2, 3, "bf16")["gpu_s"] == 4e-4 and shipped.read_text() == before
 
 
+def test_the_default_cache_answers_an_h100_from_its_shipped_cells_and_only_for_its_own_device(tmp_path):
+    """Every cell of the flagship B = 8192 study that an H100 80GB timed (7 cells on 2026-12-05,
+    14.9 s of that study's preparation) comes from the package's H100 file; an H200 key with the
+    same versions, shape and precision does not read the H100's timing."""
+    from loka_tune.kernels.site_timing import SHIPPED_H100
+
+    entries = json.loads(SHIPPED_H100.read_text())["entries"]
+    assert len(entries) == 40
+    devices, versions = {k.split("|")[0] for k in entries}, {k.split("|")[1] for k in entries}
+    assert devices == {"NVIDIA H100 80GB HBM3"} and len(versions) == 1
+    h100 = SitePriceCache(tmp_path / "u.json", device="NVIDIA H100 80GB HBM3", versions=versions.pop())
+    for key, cell in entries.items():
+        shape, prec = key.split("|", 3)[2:]
+        m, k, n = (int(x) for x in shape.split("x"))
+        assert m in (8192, 8192 * 256), key  # the study's batch rows (and its feature-axis sites'), no smoke cells
+        assert h100.get(m, k, n, prec) == cell and cell["gpu_s"] > 0
+    h200 = SitePriceCache(tmp_path / "u.json", device="NVIDIA H200", versions=h100.versions)
+    key = next(iter(entries))
+    shape, prec = key.split("|", 3)[2:]
+    m, k, n = (int(x) for x in shape.split("x"))
+    got = h200.get(m, k, n, prec)
+    assert got is None or got != entries[key]  # the H200's own cell, if shipped, never the H100's
+
+
 def test_a_broken_or_foreign_cache_names_the_file_and_the_fix(tmp_path):
     p = tmp_path / "p.json"
     p.write_text("{not json")

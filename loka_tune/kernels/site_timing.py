@@ -29,8 +29,9 @@ time they save.
 Cells are cached in a JSON file (:class:`SitePriceCache`) keyed by GPU name, library versions,
 shape and precision string, so a study never times a cell twice and studies share them; the
 repository ships the H200's (``kernels/data/site_prices_h200.json``, written by
-``benchmarks/site_prices.py``), which is read-only and read first when the GPU and versions
-match. Only the GPU part needs CUDA; the cache is plain Python.
+``benchmarks/site_prices.py``) and an H100 80GB's cells of the flagship B = 8192 study
+(``kernels/data/site_prices_h100.json``), read-only and consulted behind the user's cache when
+the GPU and versions match. Only the GPU part needs CUDA; the cache is plain Python.
 """
 
 from __future__ import annotations
@@ -51,11 +52,14 @@ from loka_tune.errors import ConfigError
 from loka_tune.kernels.timing import EnvironmentKeyed, gpu_activity_us, is_gpu_activity, require_cuda
 
 __all__ = ["SitePriceCache", "site_key", "time_site", "price_sites", "saving_s", "default_cache_path",
-           "SHIPPED", "LAUNCH_S", "OPAQUE"]
+           "SHIPPED", "SHIPPED_H100", "LAUNCH_S", "OPAQUE"]
 
 _VERSION = 1
 #: the H200 prices shipped with the package (read-only; benchmarks/site_prices.py writes them)
 SHIPPED = Path(__file__).with_name("data") / "site_prices_h200.json"
+#: an H100 80GB's cells of the flagship B = 8192 study (``benchmarks/results/study_h100_s24_*``:
+#: the machine's cache after that study, its 1024-row smoke cells left out), read-only
+SHIPPED_H100 = Path(__file__).with_name("data") / "site_prices_h100.json"
 BF16 = "bf16"
 
 
@@ -87,7 +91,8 @@ class SitePriceCache(EnvironmentKeyed):
     """Cells ``{gpu_s, host_s, spread, iters, when}`` by :func:`site_key`, in a JSON file (atomic writes).
 
     ``shipped``: read-only files consulted after the file's own entries (default: the H200's
-    file in the package). ``device`` / ``versions`` default to this process's
+    and the H100's files in the package; each cell's key names its device, so neither answers
+    for the other). ``device`` / ``versions`` default to this process's
     :func:`~loka_tune.kernels.timing.environment` (resolved on first use).
     """
 
@@ -96,7 +101,7 @@ class SitePriceCache(EnvironmentKeyed):
         self.path = Path(path) if path is not None else default_cache_path()
         self._data = _read(self.path) if self.path.is_file() else {}
         self._shipped: dict[str, dict[str, Any]] = {}
-        for p in (SHIPPED,) if shipped is None else shipped:
+        for p in (SHIPPED, SHIPPED_H100) if shipped is None else shipped:
             if Path(p).is_file():
                 self._shipped.update(_read(Path(p)))
         self._device, self._versions = device, versions
@@ -217,7 +222,7 @@ def price_sites(shapes: Mapping[str, tuple[int, int, int]], precs: Mapping[str, 
 
     ``shapes[site]`` = ``(M, K, N)`` at the batch the study trains. Each distinct (shape,
     precision) is timed once (bf16 too, as the reference), cached in ``cache`` (default: the
-    user's :func:`default_cache_path`, with the shipped H200 file read-only behind it) and saved
+    user's :func:`default_cache_path`, with the shipped H200 and H100 files read-only behind it) and saved
     after every cell, so an interrupted pricing keeps what it measured. A cell that fails to
     compile or run is priced ``-inf`` (never chosen) and its error passed to ``progress``.
     ``timer`` replaces :func:`time_site` (tests). ``counts``, when given, is filled with how the
