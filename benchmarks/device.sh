@@ -56,6 +56,11 @@
 #                                             # cold caches, plain vs inductor's compile workers started early
 #                                             # vs the compiler imported in a thread (benchmarks/first_compile.py)
 #                                             # -> $OUT/first_compile.{json,log}
+#   bash benchmarks/device.sh "$OUT" gemm-autotune  # the flagship's largest sites timed compiled under inductor's
+#                                             # default lowering (cuBLAS) and max_autotune_gemm (its Triton
+#                                             # templates against cuBLAS), bf16 and tensorwise FP8, each cell's
+#                                             # longest kernels named (benchmarks/gemm_autotune.py)
+#                                             # -> $OUT/gemm_autotune.{json,log}
 # Settings (environment): CALL_LIMIT (600 s: the device call's own limit; the study part SIGINTs the
 # study early enough that its report and files still come back), STUDY (studies/wukong_h200.toml), PRICE_BUDGET (270 s), E2E_BUDGET
 # (250 s for prices, 470 s for e2e), E2E_STEPS (80; 60 for scaling), BATCH (the study's regime batch;
@@ -76,9 +81,10 @@
 # SIGINT: tune keeps what it finished; 470 s for study); for baselines: BASELINE_STUDIES
 # (studies/interformer_h200.toml; a comma list), BL_BUDGET (240 s); for train-export: CONFIG
 # (benchmarks/results/study_best_h200.json); for first-compile: FC_ARMS (plain,warm_pool,import_thread),
-# FC_REPS (2), FC_BUDGET (240 s: no run starts after it).
+# FC_REPS (2), FC_BUDGET (240 s: no run starts after it); for gemm-autotune: GA_BUDGET (240 s: no cell
+# starts after it).
 set -uo pipefail
-usage="usage: device.sh OUT smoke|prices|study|study-e2e|serve|e2e|scaling|probe|train-step|kernels|linear-block|tune|baselines|train-export|first-compile|prepare-ab"
+usage="usage: device.sh OUT smoke|prices|study|study-e2e|serve|e2e|scaling|probe|train-step|kernels|linear-block|tune|baselines|train-export|first-compile|prepare-ab|gemm-autotune"
 out=${1:?$usage}
 part=${2:?$usage}
 shift 2
@@ -239,6 +245,11 @@ for line in sys.stdin:
       rm -rf "$cache"
     done
     exit "$rc" ;;
+  gemm-autotune)  # inductor's Triton GEMM templates vs cuBLAS at the largest sites (a hint, not a result)
+    env_txt
+    timeout -k 10 $(( ${GA_BUDGET:-240} + 150 )) python3 benchmarks/gemm_autotune.py --budget "${GA_BUDGET:-240}" \
+      --out "$out/gemm_autotune.json" "$@" 2>&1 | quiet | tee "$out/gemm_autotune.log" | tail -40
+    exit "${PIPESTATUS[0]}" ;;
   first-compile)  # each run its own process and cold caches: nothing of another run or part is reused
     env_txt
     timeout -k 10 $(( ${FC_BUDGET:-240} + 170 )) python3 benchmarks/first_compile.py --study "$study" \
