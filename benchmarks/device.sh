@@ -82,7 +82,7 @@
 # (studies/interformer_h200.toml; a comma list), BL_BUDGET (240 s); for train-export: CONFIG
 # (benchmarks/results/study_best_h200.json); for first-compile: FC_ARMS (plain,warm_pool,import_thread),
 # FC_REPS (2), FC_BUDGET (240 s: no run starts after it); for gemm-autotune: GA_BUDGET (240 s: no cell
-# starts after it).
+# starts after it; an FP8 cell under max_autotune_gemm takes 100-160 s on an H100, its 106 choices a GEMM).
 set -uo pipefail
 usage="usage: device.sh OUT smoke|prices|study|study-e2e|serve|e2e|scaling|probe|train-step|kernels|linear-block|tune|baselines|train-export|first-compile|prepare-ab|gemm-autotune"
 out=${1:?$usage}
@@ -247,7 +247,7 @@ for line in sys.stdin:
     exit "$rc" ;;
   gemm-autotune)  # inductor's Triton GEMM templates vs cuBLAS at the largest sites (a hint, not a result)
     env_txt
-    timeout -k 10 $(( ${GA_BUDGET:-240} + 150 )) python3 benchmarks/gemm_autotune.py --budget "${GA_BUDGET:-240}" \
+    timeout -k 10 $(( ${GA_BUDGET:-240} + 200 )) python3 benchmarks/gemm_autotune.py --budget "${GA_BUDGET:-240}" \
       --out "$out/gemm_autotune.json" "$@" 2>&1 | quiet | tee "$out/gemm_autotune.log" | tail -40
     exit "${PIPESTATUS[0]}" ;;
   first-compile)  # each run its own process and cold caches: nothing of another run or part is reused
