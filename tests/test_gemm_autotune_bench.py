@@ -21,12 +21,14 @@ def test_the_summary_compares_each_mode_and_prices_fp8_against_bf16_under_the_de
     fp8 = "e4m3.tensor.fa.torch_scaled_mm"
     rows = [_row("8192x16384x4096", fp8, "default", 3.2), _row("8192x16384x4096", fp8, "autotune", 2.5),
             _row("8192x16384x4096", "bf16", "default", 4.8), _row("8192x16384x4096", "bf16", "autotune", 4.0),
+            _row("8192x16384x4096", fp8, "autotune_tma", 2.0),
             _row("8192x2048x8192", fp8, "default", 0.9), _row("8192x2048x8192", fp8, "autotune", None)]
     s = {(r["shape"], r["prec"]): r for r in ga.summarize(rows)}
     big = s[("8192x16384x4096", fp8)]
     assert big["autotune_vs_default"] == pytest.approx(3.2 / 2.5)
     assert big["default_speedup_vs_bf16_default"] == pytest.approx(4.8 / 3.2)
     assert big["autotune_speedup_vs_bf16_default"] == pytest.approx(4.8 / 2.5)
+    assert big["autotune_tma_vs_default"] == pytest.approx(3.2 / 2.0)
     assert s[("8192x16384x4096", "bf16")]["autotune_vs_default"] == pytest.approx(4.8 / 4.0)
     assert "default_speedup_vs_bf16_default" not in s[("8192x16384x4096", "bf16")]
     small = s[("8192x2048x8192", fp8)]  # its autotune cell failed; no bf16 cell at this shape
@@ -36,7 +38,7 @@ def test_the_summary_compares_each_mode_and_prices_fp8_against_bf16_under_the_de
 @pytest.mark.parametrize("args, says", [
     (["--shapes", "8192x2048"], "'8192x2048' is not MxKxN"),
     (["--shapes", "8192x0x16"], "below 1"),
-    (["--modes", "default,fast"], "unknown 'fast'; choose among default, autotune"),
+    (["--modes", "default,fast"], "unknown 'fast'; choose among default, autotune, autotune_tma"),
     (["--precs", "e4m3.tensor.nope"], "names backend 'nope'; choose among"),
     (["--precs", "e9m9.tensor.torch_scaled_mm"], "'e9m9'"),
 ])
