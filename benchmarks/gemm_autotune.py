@@ -138,8 +138,8 @@ def main(argv: list[str] | None = None) -> int:
                 try:
                     with inductor_config.patch(MODES[mode]):
                         cell = time_site(m, k, n, prec, iters=args.iters, reps=args.reps, top=args.top)
-                    row.update(gpu_ms=cell["gpu_s"] * 1e3, host_ms=cell["host_s"] * 1e3, spread=cell["spread"],
-                               kernels=cell["kernels"], top_kernels=cell["top_kernels"])
+                    row.update(gpu_ms=cell["gpu_s"] * 1e3, gemm_ms=cell["gemm_s"] * 1e3, host_ms=cell["host_s"] * 1e3,
+                               spread=cell["spread"], kernels=cell["kernels"], top_kernels=cell["top_kernels"])
                 except Exception as e:  # noqa: BLE001 - a cell that fails is recorded, the rest still run
                     row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
                 row["wall_s"] = time.perf_counter() - c0

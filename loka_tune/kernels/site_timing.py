@@ -49,10 +49,10 @@ import torch
 
 from loka_tune.config import SitePrecision
 from loka_tune.errors import ConfigError
-from loka_tune.kernels.timing import EnvironmentKeyed, gpu_activity_us, is_gpu_activity, require_cuda
+from loka_tune.kernels.timing import EnvironmentKeyed, gpu_activity_us, is_gpu_activity, kernel_summary, require_cuda
 
-__all__ = ["SitePriceCache", "site_key", "time_site", "kernel_table", "price_sites", "saving_s",
-           "default_cache_path", "SHIPPED", "SHIPPED_H100", "LAUNCH_S", "OPAQUE"]
+__all__ = ["SitePriceCache", "site_key", "time_site", "price_sites", "saving_s", "default_cache_path",
+           "SHIPPED", "SHIPPED_H100", "LAUNCH_S", "OPAQUE"]
 
 _VERSION = 1
 #: the H200 prices shipped with the package (read-only; benchmarks/site_prices.py writes them)
@@ -159,29 +159,14 @@ def saving_s(bf16: Mapping[str, Any], cell: Mapping[str, Any], prec: SitePrecisi
     return gpu - LAUNCH_S * extra - host
 
 
-def kernel_table(events: Iterable[Any], iters: int, top: int) -> list[dict[str, Any]]:
-    """The ``top`` GPU activities of ``iters`` iterations by time: ``[{name, us, calls}]`` per
-    iteration, longest first (names as the profiler gives them: inductor's ``triton_*`` kernels,
-    cuBLAS's ``nvjet_*`` / ``sm90_*`` GEMMs), for telling which kernel a compiled cell ran."""
-    if iters < 1 or top < 1:
-        raise ValueError(f"kernel_table needs iters >= 1 and top >= 1, got iters={iters!r}, top={top!r}")
-    us: dict[str, float] = {}
-    calls: dict[str, int] = {}
-    for e in events:
-        if is_gpu_activity(e):
-            us[e.name] = us.get(e.name, 0.0) + e.time_range.elapsed_us()
-            calls[e.name] = calls.get(e.name, 0) + 1
-    rows = sorted(us, key=lambda name: -us[name])[:top]
-    return [{"name": name, "us": us[name] / iters, "calls": calls[name] / iters} for name in rows]
-
-
 def time_site(m: int, k: int, n: int, prec: SitePrecision | str, *, device: str = "cuda", iters: int = 10,
               reps: int = 3, top: int = 0) -> dict[str, Any]:
     """Time one cell (see the module docstring): ``{gpu_s, host_s, spread, iters, kernels}``.
 
     ``gpu_s`` is the median over ``reps`` profiled windows of ``iters`` iterations each;
-    ``spread`` = (max - min) / median of those windows. ``top`` > 0 adds ``top_kernels``, the
-    last window's :func:`kernel_table` (not for the price cache: a benchmark's detail). The
+    ``spread`` = (max - min) / median of those windows. ``top`` > 0 adds the last window's
+    :func:`~loka_tune.kernels.timing.kernel_summary` per iteration: ``gemm_s`` and ``top_kernels``
+    (name, ms, calls; not for the price cache: a benchmark's detail). The
     inductor settings in force when it is called (``torch._inductor.config.patch``) are the
     cell's. Raises :class:`BackendError` without CUDA and whatever the compile raises on a
     graph break (``fullgraph=True``).
@@ -231,7 +216,8 @@ def time_site(m: int, k: int, n: int, prec: SitePrecision | str, *, device: str 
     out: dict[str, Any] = {"gpu_s": med, "host_s": statistics.median(host), "spread": (max(gpu) - min(gpu)) / med,
                            "iters": iters * reps, "kernels": statistics.median(kernels)}
     if top > 0:
-        out["top_kernels"] = kernel_table(events, iters, top)
+        summary = kernel_summary(((e.name, e.time_range.elapsed_us()) for e in events), iters, top=top)
+        out.update(gemm_s=summary["gemm_ms"] / 1e3, top_kernels=summary["top"])
     return out
 
 

@@ -46,6 +46,8 @@ __all__ = [
     "copy_bandwidth",
     "is_gpu_activity",
     "gpu_activity_us",
+    "kernel_summary",
+    "GEMM_KERNEL_RE",
 ]
 
 _CACHE_VERSION = 1
@@ -200,6 +202,33 @@ _ANNOTATION_RE = re.compile(r"^(Optimizer\.|ProfilerStep#|## |CompiledFunction|a
 def gpu_activity_us(events: Iterable[Any]) -> float:
     """Microseconds of GPU activity (kernels, copies, sets) among ``torch.profiler`` events."""
     return float(sum(e.time_range.elapsed_us() for e in events if is_gpu_activity(e)))
+
+
+#: kernel names of matrix products: cuBLAS / cuBLASLt (gemm, nvjet, sm90_xmma), CUTLASS
+#: (FBGEMM's f8f8bf16*), torch._scaled_mm, our Triton GEMMs and inductor's mm templates
+GEMM_KERNEL_RE = re.compile(r"gemm|nvjet|xmma|cutlass|f8f8bf16|scaled_mm|_mm_|mm_kernel|matmul|wgmma", re.I)
+
+
+def kernel_summary(kernels: Iterable[tuple[str, float]], steps: int, *, top: int = 15) -> dict[str, Any]:
+    """``kernels``: ``(name, microseconds)`` of every GPU activity (kernels, copies, sets) over
+    ``steps`` steps (a training step's, or a timed cell's iterations). Returns per-step
+    milliseconds: ``gpu_ms`` (all activities), ``gemm_ms`` (by name, :data:`GEMM_KERNEL_RE`),
+    ``gemm_share``, ``kernels_per_step`` and ``top`` (name, ms per step, calls per step)."""
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps=}")
+    by_name: dict[str, list[float]] = {}
+    for name, us in kernels:
+        by_name.setdefault(name, []).append(us)
+    total = sum(sum(v) for v in by_name.values()) / 1e3 / steps
+    gemm = sum(sum(v) for n, v in by_name.items() if GEMM_KERNEL_RE.search(n)) / 1e3 / steps
+    ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
+    return {
+        "gpu_ms": total,
+        "gemm_ms": gemm,
+        "gemm_share": gemm / total if total > 0 else math.nan,
+        "kernels_per_step": sum(len(v) for v in by_name.values()) / steps,
+        "top": [{"name": n[:160], "ms": sum(v) / 1e3 / steps, "calls": len(v) / steps} for n, v in ranked],
+    }
 
 
 
