@@ -21,6 +21,9 @@ The receipt is rewritten after every cell, so a call cut short keeps what it fin
 Measured on an H100 (``benchmarks/results/gemm_autotune_h100_s25.json``, BENCHMARKS.md): cuBLAS
 won inductor's benchmark at every GEMM it ran (Triton's best 78-97% of it); the FP8 GEMMs of the
 largest cell run at 2.0x its bf16 ones, and the cell's shortfall from 2x is its quantization.
+With the persistent TMA templates (``gemm_autotune_tma_h100_s26.json``) a template won two of the
+largest site's three FP8 GEMMs, by 0.9% and 1.3%, and lost the third (99.2% of cuBLAS): the cell
+went from 3.368 to 3.331 ms (1.011x). No template in reach is the 3% the issue needs.
 """
 
 from __future__ import annotations
