@@ -42,7 +42,9 @@ recompile-limit hit raises instead of running eagerly, and a graph break or a ru
 compiled nothing fails the variant loudly (its row says why; the exit status is 1). Each
 record keeps dynamo's counters, the GPU kernel time per step of ``--profile-steps`` profiled
 steps beside the step's wall time (``wall/GPU`` near 1: the step is GPU-bound), the GEMM
-share and the largest kernels. ``--cuda-graphs`` captures each whole training step in a
+share, the GPU time per kind of kernel (FP8 GEMM, GEMM, embedding, optimizer, reduction,
+pointwise, copy, other: ``kernel_kind``; a second table in table.md, against bf16 + Mods) and
+the 30 largest kernels. ``--cuda-graphs`` captures each whole training step in a
 CUDA graph (the trainer's ``cuda_graphs``).
 
 Inference of the ``config`` variant runs the *serving plan* of the config at each serving
@@ -336,6 +338,9 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         if prof:
             row["gemm_share"] = prof.get("gemm_share")
             row["kernels_per_step"] = prof.get("kernels_per_step")
+        kinds = [r["profile"]["kinds"] for r in rs if isinstance((r.get("profile") or {}).get("kinds"), dict)]
+        if kinds:  # GPU ms per kind of kernel (kernel_summary), seeds averaged
+            row["kinds_ms"] = {k: statistics.fmean(d.get(k, 0.0) for d in kinds) for k in kinds[0]}
         if "serving_plan" in first:
             row["serving_plan"] = first["serving_plan"]
         inf = [r["infer_s"] for r in rs if "infer_s" in r]
@@ -368,6 +373,16 @@ def table(summary: dict[str, Any]) -> str:
             f" {f(r['speedup_vs_bf16'], '.3f')}x | {f(r['speedup_vs_bf16_mods'], '.3f')}x |"
             f" {f(r['rel_ll_pct_vs_bf16_mods'], '+.3f')}%" + ("" if sd is None else f" ({sd:.3f})") + " |"
             f" {f(r['rel_ll_pct_vs_bf16'], '+.3f')}% |")
+    kinds = [r for r in summary["rows"] if r.get("kinds_ms")]
+    if kinds:  # where the GPU time goes, by kind of kernel, and against bf16 + Mods where it ran
+        names = list(kinds[0]["kinds_ms"])
+        ref = next((r["kinds_ms"] for r in kinds if r["variant"] == "bf16_mods"), None)
+        lines += ["", "GPU ms per step by kind of kernel (profiled steps" + (", change vs bf16_mods" if ref else "")
+                  + "):", "", "| variant | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+        for r in kinds:
+            lines.append(f"| {r['variant']} | " + " | ".join(
+                f"{r['kinds_ms'].get(k, 0.0):.2f}" + ("" if ref is None else f" ({r['kinds_ms'].get(k, 0.0) - ref.get(k, 0.0):+.2f})")
+                for k in names) + " |")
     inf = [r for r in summary["rows"] if r.get("infer_ms")]
     if inf:
         sizes = list(inf[0]["infer_ms"])

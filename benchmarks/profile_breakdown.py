@@ -18,6 +18,16 @@ It answers "what is left to gain, and where" before a device call is spent on it
         benchmarks/results/e2e_h200_b32768.json --out benchmarks/results/profile_breakdown_h200.json
 
 CPU only: it reads receipts, it measures nothing. ``--md`` writes the table beside the JSON.
+
+The split is the one the device made (``profile.gemm_ms``). Profiles taken before 2026-12-06
+counted inductor's own pointwise and reduction kernels whose names hold ``_scaled_mm`` (inductor
+names a fused kernel after the ops it came from: ``triton_poi_fused__scaled_mm__to_copy_clamp_...``
+is the cast that feeds an FP8 GEMM) as GEMM time, so in those receipts ``d_other_ms`` leaves out
+part of the quantization and ``d_gemm_ms`` holds it: the zero-overhead step and the ceiling read
+from them are not bounds. Profiles since then also hold ``kinds`` (GPU ms per kind of kernel:
+``gemm_fp8``, ``gemm``, ``embedding``, ``optimizer``, ``reduction``, ``pointwise``, ``copy``,
+``other``; :func:`loka_tune.kernels.timing.kernel_kind`), and each row then gets ``kinds`` and
+``d_kinds`` (against the reference), with a second table of them.
 """
 
 from __future__ import annotations
@@ -48,9 +58,11 @@ def breakdown(receipt: dict[str, Any], *, ref: str = "bf16_mods", name: str = ""
         if p.get("gpu_ms") is None or p.get("gemm_ms") is None:
             continue  # a run that was not profiled (or failed)
         fp8[r["variant"]] = int(r.get("fp8_sites") or 0)
-        by.setdefault(r["variant"], []).append({
-            "step_ms": float(r["step_time_s"]) * 1e3, "gpu_ms": float(p["gpu_ms"]), "gemm_ms": float(p["gemm_ms"]),
-            "kernels": float(p.get("kernels_per_step") or math.nan), "host_ms": float(p.get("host_ms") or math.nan)})
+        x = {"step_ms": float(r["step_time_s"]) * 1e3, "gpu_ms": float(p["gpu_ms"]), "gemm_ms": float(p["gemm_ms"]),
+             "kernels": float(p.get("kernels_per_step") or math.nan), "host_ms": float(p.get("host_ms") or math.nan)}
+        if isinstance(p.get("kinds"), dict):
+            x.update({f"kind:{k}": float(v) for k, v in p["kinds"].items()})
+        by.setdefault(r["variant"], []).append(x)
     if not by:
         raise SystemExit(f"{name or 'receipt'}: no run has a profile; run e2e.py with --profile-steps N (N > 0)")
     if ref not in by:
@@ -62,12 +74,17 @@ def breakdown(receipt: dict[str, Any], *, ref: str = "bf16_mods", name: str = ""
         for k in ("step_ms", "gpu_ms", "gemm_ms", "kernels", "host_ms"):
             row[k] = _mean([x[k] for x in xs])
         row["other_ms"] = row["gpu_ms"] - row["gemm_ms"]
+        kinds = sorted({k for x in xs for k in x if k.startswith("kind:")})
+        if kinds and all(k in x for x in xs for k in kinds):  # every seed's profile has them
+            row["kinds"] = {k[5:]: _mean([x[k] for x in xs]) for k in kinds}
         rows.append(row)
     base = next(r for r in rows if r["variant"] == ref)
     best = min(r["step_ms"] for r in rows)
     for r in rows:
         r["d_gemm_ms"] = r["gemm_ms"] - base["gemm_ms"]
         r["d_other_ms"] = r["other_ms"] - base["other_ms"]
+        if "kinds" in r and "kinds" in base:
+            r["d_kinds"] = {k: v - base["kinds"].get(k, 0.0) for k, v in r["kinds"].items()}
         r["speedup_vs_ref"] = base["step_ms"] / r["step_ms"]
         # an FP8 variant's step with no time added around its GEMMs (a saving there is kept)
         zero = r["step_ms"] - max(r["d_other_ms"], 0.0) if r["fp8_sites"] else None
@@ -100,6 +117,14 @@ def table(parts: list[dict[str, Any]]) -> str:
             out.append(f"| `{r['variant']}` | {r['step_ms']:.2f} | {r['speedup_vs_ref']:.3f}x | {r['gpu_ms']:.2f} |"
                        f" {r['gemm_ms']:.2f} | {r['other_ms']:.2f} | {r['d_gemm_ms']:+.2f} | {r['d_other_ms']:+.2f} |"
                        f" {zero} | {vs} |")
+        with_kinds = [r for r in b["rows"] if "d_kinds" in r]
+        if with_kinds:
+            names = list(with_kinds[0]["kinds"])
+            out += ["", f"GPU ms per kind of kernel (by name), and against `{b['ref']}`:", "",
+                    "| variant | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+            for r in sorted(with_kinds, key=lambda r: r["step_ms"]):
+                out.append(f"| `{r['variant']}` | " + " | ".join(
+                    f"{r['kinds'][k]:.2f} ({r['d_kinds'][k]:+.2f})" for k in names) + " |")
         c = b["ceiling"]
         if c is not None:
             out += ["", f"Ceiling of these variants: `{b['ref']}` less the largest GEMM saving (`{c['from']}`'s),"

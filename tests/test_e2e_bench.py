@@ -112,3 +112,33 @@ def test_e2e_compiled_variants_are_checked_and_a_forced_recompile_fails_loudly(t
     bad = json.loads((tmp_path / "bad" / "results.json").read_text())["runs"][0]
     assert "CompileHealthError" in bad["error"] and "recompile limit" in bad["error"]
     assert "recompile limit" in (tmp_path / "bad" / "table.md").read_text()
+
+
+def test_the_table_lists_gpu_time_by_kind_of_kernel_against_bf16_mods() -> None:
+    """Profiled runs (``kernel_summary``'s ``kinds``) give a second table: each variant's GPU ms per
+    kind of kernel, seeds averaged, and its change against bf16 + Mods; runs profiled before the
+    kinds existed give none."""
+    from loka_tune.kernels.timing import kernel_summary
+
+    e2e = _load()
+
+    def run(variant: str, seed: int, kernels: list[tuple[str, float]]) -> dict:
+        return {"variant": variant, "seed": seed, "status": "ok", "step_time_s": 0.03, "eval_logloss": 0.44,
+                "profile": kernel_summary(kernels, steps=1)}
+
+    bf16 = [("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_TNT", 4000.0), ("triton_poi_fused_hardswish_0", 500.0)]
+    fp8 = [("nvjet_sm90_qqtst_128x256_128x4_2x1_v_bz_coopA_TNN", 2000.0),
+           ("triton_poi_fused__scaled_mm__to_copy_clamp_hardswish_mul_t_4", 600.0),
+           ("triton_red_fused_abs_amax_hardswish_0", 200.0 + 100.0)]
+    fp8_1 = [(n, us * 1.1) for n, us in fp8]
+    summary = e2e.summarize([run("bf16_mods", 0, bf16), run("bf16_mods", 1, bf16),
+                             run("config", 0, fp8), run("config", 1, fp8_1)])
+    rows = {r["variant"]: r for r in summary["rows"]}
+    k = rows["config"]["kinds_ms"]
+    assert k["gemm_fp8"] == pytest.approx(2.1) and k["gemm"] == 0.0 and k["pointwise"] == pytest.approx(0.63)
+    assert k["reduction"] == pytest.approx(0.315) and rows["config"]["gemm_share"] == pytest.approx(2 / 2.9)
+    md = e2e.table(summary)
+    assert "by kind of kernel" in md and "| config | 2.10 (+2.10) | 0.00 (-4.00) |" in md
+    for r in summary["rows"]:
+        r.pop("kinds_ms")
+    assert "by kind of kernel" not in e2e.table(summary)

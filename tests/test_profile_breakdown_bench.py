@@ -86,3 +86,23 @@ def test_cli_writes_json_and_markdown(tmp_path: Path) -> None:
     bad = subprocess.run([sys.executable, str(REPO / "benchmarks" / "profile_breakdown.py"), str(tmp_path / "no.json"),
                           "--out", str(out)], capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and "no such receipt" in bad.stderr
+
+
+def test_kinds_of_kernels_and_their_deltas() -> None:
+    """Profiles made by ``kernel_summary`` carry GPU ms per kind of kernel; each row gets them
+    (seeds averaged) and their deltas against the reference, and the table lists them."""
+    bench = _load()
+    b = bench.breakdown(_receipt(), name="r.json")
+    rows = {r["variant"]: r for r in b["rows"]}
+    ao = rows["torchao_tensorwise_filter"]
+    assert ao["kinds"]["gemm"] == pytest.approx(13.05) and ao["kinds"]["pointwise"] == pytest.approx(13.75)
+    assert ao["d_kinds"]["gemm"] == pytest.approx(-3.0) and ao["d_kinds"]["pointwise"] == pytest.approx(0.25)
+    assert rows["bf16_mods"]["d_kinds"]["pointwise"] == pytest.approx(0.0)
+    md = bench.table([b])
+    assert "GPU ms per kind of kernel" in md and "| `torchao_tensorwise_filter` |" in md and "13.75 (+0.25)" in md
+    old = _receipt()  # a receipt from before the kinds: no second table, the rest as before
+    for run in old["runs"]:
+        if run["profile"]:
+            run["profile"].pop("kinds")
+    b_old = bench.breakdown(old)
+    assert all("kinds" not in r for r in b_old["rows"]) and "per kind" not in bench.table([b_old])

@@ -62,3 +62,64 @@ def test_timing_without_gpu_is_a_backend_error(tmp_path) -> None:
     c = TimingCache(tmp_path / "c.json")
     c.put("bf16", 128, 128, 128, "fwd", 1e-5)
     assert time_gemm("bf16", 128, 128, 128, "fwd", cache=c) == pytest.approx(1e-5)
+
+
+# kernel names as the device's profiles recorded them (benchmarks/results: the H100 and H200 e2e
+# receipts and gemm_autotune_*), with what each does
+NAMED_KERNELS = [
+    ("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_TNT", "gemm"),  # cuBLASLt bf16
+    ("nvjet_sm90_qqtst_128x256_128x4_2x1_v_bz_coopA_TNN", "gemm_fp8"),  # cuBLASLt FP8 (_scaled_mm)
+    ("nvjet_sm90_qrtst_128x128_128x6_2x1_v_bz_coopA_algo2_TNT", "gemm_fp8"),  # torchao's _scaled_mm
+    ("triton_tem_fused__scaled_mm__to_copy_clamp_clone_div_eq_full_like_mul_ones_like_reciprocal_t_where_4",
+     "gemm_fp8"),  # inductor's scaled-mm template, its prologue cast fused in
+    ("triton_tem_fused_mm_3", "gemm"),  # inductor's mm template
+    ("void cutlass::device_kernel<f8f8bf16_rowwise>", "gemm_fp8"),
+    ("_fp8_gemm_kernel", "gemm_fp8"),  # ours
+    ("void cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16>", "gemm"),
+    # inductor's casts that feed an FP8 GEMM: named after _scaled_mm, no matrix product
+    ("triton_poi_fused__scaled_mm__to_copy_clamp_clone_div_eq_full_like_hardswish_hardswish_backward_mul_"
+     "ones_like_t_where_4", "pointwise"),
+    ("triton_poi_fused__scaled_mm__to_copy_clamp_hardswish_mul_t_4", "pointwise"),
+    ("triton_red_fused_abs_amax_hardswish_0", "reduction"),
+    ("triton_per_fused__to_copy_add_native_layer_norm_backward_transpose_view_25", "reduction"),
+    ("triton_red_fused__scaled_mm__to_copy_abs_amax_1", "reduction"),
+    ("void (anonymous namespace)::indexing_backward_kernel<float, 4>(long const*, long const*, float const*)",
+     "embedding"),
+    ("void at::native::index_elementwise_kernel<128, 4, at::native::gpu_index_kernel<at::native::index_put_", "embedding"),
+    ("void at::native::vectorized_gather_kernel<16, long>(char*, char*, long*, int, long)", "embedding"),
+    ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous namespace)::"
+     "FusedOptimizerTensorListMetadata<4>", "optimizer"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>", "pointwise"),
+    ("_tensor_cast_kernel", "pointwise"),  # our Triton quantization
+    ("_tensor_amax_kernel", "reduction"),
+    ("Memcpy HtoD (Pageable -> Device)", "copy"),
+    ("Memset (Device)", "copy"),
+    ("void some_library::mystery<3>", "other"),
+]
+
+
+@pytest.mark.parametrize("name, kind", NAMED_KERNELS)
+def test_kernel_kind_reads_the_names_the_profiles_hold(name: str, kind: str) -> None:
+    from loka_tune.kernels.timing import KERNEL_KINDS, is_gemm_kernel, kernel_kind
+
+    assert kernel_kind(name) == kind and kind in KERNEL_KINDS
+    assert is_gemm_kernel(name) == kind.startswith("gemm")
+
+
+def test_gemm_time_leaves_out_inductors_casts_named_after_scaled_mm() -> None:
+    """The largest FP8 price cell on the H100 (gemm_autotune_h100_s25: three cuBLASLt FP8 GEMMs and
+    inductor's casts): before 2026-12-06 the casts named ``triton_poi_fused__scaled_mm_...`` were
+    counted as GEMM time."""
+    from loka_tune.kernels.timing import kernel_summary
+
+    cell = [("nvjet_sm90_qqtst_192x192_128x4_1x2_h_bz_coopB_TNN", 736.1),
+            ("nvjet_sm90_qqtst_320x128_128x3_1x2_h_bz_coopB_TNT", 732.9),
+            ("nvjet_sm90_qqtst_128x256_128x4_2x1_v_bz_coopA_TNN", 689.3),
+            ("triton_poi_fused__scaled_mm__to_copy_clamp_clone_div_eq_full_like_hardswish_hardswish_backward_4", 314.4),
+            ("triton_red_fused_abs_amax_hardswish_0", 217.9),
+            ("triton_poi_fused__scaled_mm__to_copy_clamp_hardswish_mul_t_4", 144.3)]
+    s = kernel_summary(cell, steps=1)
+    assert s["gemm_ms"] == pytest.approx(2.1583) and s["kinds"]["gemm_fp8"] == pytest.approx(2.1583)
+    assert s["kinds"]["pointwise"] == pytest.approx(0.4587) and s["kinds"]["reduction"] == pytest.approx(0.2179)
+    assert s["gemm_share"] == pytest.approx(2.1583 / 2.8349)
+    assert [t["kind"] for t in s["top"]] == ["gemm_fp8"] * 3 + ["pointwise", "reduction", "pointwise"]

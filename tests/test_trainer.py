@@ -470,7 +470,10 @@ def test_kernel_summary_per_step():
          ("Memcpy HtoD", 10.0), ("void cutlass::device_kernel<f8f8bf16_rowwise>", 140.0)] * 2
     s = kernel_summary(k, steps=2)
     assert s["gpu_ms"] == pytest.approx(0.8) and s["gemm_ms"] == pytest.approx(0.74)
-    assert s["kernels_per_step"] == 5 and s["top"][0] == {"name": "nvjet_hsh_128x256_gemm", "ms": 0.6, "calls": 2.0}
+    assert s["kernels_per_step"] == 5
+    assert s["top"][0] == {"name": "nvjet_hsh_128x256_gemm", "ms": 0.6, "calls": 2.0, "kind": "gemm"}
+    assert s["kinds"]["gemm"] == pytest.approx(0.6) and s["kinds"]["gemm_fp8"] == pytest.approx(0.14)
+    assert sum(s["kinds"].values()) == pytest.approx(s["gpu_ms"])  # every kernel counted once
 
 
 @pytest.mark.gpu

@@ -47,6 +47,9 @@ __all__ = [
     "is_gpu_activity",
     "gpu_activity_us",
     "kernel_summary",
+    "kernel_kind",
+    "is_gemm_kernel",
+    "KERNEL_KINDS",
     "GEMM_KERNEL_RE",
 ]
 
@@ -204,30 +207,74 @@ def gpu_activity_us(events: Iterable[Any]) -> float:
     return float(sum(e.time_range.elapsed_us() for e in events if is_gpu_activity(e)))
 
 
-#: kernel names of matrix products: cuBLAS / cuBLASLt (gemm, nvjet, sm90_xmma), CUTLASS
-#: (FBGEMM's f8f8bf16*), torch._scaled_mm, our Triton GEMMs and inductor's mm templates
-GEMM_KERNEL_RE = re.compile(r"gemm|nvjet|xmma|cutlass|f8f8bf16|scaled_mm|_mm_|mm_kernel|matmul|wgmma", re.I)
+#: kernel names of matrix products: cuBLAS / cuBLASLt (gemm, nvjet, sm90_xmma, their split-K
+#: reductions), CUTLASS (FBGEMM's f8f8bf16*), torch._scaled_mm, our Triton GEMMs and inductor's
+#: mm templates (``triton_tem_fused_mm_...``); :func:`is_gemm_kernel` also leaves out inductor's
+#: own pointwise and reduction kernels, whose names can hold these words
+GEMM_KERNEL_RE = re.compile(r"gemm|nvjet|xmma|cutlass|f8f8bf16|scaled_mm|_mm_|mm_kernel|matmul|wgmma|splitkreduce", re.I)
+#: inductor's generated kernels that are no matrix product: pointwise (``triton_poi_``) and
+#: reductions (``triton_red_``, ``triton_per_``). Inductor names a fused kernel after the ops its
+#: nodes came from, so the cast that feeds a ``_scaled_mm`` can be ``triton_poi_fused__scaled_mm_
+#: _to_copy_clamp_...``: a quantization kernel, counted as GEMM time until 2026-12-06
+_INDUCTOR_NON_GEMM_RE = re.compile(r"^triton_(poi|red|per)_")
+#: FP8 matrix products: cuBLASLt's FP8 nvjet kernels (``nvjet_sm90_qqtst_...``: q for an FP8
+#: operand), FBGEMM's f8f8bf16, ``_scaled_mm`` (inductor's scaled-mm templates) and our FP8 GEMMs
+_FP8_GEMM_RE = re.compile(r"nvjet_sm\d+_q|f8f8|scaled_mm|fp8|e4m3|e5m2", re.I)
+#: what else a training step runs, by name, first match wins (after the GEMMs); "other" the rest
+_KIND_RES: tuple[tuple[str, re.Pattern[str]], ...] = (
+    ("embedding", re.compile(r"index|embedding|gather|scatter|radix|sort|segment|unique", re.I)),
+    ("optimizer", re.compile(r"multi_tensor_apply|optimizer|adam|sgd", re.I)),
+    ("reduction", re.compile(r"^triton_(red|per)_|reduce|norm|softmax|amax", re.I)),
+    ("pointwise", re.compile(r"^triton_poi_|elementwise|_cast|cast_|quantize", re.I)),
+    ("copy", re.compile(r"memcpy|memset|copy", re.I)),
+)
+#: the kinds :func:`kernel_kind` returns, in the order :func:`kernel_summary` lists them
+KERNEL_KINDS: tuple[str, ...] = ("gemm_fp8", "gemm", *(k for k, _ in _KIND_RES), "other")
+
+
+def is_gemm_kernel(name: str) -> bool:
+    """Whether a GPU kernel's ``name`` is a matrix product (:data:`GEMM_KERNEL_RE`, not one of
+    inductor's pointwise or reduction kernels)."""
+    return not _INDUCTOR_NON_GEMM_RE.match(name) and GEMM_KERNEL_RE.search(name) is not None
+
+
+def kernel_kind(name: str) -> str:
+    """What a GPU kernel does, by its name: one of :data:`KERNEL_KINDS` (``gemm_fp8`` an FP8
+    matrix product, ``gemm`` any other; then embedding, optimizer, reduction, pointwise, copy,
+    other). A reading of names, not of the work: a fused inductor kernel is counted under the
+    kind of its prefix (a reduction that also casts is a reduction)."""
+    if is_gemm_kernel(name):
+        return "gemm_fp8" if _FP8_GEMM_RE.search(name) else "gemm"
+    if _INDUCTOR_NON_GEMM_RE.match(name):  # by its prefix, whatever ops it fused
+        return "reduction" if not name.startswith("triton_poi_") else "pointwise"
+    return next((kind for kind, rx in _KIND_RES if rx.search(name)), "other")
 
 
 def kernel_summary(kernels: Iterable[tuple[str, float]], steps: int, *, top: int = 15) -> dict[str, Any]:
     """``kernels``: ``(name, microseconds)`` of every GPU activity (kernels, copies, sets) over
     ``steps`` steps (a training step's, or a timed cell's iterations). Returns per-step
-    milliseconds: ``gpu_ms`` (all activities), ``gemm_ms`` (by name, :data:`GEMM_KERNEL_RE`),
-    ``gemm_share``, ``kernels_per_step`` and ``top`` (name, ms per step, calls per step)."""
+    milliseconds: ``gpu_ms`` (all activities), ``gemm_ms`` (by name, :func:`is_gemm_kernel`),
+    ``gemm_share``, ``kinds`` (ms per :func:`kernel_kind`, every kind of :data:`KERNEL_KINDS`),
+    ``kernels_per_step`` and ``top`` (name, ms per step, calls per step, kind)."""
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps=}")
     by_name: dict[str, list[float]] = {}
     for name, us in kernels:
         by_name.setdefault(name, []).append(us)
     total = sum(sum(v) for v in by_name.values()) / 1e3 / steps
-    gemm = sum(sum(v) for n, v in by_name.items() if GEMM_KERNEL_RE.search(n)) / 1e3 / steps
+    kinds = dict.fromkeys(KERNEL_KINDS, 0.0)
+    for n, v in by_name.items():
+        kinds[kernel_kind(n)] += sum(v) / 1e3 / steps
+    gemm = kinds["gemm"] + kinds["gemm_fp8"]
     ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
     return {
         "gpu_ms": total,
         "gemm_ms": gemm,
         "gemm_share": gemm / total if total > 0 else math.nan,
+        "kinds": kinds,
         "kernels_per_step": sum(len(v) for v in by_name.values()) / steps,
-        "top": [{"name": n[:160], "ms": sum(v) / 1e3 / steps, "calls": len(v) / steps} for n, v in ranked],
+        "top": [{"name": n[:160], "ms": sum(v) / 1e3 / steps, "calls": len(v) / steps, "kind": kernel_kind(n)}
+                for n, v in ranked],
     }
 
 

@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from loka_tune.kernels.timing import GEMM_KERNEL_RE, is_gpu_activity, kernel_summary
+from loka_tune.kernels.timing import GEMM_KERNEL_RE, is_gpu_activity, kernel_kind, kernel_summary
 
-__all__ = ["StepProfiler", "kernel_summary", "is_gpu_activity", "GEMM_KERNEL_RE"]
+__all__ = ["StepProfiler", "kernel_summary", "kernel_kind", "is_gpu_activity", "GEMM_KERNEL_RE"]
 
 
 class StepProfiler:
@@ -23,10 +23,11 @@ class StepProfiler:
 
     ``start()`` before the first profiled step, ``stop()`` after the last: returns
     :func:`kernel_summary` plus ``host_ms`` (CPU time of the profiled steps' top-level
-    operators per step). On a CPU-only run ``gpu_ms`` is None.
+    operators per step), ``top`` its 30 longest kernels (``top=``). On a CPU-only run ``gpu_ms``
+    is None.
     """
 
-    def __init__(self, steps: int, device: torch.device, *, top: int = 15) -> None:
+    def __init__(self, steps: int, device: torch.device, *, top: int = 30) -> None:
         self.steps, self.device, self.top = steps, device, top
         self._prof: Any = None
 
@@ -50,7 +51,7 @@ class StepProfiler:
         events = prof.events()
         gpu = [(e.name, e.time_range.elapsed_us()) for e in events if is_gpu_activity(e)]
         out = kernel_summary(gpu, self.steps, top=self.top) if gpu else {"gpu_ms": None, "gemm_ms": None, "gemm_share": None,
-                                                           "kernels_per_step": 0, "top": []}
+                                                           "kinds": None, "kernels_per_step": 0, "top": []}
         roots = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU and e.cpu_parent is None]
         out["host_ms"] = sum(e.time_range.elapsed_us() for e in roots) / 1e3 / self.steps
         out["steps"] = self.steps
