@@ -72,7 +72,8 @@
 # (unset; 1: --verify, the plan checked against whole-model alternatives, ~15 s each at 8192);
 # for e2e: CONFIG (benchmarks/results/<model>_large_modeled_plan[_b<BATCH>].json, <model> the study file's
 # name up to its first "_"), E2E_WARMUP (25), E2E_VARIANTS (e2e.py's own list), INFER_BATCHES
-# (512,2048,8192; empty: no serving rows), INFER_VARIANTS (bf16_mods,config), E2E_CAP (560 s);
+# (512,2048,8192; empty: no serving rows), INFER_VARIANTS (bf16_mods,config), E2E_CAP (560 s), E2E_KERNEL_SRC
+# (unset; 1: $out/cast_kernels.tgz, inductor's generated source of every FP8 cast and amax kernel);
 # for scaling: CONFIG (as e2e), NPROC (2), E2E_WARMUP (20), COMPILE (1; 0 eager), E2E_CAP (250 s per run);
 # for probe: STEPS (400), PROBE_STEPS (600), PROBE_TESTS (four probe test files; empty: none),
 # TEST_TIMEOUT (200 s), STEP_TIMEOUT (420 s); for train-step: STEPS (200), VSTEPS (40), STEP_TIMEOUT (190 s); for kernels: QUICK (0; 1: --quick),
@@ -348,6 +349,12 @@ case "$part" in
     timeout -k 10 "${E2E_CAP:-560}" python3 benchmarks/e2e.py --study "$study" "${batch_arg[@]}" --seeds 0 --compile \
       --warmup "${E2E_WARMUP:-25}" --profile-steps 10 --steps "${E2E_STEPS:-80}" --config "$config" "${variants[@]}" \
       "${infer[@]}" --budget "${E2E_BUDGET:-470}" --out "$out/e2e" "$@" 2>&1 | quiet | tee "$out/e2e.log" | tail -40
-    exit "${PIPESTATUS[0]}" ;;
+    rc=${PIPESTATUS[0]}
+    if [ -n "${E2E_KERNEL_SRC:-}" ]; then  # inductor's source of every FP8 cast and amax kernel it generated
+      grep -rlE --include='*.py' 'def triton_(poi|red|per)_fused_[A-Za-z0-9_]*(_scaled_mm|abs[A-Za-z0-9_]*_a?max_)' \
+        "${TORCHINDUCTOR_CACHE_DIR:-/tmp/torchinductor_$(whoami)}" 2>/dev/null | tar czf "$out/cast_kernels.tgz" -T - \
+        && echo "cast_kernels.tgz: $(tar tzf "$out/cast_kernels.tgz" | wc -l) generated file(s)"
+    fi
+    exit "$rc" ;;
   *) echo "unknown part $part: one of $parts" >&2; exit 2 ;;
 esac

@@ -43,8 +43,9 @@ compiled nothing fails the variant loudly (its row says why; the exit status is 
 record keeps dynamo's counters, the GPU kernel time per step of ``--profile-steps`` profiled
 steps beside the step's wall time (``wall/GPU`` near 1: the step is GPU-bound), the GEMM
 share, the GPU time per kind of kernel (FP8 GEMM, GEMM, embedding, optimizer, reduction,
-pointwise, copy, other: ``kernel_kind``; a second table in table.md, against bf16 + Mods) and
-the 30 largest kernels. ``--cuda-graphs`` captures each whole training step in a
+pointwise, copy, other: ``kernel_kind``; a second table in table.md, against bf16 + Mods), every
+kernel that writes an FP8 operand or takes an amax (``fp8_casts``, ``amax``: uncapped, the last two
+columns of that table) and the 30 largest kernels. ``--cuda-graphs`` captures each whole training step in a
 CUDA graph (the trainer's ``cuda_graphs``).
 
 Inference of the ``config`` variant runs the *serving plan* of the config at each serving
@@ -341,6 +342,10 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         kinds = [r["profile"]["kinds"] for r in rs if isinstance((r.get("profile") or {}).get("kinds"), dict)]
         if kinds:  # GPU ms per kind of kernel (kernel_summary), seeds averaged
             row["kinds_ms"] = {k: statistics.fmean(d.get(k, 0.0) for d in kinds) for k in kinds[0]}
+        for key in ("fp8_casts", "amax"):  # every cast / amax kernel (kernel_summary, uncapped), seeds averaged
+            ms = [r["profile"][key]["ms"] for r in rs if isinstance((r.get("profile") or {}).get(key), dict)]
+            if ms:
+                row[f"{key}_ms"] = statistics.fmean(ms)
         if "serving_plan" in first:
             row["serving_plan"] = first["serving_plan"]
         inf = [r["infer_s"] for r in rs if "infer_s" in r]
@@ -378,11 +383,14 @@ def table(summary: dict[str, Any]) -> str:
         names = list(kinds[0]["kinds_ms"])
         ref = next((r["kinds_ms"] for r in kinds if r["variant"] == "bf16_mods"), None)
         lines += ["", "GPU ms per step by kind of kernel (profiled steps" + (", change vs bf16_mods" if ref else "")
-                  + "):", "", "| variant | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+                  + "; the last two columns are parts of pointwise + reduction: inductor's kernels that write an"
+                  " FP8 operand, and its reductions that take an amax, mostly fused into a norm's backward):", "",
+                  "| variant | " + " | ".join(names) + " | FP8 casts | amax reductions |",
+                  "|---|" + "---|" * (len(names) + 2)]
         for r in kinds:
             lines.append(f"| {r['variant']} | " + " | ".join(
                 f"{r['kinds_ms'].get(k, 0.0):.2f}" + ("" if ref is None else f" ({r['kinds_ms'].get(k, 0.0) - ref.get(k, 0.0):+.2f})")
-                for k in names) + " |")
+                for k in names) + f" | {f(r.get('fp8_casts_ms'), '.2f')} | {f(r.get('amax_ms'), '.2f')} |")
     inf = [r for r in summary["rows"] if r.get("infer_ms")]
     if inf:
         sizes = list(inf[0]["infer_ms"])

@@ -139,6 +139,9 @@ def test_the_table_lists_gpu_time_by_kind_of_kernel_against_bf16_mods() -> None:
     assert k["reduction"] == pytest.approx(0.315) and rows["config"]["gemm_share"] == pytest.approx(2 / 2.9)
     md = e2e.table(summary)
     assert "by kind of kernel" in md and "| config | 2.10 (+2.10) | 0.00 (-4.00) |" in md
+    assert rows["config"]["fp8_casts_ms"] == pytest.approx(0.63) and rows["config"]["amax_ms"] == pytest.approx(0.315)
+    assert rows["bf16_mods"]["fp8_casts_ms"] == 0.0 and "| FP8 casts | amax reductions |" in md
+    assert next(x for x in md.splitlines() if x.startswith("| config | 2.10")).endswith("| 0.63 | 0.32 |")
     for r in summary["rows"]:
         r.pop("kinds_ms")
     assert "by kind of kernel" not in e2e.table(summary)

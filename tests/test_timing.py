@@ -123,3 +123,37 @@ def test_gemm_time_leaves_out_inductors_casts_named_after_scaled_mm() -> None:
     assert s["kinds"]["pointwise"] == pytest.approx(0.4587) and s["kinds"]["reduction"] == pytest.approx(0.2179)
     assert s["gemm_share"] == pytest.approx(2.1583 / 2.8349)
     assert [t["kind"] for t in s["top"]] == ["gemm_fp8"] * 3 + ["pointwise", "reduction", "pointwise"]
+    assert s["fp8_casts"]["ms"] == pytest.approx(0.4587) and s["fp8_casts"]["calls"] == 2
+    assert s["amax"]["ms"] == pytest.approx(0.2179) and s["amax"]["calls"] == 1
+    few = kernel_summary(cell, steps=2, top=1)  # the cast and amax lists are not cut to ``top``
+    assert len(few["top"]) == 1 and len(few["fp8_casts"]["kernels"]) == 2
+    assert few["fp8_casts"]["ms"] == pytest.approx(0.4587 / 2) and few["fp8_casts"]["calls"] == 1
+    assert [k["ms"] for k in few["fp8_casts"]["kernels"]] == pytest.approx([0.1572, 0.07215])
+
+
+# inductor's kernels from the e2e receipts of 2026-12-06 (e2e_static_h100_s27_seed*.json): whether
+# each writes an FP8 operand (named after the _scaled_mm it feeds) and whether it takes an amax
+CAST_AND_AMAX = [
+    ("triton_poi_fused__scaled_mm__to_copy_clamp_clone_mul_reciprocal_t_view_4", True, False),  # torchao's
+    ("triton_poi_fused__scaled_mm__to_copy_clamp_clone_div_eq_full_like_hardswish_mul_ones_like_reciprocal_t_view_"
+     "where_6", True, False),  # ours
+    ("triton_poi_fused__scaled_mm__to_copy_clamp_clone_hardswish_mul_t_view_21", True, False),
+    ("triton_per_fused__to_copy_abs_add_amax_div_expand_hardswish_hardswish_backward_mul_pow_sum_view_2", False, True),
+    ("triton_per_fused__to_copy_abs_add_div_expand_hardswish_hardswish_backward_max_mul_pow_sum_view_2", False, True),
+    ("triton_red_fused__to_copy__unsafe_view_abs_add_amax_cat_mean_mul_pow_rsqrt_transpose_view_34", False, True),
+    ("triton_red_fused__scaled_mm__to_copy_abs_amax_1", True, True),
+    ("triton_per_fused__to_copy_add_div_expand_hardswish_hardswish_backward_mul_pow_sum_view_3", False, False),
+    ("triton_poi_fused__to_copy_add_clone_div_expand_mul_pow_slice_transpose_view_14", False, False),
+    ("triton_red_fused__to_copy__unsafe_view_add_cat_clone_mean_mul_pow_rsqrt_transpose_view_21", False, False),
+    ("nvjet_sm90_qqtst_128x256_128x4_2x1_v_bz_coopA_TNN", False, False),
+    ("triton_tem_fused__scaled_mm__to_copy_clamp_clone_div_eq_full_like_mul_ones_like_reciprocal_t_where_4", False,
+     False),  # a GEMM template with its prologue cast: GEMM time
+    ("_tensor_amax_kernel", False, False),  # our eager Triton quantization: not inductor's
+]
+
+
+@pytest.mark.parametrize("name, cast, amax", CAST_AND_AMAX)
+def test_cast_and_amax_kernels_are_read_from_inductors_names(name: str, cast: bool, amax: bool) -> None:
+    from loka_tune.kernels.timing import is_amax_kernel, is_fp8_cast_kernel
+
+    assert is_fp8_cast_kernel(name) is cast and is_amax_kernel(name) is amax

@@ -49,6 +49,8 @@ __all__ = [
     "kernel_summary",
     "kernel_kind",
     "is_gemm_kernel",
+    "is_fp8_cast_kernel",
+    "is_amax_kernel",
     "KERNEL_KINDS",
     "GEMM_KERNEL_RE",
 ]
@@ -232,6 +234,25 @@ _KIND_RES: tuple[tuple[str, re.Pattern[str]], ...] = (
 KERNEL_KINDS: tuple[str, ...] = ("gemm_fp8", "gemm", *(k for k, _ in _KIND_RES), "other")
 
 
+#: inductor's kernels that write an FP8 operand: named after the ``_scaled_mm`` they feed (the
+#: cast of ``x``, ``w``, ``dy`` and their transposed copies; 2026-12-06 on an H100, e.g.
+#: ``triton_poi_fused__scaled_mm__to_copy_clamp_clone_mul_reciprocal_t_view_4``)
+_FP8_CAST_RE = re.compile(r"^triton_(poi|red|per)_fused_\w*_scaled_mm")
+#: inductor's reductions that take an amax (``abs`` then ``amax`` / ``max``), mostly fused into the
+#: producer's own reduction (a norm's backward): their time is not the amax's alone
+_AMAX_RE = re.compile(r"^triton_(red|per)_fused_\w*abs\w*_(amax|max)_")
+
+
+def is_fp8_cast_kernel(name: str) -> bool:
+    """Whether an inductor kernel writes an FP8 copy of a GEMM operand (:data:`_FP8_CAST_RE`)."""
+    return _FP8_CAST_RE.match(name) is not None
+
+
+def is_amax_kernel(name: str) -> bool:
+    """Whether an inductor reduction takes an amax for FP8 scaling (:data:`_AMAX_RE`)."""
+    return _AMAX_RE.match(name) is not None
+
+
 def is_gemm_kernel(name: str) -> bool:
     """Whether a GPU kernel's ``name`` is a matrix product (:data:`GEMM_KERNEL_RE`, not one of
     inductor's pointwise or reduction kernels)."""
@@ -255,7 +276,10 @@ def kernel_summary(kernels: Iterable[tuple[str, float]], steps: int, *, top: int
     ``steps`` steps (a training step's, or a timed cell's iterations). Returns per-step
     milliseconds: ``gpu_ms`` (all activities), ``gemm_ms`` (by name, :func:`is_gemm_kernel`),
     ``gemm_share``, ``kinds`` (ms per :func:`kernel_kind`, every kind of :data:`KERNEL_KINDS`),
-    ``kernels_per_step`` and ``top`` (name, ms per step, calls per step, kind)."""
+    ``kernels_per_step``, ``top`` (name, ms per step, calls per step, kind), and, uncapped,
+    ``fp8_casts`` and ``amax`` (``{"ms", "calls", "kernels"}``: every kernel that
+    :func:`is_fp8_cast_kernel` / :func:`is_amax_kernel` names, largest first: the quantization
+    overhead that ``top`` would cut off)."""
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps=}")
     by_name: dict[str, list[float]] = {}
@@ -266,15 +290,26 @@ def kernel_summary(kernels: Iterable[tuple[str, float]], steps: int, *, top: int
     for n, v in by_name.items():
         kinds[kernel_kind(n)] += sum(v) / 1e3 / steps
     gemm = kinds["gemm"] + kinds["gemm_fp8"]
-    ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
+    ranked_all = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))
+    ranked = ranked_all[:top]
+
+    def entry(n: str, v: list[float]) -> dict[str, Any]:
+        return {"name": n[:160], "ms": sum(v) / 1e3 / steps, "calls": len(v) / steps, "kind": kernel_kind(n)}
+
+    def group(pick: Callable[[str], bool]) -> dict[str, Any]:
+        chosen = [(n, v) for n, v in ranked_all if pick(n)]
+        return {"ms": sum(sum(v) for _, v in chosen) / 1e3 / steps, "calls": sum(len(v) for _, v in chosen) / steps,
+                "kernels": [entry(n, v) for n, v in chosen]}
+
     return {
         "gpu_ms": total,
         "gemm_ms": gemm,
         "gemm_share": gemm / total if total > 0 else math.nan,
         "kinds": kinds,
         "kernels_per_step": sum(len(v) for v in by_name.values()) / steps,
-        "top": [{"name": n[:160], "ms": sum(v) / 1e3 / steps, "calls": len(v) / steps, "kind": kernel_kind(n)}
-                for n, v in ranked],
+        "top": [entry(n, v) for n, v in ranked],
+        "fp8_casts": group(is_fp8_cast_kernel),
+        "amax": group(is_amax_kernel),
     }
 
 

@@ -51,7 +51,8 @@ class StepProfiler:
         events = prof.events()
         gpu = [(e.name, e.time_range.elapsed_us()) for e in events if is_gpu_activity(e)]
         out = kernel_summary(gpu, self.steps, top=self.top) if gpu else {"gpu_ms": None, "gemm_ms": None, "gemm_share": None,
-                                                           "kinds": None, "kernels_per_step": 0, "top": []}
+                                                           "kinds": None, "kernels_per_step": 0, "top": [],
+                                                           "fp8_casts": None, "amax": None}
         roots = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU and e.cpu_parent is None]
         out["host_ms"] = sum(e.time_range.elapsed_us() for e in roots) / 1e3 / self.steps
         out["steps"] = self.steps
