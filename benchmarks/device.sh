@@ -73,7 +73,9 @@
 # for e2e: CONFIG (benchmarks/results/<model>_large_modeled_plan[_b<BATCH>].json, <model> the study file's
 # name up to its first "_"), E2E_WARMUP (25), E2E_VARIANTS (e2e.py's own list), INFER_BATCHES
 # (512,2048,8192; empty: no serving rows), INFER_VARIANTS (bf16_mods,config), E2E_CAP (560 s), E2E_KERNEL_SRC
-# (unset; 1: $out/cast_kernels.tgz, inductor's generated source of every FP8 cast and amax kernel);
+# (unset; 1: $out/cast_kernels.tgz, inductor's generated source of every FP8 cast and amax kernel, written
+# with TORCHINDUCTOR_BENCHMARK_KERNEL=1 so each holds its bytes moved, and benchmarks/cast_kernels.py's
+# reading of them against the profiles: $out/cast_kernels.{json,md});
 # for scaling: CONFIG (as e2e), NPROC (2), E2E_WARMUP (20), COMPILE (1; 0 eager), E2E_CAP (250 s per run);
 # for probe: STEPS (400), PROBE_STEPS (600), PROBE_TESTS (four probe test files; empty: none),
 # TEST_TIMEOUT (200 s), STEP_TIMEOUT (420 s); for train-step: STEPS (200), VSTEPS (40), STEP_TIMEOUT (190 s); for kernels: QUICK (0; 1: --quick),
@@ -346,6 +348,12 @@ case "$part" in
     variants=(); [ -n "${E2E_VARIANTS:-}" ] && variants=(--variants "$E2E_VARIANTS")
     infer=(); [ -n "${INFER_BATCHES-512,2048,8192}" ] \
       && infer=(--infer-batches "${INFER_BATCHES-512,2048,8192}" --infer-variants "${INFER_VARIANTS:-bf16_mods,config}")
+    # E2E_KERNEL_SRC: inductor writes each kernel's bytes moved into its source (benchmark_kernel: code
+    # for benchmarking each kernel alone is added beside it, the kernels are the same), into a cache
+    # directory of this run's own (the bundle then holds this run's kernels only)
+    if [ -n "${E2E_KERNEL_SRC:-}" ]; then
+      export TORCHINDUCTOR_BENCHMARK_KERNEL=1 TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$(mktemp -d)}
+    fi
     timeout -k 10 "${E2E_CAP:-560}" python3 benchmarks/e2e.py --study "$study" "${batch_arg[@]}" --seeds 0 --compile \
       --warmup "${E2E_WARMUP:-25}" --profile-steps 10 --steps "${E2E_STEPS:-80}" --config "$config" "${variants[@]}" \
       "${infer[@]}" --budget "${E2E_BUDGET:-470}" --out "$out/e2e" "$@" 2>&1 | quiet | tee "$out/e2e.log" | tail -40
@@ -354,6 +362,8 @@ case "$part" in
       grep -rlE --include='*.py' 'def triton_(poi|red|per)_fused_[A-Za-z0-9_]*(_scaled_mm|abs[A-Za-z0-9_]*_a?max_)' \
         "${TORCHINDUCTOR_CACHE_DIR:-/tmp/torchinductor_$(whoami)}" 2>/dev/null | tar czf "$out/cast_kernels.tgz" -T - \
         && echo "cast_kernels.tgz: $(tar tzf "$out/cast_kernels.tgz" | wc -l) generated file(s)"
+      python3 benchmarks/cast_kernels.py "$out/e2e/results.json" --src "$out/cast_kernels.tgz" \
+        --out "$out/cast_kernels.json" --md | tail -60
     fi
     exit "$rc" ;;
   *) echo "unknown part $part: one of $parts" >&2; exit 2 ;;
