@@ -384,7 +384,7 @@ def table(summary: dict[str, Any]) -> str:
         ref = next((r["kinds_ms"] for r in kinds if r["variant"] == "bf16_mods"), None)
         lines += ["", "GPU ms per step by kind of kernel (profiled steps" + (", change vs bf16_mods" if ref else "")
                   + "; the last two columns are parts of pointwise + reduction: inductor's kernels that write an"
-                  " FP8 operand, and its reductions that take an amax, mostly fused into a norm's backward):", "",
+                  " FP8 operand, and its reductions that take an amax, mostly fused into a norm's own reductions):", "",
                   "| variant | " + " | ".join(names) + " | FP8 casts | amax reductions |",
                   "|---|" + "---|" * (len(names) + 2)]
         for r in kinds:

@@ -239,7 +239,7 @@ KERNEL_KINDS: tuple[str, ...] = ("gemm_fp8", "gemm", *(k for k, _ in _KIND_RES),
 #: ``triton_poi_fused__scaled_mm__to_copy_clamp_clone_mul_reciprocal_t_view_4``)
 _FP8_CAST_RE = re.compile(r"^triton_(poi|red|per)_fused_\w*_scaled_mm")
 #: inductor's reductions that take an amax (``abs`` then ``amax`` / ``max``), mostly fused into the
-#: producer's own reduction (a norm's backward): their time is not the amax's alone
+#: producer's own reduction (a norm's forward or backward): their time is not the amax's alone
 _AMAX_RE = re.compile(r"^triton_(red|per)_fused_\w*abs\w*_(amax|max)_")
 
 
