@@ -13,8 +13,9 @@ hold that excess, before any change to the casts is made:
   kernels (``OUT/cast_kernels.tgz``). With ``TORCHINDUCTOR_BENCHMARK_KERNEL=1`` set for the run,
   inductor writes each kernel's bytes moved into its source (``'kernel_num_gb'`` in
   ``inductor_meta``: what the kernel reads and writes, counted by inductor); without it this
-  script estimates them from the kernel's signature and sizes (``bytes_from`` = ``estimated``:
-  every pointer argument read or written whole, a pointer only ever indexed at ``(0)`` once);
+  script estimates them from the kernel's signature and sizes (``bytes_from`` = ``estimated``, an
+  upper bound: every pointer argument read or written whole, an ``in_out_ptr`` both, a pointer only
+  ever indexed at ``(0)`` once; a reduction's per-row outputs are counted whole too);
 - per kernel: GB per call, achieved GB/s, the time at ``--peak-gbs`` (default by device: H100
   3350, H200 4800), and the excess (ms per step above that floor); ``tiled`` marks a 2-D (y, x)
   grid, inductor's form for a kernel that writes a transposed layout.
@@ -108,7 +109,7 @@ def _estimate_bytes(body: str, numel: int) -> float | None:
             return None
         uses = re.findall(rf"\b{re.escape(arg)} \+ \(?([^,)]*)\)?", body)
         scalar = bool(uses) and all(u.strip() == "0" for u in uses)
-        total += size * (1 if scalar else numel)
+        total += size * (1 if scalar else numel) * (2 if arg.startswith("in_out_ptr") else 1)  # read and written
     return total
 
 

@@ -85,6 +85,11 @@ def test_parse_source_reads_inductors_bytes_and_estimates_the_rest() -> None:
     # 16M elements: 2 bytes read + 1 written each, and the scale pointer read once at (0)
     assert k[CAST]["bytes_from"] == "estimated" and not k[CAST]["tiled"]
     assert k[CAST]["gb"] == pytest.approx((16777216 * 3 + 4) / 1e9)
+    inplace = SOURCE.replace("'out_ptr0': '*fp8e4nv', 'xnumel'", "'in_out_ptr0': '*bf16', 'xnumel'")
+    inplace = inplace.replace("(in_ptr0, in_ptr1, out_ptr0, xnumel,", "(in_ptr0, in_ptr1, in_out_ptr0, xnumel,")
+    inplace = inplace.replace("tl.store(out_ptr0 + (xindex)", "tl.store(in_out_ptr0 + (xindex)")
+    got = {r["name"]: r for r in ck.parse_source(inplace)}[CAST]
+    assert got["gb"] == pytest.approx((16777216 * (2 + 2 * 2) + 4) / 1e9)  # an in_out pointer is read and written
 
 
 def test_analyse_joins_the_profile_with_the_source_and_ranks_by_excess(tmp_path: Path) -> None:
