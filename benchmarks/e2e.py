@@ -35,6 +35,9 @@ Variants (``--variants``, comma list, in this order by default; each name is one
   accepts, each one's input cast with a scale calibrated before training (4 batches, margin 2)
   instead of its own amax per call (``benchmarks/static_scales.py``): does a fixed activation
   scale pay in the compiled training step, as it does in serving, and what does it cost in loss?
+- ``dualcast_tensorwise_filter``: the same sites, dynamic scales, each operand (``x``, ``w``,
+  ``dy``) cast by one kernel that writes both of its FP8 layouts (``benchmarks/cast_dual.py``):
+  do inductor's separate transposing casts cost more than the fusion an opaque cast gives up?
 
 Compiled runs are held to account (:func:`loka_tune.objectives.compiled.strict_compile`):
 each variant starts from a reset dynamo (its own compiles, as in a fresh process), a
@@ -88,7 +91,7 @@ from loka_tune.objectives.trainer import TrainConfig, train  # noqa: E402
 VARIANTS = ("bf16", "bf16_mods", "config", "torchao_tensorwise", "torchao_rowwise", "torchao_tensorwise_filter",
             "torchao_rowwise_filter", "fbgemm_rowwise", "scaled_mm_rowwise", "triton_rowwise",
             "scaled_mm_rowwise_filter", "scaled_mm_tensorwise_filter", "scaled_mm_tensorwise_fa_filter",
-            "static_tensorwise_filter")
+            "static_tensorwise_filter", "dualcast_tensorwise_filter")
 _UNIFORM = {"fbgemm_rowwise": "e4m3.row.fa.fbgemm", "scaled_mm_rowwise": "e4m3.row.fa.torch_scaled_mm",
             "triton_rowwise": "e4m3.row.fa.triton", "scaled_mm_rowwise_filter": "e4m3.row.fa.torch_scaled_mm",
             # LokaLinear's tensorwise path (operands quantized once when compiled) on torchao's tensorwise sites
@@ -96,7 +99,7 @@ _UNIFORM = {"fbgemm_rowwise": "e4m3.row.fa.fbgemm", "scaled_mm_rowwise": "e4m3.r
             # the same with fast accumulation in all three GEMMs (the tensorwise_fa recipe)
             "scaled_mm_tensorwise_fa_filter": "e4m3.tensor.fa.torch_scaled_mm"}
 _GPU_ONLY = {"torchao_tensorwise", "torchao_rowwise", "torchao_tensorwise_filter", "torchao_rowwise_filter",
-             "static_tensorwise_filter", *_UNIFORM}  # (CPU torch._scaled_mm: a reference loop, ~1 GFLOP/s)
+             "static_tensorwise_filter", "dualcast_tensorwise_filter", *_UNIFORM}  # (CPU torch._scaled_mm: a reference loop, ~1 GFLOP/s)
 
 
 def _torchao(model: nn.Module, recipe: str, size_filter: bool) -> dict[str, Any]:
@@ -148,6 +151,8 @@ def prepare(name: str, model: nn.Module, config: PrecisionConfig, *, source: Any
         return {"fp8_sites": len(s.replaced), "fallbacks": len(s.fallbacks) + kept_bf16, "mods": mods.short_str()}
     if name == "static_tensorwise_filter":
         return _static_tensorwise(model, mods, source, batch_size, device)
+    if name == "dualcast_tensorwise_filter":
+        return _dualcast_tensorwise(model, mods)
     raise SystemExit(f"unknown variant {name!r}; choose from {', '.join(VARIANTS)}")
 
 
@@ -179,6 +184,24 @@ def _static_tensorwise(model: nn.Module, mods: ModsConfig, source: Any, batch_si
     amax = calibrate(model, batches, autocast=torch.bfloat16)
     return {"fp8_sites": len(swapped), "sites": swapped, "mods": mods.short_str(), "calibration_amax": amax,
             "calibration": {"batches": STATIC_CALIBRATION_BATCHES, "margin": STATIC_MARGIN}}
+
+
+def _dualcast_tensorwise(model: nn.Module, mods: ModsConfig) -> dict[str, Any]:
+    """e4m3 tensorwise on torchao's tensorwise filter sites with each operand cast once into both
+    FP8 layouts by one kernel (``benchmarks/cast_dual.py``), dynamic scales as torchao's."""
+    from loka_tune.recipes import SIZE_FILTERS
+
+    here = str(Path(__file__).resolve().parent)
+    if here not in sys.path:
+        sys.path.insert(0, here)  # benchmarks/cast_dual.py, when this file is imported (tests)
+    from cast_dual import swap_dual
+
+    if mods.any:
+        apply(model, PrecisionConfig(mods=mods))
+    keep = SIZE_FILTERS["tensorwise"]
+    names = [n for n, m in model.named_modules() if type(m) is nn.Linear and keep.keeps(m.in_features, m.out_features)]
+    swapped = swap_dual(model, names)
+    return {"fp8_sites": len(swapped), "sites": swapped, "mods": mods.short_str()}
 
 
 def _torchao_filtered(model: nn.Module, recipe: str) -> set[str]:
