@@ -44,41 +44,42 @@ def cast_dual_reference(x: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Ten
     return y.contiguous(), y.t().contiguous()
 
 
-_KERNEL: Any = None
+try:  # the kernel needs triton (GPU machines); off CUDA the op runs the torch reference
+    import triton
+    import triton.language as tl
+
+    from loka_tune.kernels.triton_quant import tl_cast
+except ImportError:  # a CPU-only torch: no triton
+    triton = None
+
+if triton is not None:
+    @triton.jit
+    def _dual_cast_kernel(x_ptr, s_ptr, y_ptr, yt_ptr, R, C, FMAX_: tl.constexpr, OUT_T: tl.constexpr,
+                          BR: tl.constexpr, BC: tl.constexpr):
+        rows = tl.program_id(0) * BR + tl.arange(0, BR)  # (BR,)
+        cols = tl.program_id(1) * BC + tl.arange(0, BC)  # (BC,)
+        m = (rows[:, None] < R) & (cols[None, :] < C)  # (BR, BC)
+        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], mask=m, other=0.0)
+        xf = x.to(tl.float32)
+        scale = tl.load(s_ptr)
+        tl.store(y_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], tl_cast(xf, scale, FMAX_, OUT_T), mask=m)
+        # the transposed tile (transposed in fp32, then cast: the same values), stored with the rows
+        # contiguous: (BC, BR) into yt (C, R)
+        mt = (cols[:, None] < C) & (rows[None, :] < R)  # (BC, BR)
+        tl.store(yt_ptr + cols[:, None].to(tl.int64) * R + rows[None, :], tl_cast(tl.trans(xf), scale, FMAX_, OUT_T),
+                 mask=mt)
 
 
-def _kernel() -> Any:
-    """The Triton kernel, built at the first CUDA call (triton is imported only then)."""
-    global _KERNEL
-    if _KERNEL is None:
-        import triton
-        import triton.language as tl
-
-        from loka_tune.kernels.triton_quant import tl_cast
-
-        @triton.jit
-        def dual_cast(x_ptr, s_ptr, y_ptr, yt_ptr, R, C, FMAX_: tl.constexpr, OUT_T: tl.constexpr,
-                      BR: tl.constexpr, BC: tl.constexpr):
-            rows = tl.program_id(0) * BR + tl.arange(0, BR)  # (BR,)
-            cols = tl.program_id(1) * BC + tl.arange(0, BC)  # (BC,)
-            m = (rows[:, None] < R) & (cols[None, :] < C)  # (BR, BC)
-            x = tl.load(x_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], mask=m, other=0.0)
-            y = tl_cast(x.to(tl.float32), tl.load(s_ptr), FMAX_, OUT_T)  # (BR, BC)
-            tl.store(y_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], y, mask=m)
-            # the transposed tile, stored with the rows contiguous: (BC, BR) into yt (C, R)
-            mt = (cols[:, None] < C) & (rows[None, :] < R)  # (BC, BR)
-            tl.store(yt_ptr + cols[:, None].to(tl.int64) * R + rows[None, :], tl.trans(y), mask=mt)
-
-        def launch(x: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            r, c = x.shape
-            y = torch.empty((r, c), device=x.device, dtype=E4M3)
-            yt = torch.empty((c, r), device=x.device, dtype=E4M3)
-            grid = (triton.cdiv(r, 128), triton.cdiv(c, 128))
-            dual_cast[grid](x, scale, y, yt, r, c, FMAX_=FMAX, OUT_T=tl.float8e4nv, BR=128, BC=128, num_warps=8)
-            return y, yt
-
-        _KERNEL = launch
-    return _KERNEL
+def _launch(x: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Triton kernel on a contiguous ``x`` ``(R, C)`` and a float32 ``()`` scale."""
+    if triton is None:
+        raise RuntimeError("cast_dual on CUDA needs triton, which does not import here; install the GPU wheels")
+    r, c = x.shape
+    y = torch.empty((r, c), device=x.device, dtype=E4M3)
+    yt = torch.empty((c, r), device=x.device, dtype=E4M3)
+    grid = (triton.cdiv(r, 128), triton.cdiv(c, 128))
+    _dual_cast_kernel[grid](x, scale, y, yt, r, c, FMAX_=FMAX, OUT_T=tl.float8e4nv, BR=128, BC=128, num_warps=8)
+    return y, yt
 
 
 @torch.library.custom_op("loka_bench::cast_dual", mutates_args=())
@@ -88,7 +89,7 @@ def cast_dual(x: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch
         raise ValueError(f"cast_dual takes a 2-D operand (rows, cols), got shape {tuple(x.shape)}")
     if x.device.type != "cuda":
         return cast_dual_reference(x, scale)
-    return _kernel()(x.contiguous(), scale.to(torch.float32).reshape(()).contiguous())
+    return _launch(x.contiguous(), scale.to(torch.float32).reshape(()).contiguous())
 
 
 @cast_dual.register_fake
