@@ -162,22 +162,29 @@ STATIC_CALIBRATION_BATCHES = 4
 STATIC_MARGIN = 2.0
 
 
+def _filter_sites_after_mods(model: nn.Module, mods: ModsConfig) -> list[str]:
+    """Apply ``mods``, then name the plain ``nn.Linear`` modules that torchao's tensorwise size
+    filter keeps (``loka_tune.recipes.SIZE_FILTERS``, its filter restated); puts this folder on
+    ``sys.path`` for the benchmark modules the variants swap in (when this file is imported)."""
+    from loka_tune.recipes import SIZE_FILTERS
+
+    here = str(Path(__file__).resolve().parent)
+    if here not in sys.path:
+        sys.path.insert(0, here)  # benchmarks/static_scales.py, cast_dual.py (tests, serve.py)
+    if mods.any:
+        apply(model, PrecisionConfig(mods=mods))
+    keep = SIZE_FILTERS["tensorwise"]
+    return [n for n, m in model.named_modules() if type(m) is nn.Linear and keep.keeps(m.in_features, m.out_features)]
+
+
 def _static_tensorwise(model: nn.Module, mods: ModsConfig, source: Any, batch_size: int,
                        device: torch.device) -> dict[str, Any]:
     """e4m3 tensorwise on torchao's tensorwise filter sites (``loka_tune.recipes.SIZE_FILTERS``,
     its size filter restated) with each site's input cast by a calibrated scale instead of its
     own amax (``benchmarks/static_scales.py``); the weight and the output gradient stay per call."""
-    from loka_tune.recipes import SIZE_FILTERS
-
-    here = str(Path(__file__).resolve().parent)
-    if here not in sys.path:
-        sys.path.insert(0, here)  # benchmarks/static_scales.py, when this file is imported (tests, serve.py)
+    names = _filter_sites_after_mods(model, mods)
     from static_scales import calibrate, swap_static
 
-    if mods.any:
-        apply(model, PrecisionConfig(mods=mods))
-    keep = SIZE_FILTERS["tensorwise"]
-    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and keep.keeps(m.in_features, m.out_features)]
     swapped = swap_static(model, names, margin=STATIC_MARGIN)
     it = iter(source.batches("train", batch_size, seed=1000, device=device))
     batches = [model_inputs(model, next(it)) for _ in range(STATIC_CALIBRATION_BATCHES)]
@@ -189,17 +196,9 @@ def _static_tensorwise(model: nn.Module, mods: ModsConfig, source: Any, batch_si
 def _dualcast_tensorwise(model: nn.Module, mods: ModsConfig) -> dict[str, Any]:
     """e4m3 tensorwise on torchao's tensorwise filter sites with each operand cast once into both
     FP8 layouts by one kernel (``benchmarks/cast_dual.py``), dynamic scales as torchao's."""
-    from loka_tune.recipes import SIZE_FILTERS
-
-    here = str(Path(__file__).resolve().parent)
-    if here not in sys.path:
-        sys.path.insert(0, here)  # benchmarks/cast_dual.py, when this file is imported (tests)
+    names = _filter_sites_after_mods(model, mods)
     from cast_dual import swap_dual
 
-    if mods.any:
-        apply(model, PrecisionConfig(mods=mods))
-    keep = SIZE_FILTERS["tensorwise"]
-    names = [n for n, m in model.named_modules() if type(m) is nn.Linear and keep.keeps(m.in_features, m.out_features)]
     swapped = swap_dual(model, names)
     return {"fp8_sites": len(swapped), "sites": swapped, "mods": mods.short_str()}
 

@@ -7,6 +7,8 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import torch
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -22,3 +24,17 @@ def load_bench(script: str, name: str | None = None, *, register: bool = False) 
         sys.modules[spec.name] = mod
     spec.loader.exec_module(mod)
     return mod
+
+
+def linear_grads64(w: torch.Tensor, b: torch.Tensor | None, x: torch.Tensor, dy: torch.Tensor,
+                   clamp: float | None = None) -> tuple[torch.Tensor, ...]:
+    """y, dx, dw of ``x @ w.T + b`` in float64 (the reference of the FP8 Linears the benchmark
+    scripts build); ``clamp``: x saturated at +-clamp first."""
+    x64 = x.double().requires_grad_(True)
+    w64 = w.detach().double().requires_grad_(True)
+    xin = x64 if clamp is None else x64.clamp(-clamp, clamp)
+    y = xin @ w64.t()
+    if b is not None:
+        y = y + b.detach().double()
+    y.backward(dy.double())
+    return y.detach(), x64.grad, w64.grad

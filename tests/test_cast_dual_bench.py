@@ -8,27 +8,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from _bench import load_bench
+from _bench import linear_grads64, load_bench
 from torch import nn
+
+from loka_tune.kernels.quant import sqnr_db as _sqnr
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def _load():  # noqa: ANN202
     return load_bench("cast_dual.py", "cast_dual_bench", register=True)
-
-
-def _sqnr(ref: torch.Tensor, got: torch.Tensor) -> float:
-    ref, got = ref.double(), got.double()
-    return float(10 * torch.log10((ref ** 2).sum() / ((ref - got) ** 2).sum().clamp(min=1e-300)))
-
-
-def _grads64(w: torch.Tensor, x: torch.Tensor, dy: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    x64 = x.double().requires_grad_(True)
-    w64 = w.detach().double().requires_grad_(True)
-    y = x64 @ w64.t()
-    y.backward(dy.double())
-    return y.detach(), x64.grad, w64.grad
 
 
 def test_the_cast_writes_the_data_and_its_transpose_saturated() -> None:
@@ -57,7 +46,7 @@ def test_a_dual_cast_linear_trains_within_fp8_error(m: int, k: int, n: int) -> N
         y = lin(xg)
     assert y.dtype == torch.bfloat16 and y.shape == (m, n)
     y.float().backward(dy)
-    y64, dx64, dw64 = _grads64(lin.weight, x, dy)
+    y64, dx64, dw64 = linear_grads64(lin.weight, None, x, dy)
     # e4m3 carries 3 mantissa bits (~28 dB per operand); two quantized operands per GEMM
     assert _sqnr(y64, y) > 22.0 and _sqnr(dx64, xg.grad) > 22.0 and _sqnr(dw64, lin.weight.grad) > 22.0
     assert lin.weight.grad.dtype == torch.float32 and xg.grad.dtype == torch.float32
@@ -72,7 +61,7 @@ def test_adversarial_operands_huge_range_a_constant_and_zeros() -> None:
     xg = x.clone().requires_grad_(True)
     y = lin(xg)
     y.backward(dy)
-    y64, dx64, dw64 = _grads64(lin.weight, x, dy)
+    y64, dx64, dw64 = linear_grads64(lin.weight, None, x, dy)
     assert torch.isfinite(y).all() and _sqnr(y64, y) > 20.0 and _sqnr(dw64, lin.weight.grad) > 20.0
     assert _sqnr(dx64, xg.grad) > 22.0
     c = torch.full((16, 64), 0.75)
@@ -169,5 +158,5 @@ def test_the_dual_cast_layer_compiles_whole_on_a_gpu_and_matches_eager() -> None
         grads.append((y.detach().float(), xg.grad.clone(), block[1].weight.grad.clone()))
     (ye, dxe, dwe), (yc, dxc, dwc) = grads
     assert _sqnr(ye, yc) > 30.0 and _sqnr(dxe, dxc) > 30.0 and _sqnr(dwe, dwc) > 30.0
-    y64, _, dw64 = _grads64(block[1].weight, torch.nn.functional.hardswish(x), dy)
+    y64, _, dw64 = linear_grads64(block[1].weight, None, torch.nn.functional.hardswish(x), dy)
     assert _sqnr(y64, yc) > 22.0 and _sqnr(dw64, dwc) > 22.0

@@ -7,32 +7,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from _bench import linear_grads64 as _grads64
 from _bench import load_bench
 from torch import nn
+
+from loka_tune.kernels.quant import sqnr_db as _sqnr
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def _load():  # noqa: ANN202
     return load_bench('static_scales.py', 'static_scales_bench', register=True)
-
-
-def _sqnr(ref: torch.Tensor, got: torch.Tensor) -> float:
-    ref, got = ref.double(), got.double()
-    return float(10 * torch.log10((ref ** 2).sum() / ((ref - got) ** 2).sum().clamp(min=1e-300)))
-
-
-def _grads64(w: torch.Tensor, b: torch.Tensor | None, x: torch.Tensor, dy: torch.Tensor,
-             clamp: float | None = None) -> tuple[torch.Tensor, ...]:
-    """y, dx, dw (and db) of x @ w.T + b in float64; ``clamp``: x saturated at +-clamp first."""
-    x64 = x.double().requires_grad_(True)
-    w64 = w.detach().double().requires_grad_(True)
-    xin = x64 if clamp is None else x64.clamp(-clamp, clamp)
-    y = xin @ w64.t()
-    if b is not None:
-        y = y + b.detach().double()
-    y.backward(dy.double())
-    return y.detach(), x64.grad, w64.grad
 
 
 @pytest.mark.parametrize("m,k,n", [(32, 64, 32), (64, 128, 48), (48, 32, 160)])
