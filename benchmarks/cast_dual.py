@@ -41,7 +41,7 @@ def cast_dual_reference(x: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Ten
     """``x`` ``(R, C)`` times ``scale`` (float32 ``()``), saturated at +-448, in e4m3: the data
     ``(R, C)`` and its transpose ``(C, R)``, both contiguous (the reference of the kernel)."""
     y = (x.to(torch.float32) * scale).clamp(-FMAX, FMAX).to(E4M3)
-    return y.contiguous(), y.t().contiguous()
+    return y.contiguous(), y.t().clone(memory_format=torch.contiguous_format)  # a copy: (1, C) never aliases
 
 
 try:  # the kernel needs triton (GPU machines); off CUDA the op runs the torch reference
@@ -101,7 +101,7 @@ def _cast_dual_fake(x: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor,
 def _scale(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The tensorwise multiplier of ``t`` and its dequantization factor, by the product's rule."""
     from loka_tune.config import Format
-    from loka_tune.kernels.scaled import _scale as product_scale
+    from loka_tune.kernels.scaled import scale_from_amax as product_scale
 
     s = product_scale(t.detach().to(torch.float32).abs().amax(), Format.E4M3, False)  # ()
     return s, s.reciprocal()

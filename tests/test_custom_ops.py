@@ -14,7 +14,9 @@ AOT autograd and dynamic shapes, and compares. The package's custom ops:
   quantized once (``fbgemm``, ``triton``); on the CPU through a CPU backend whose static path is
   routed through the op, on a GPU through the real backends;
 - ``loka_tune::serve_fused_epilogue`` (:mod:`loka_tune.kernels.serving`): the served fused
-  Linear -> BlockNorm -> Hard Swish (Triton, GPU only).
+  Linear -> BlockNorm -> Hard Swish (Triton, GPU only);
+- ``loka::cast_dual`` (:mod:`loka_tune.kernels.dualcast`): a tensorwise operand cast into both
+  FP8 layouts (the torch reference on the CPU, the Triton kernel on a GPU).
 
 No other ``torch.library`` op is defined (the test below that lists them fails when one is
 added without a check here). The row-wise Adagrad (:mod:`loka_tune.objectives.optim`) and the
@@ -39,7 +41,7 @@ from loka_tune.kernels.scaled import scaled_mm_gemm
 
 ROOT = Path(__file__).resolve().parents[1] / "loka_tune"
 OPS = {"loka::gemm", "loka_tune::fp8_gemm", "loka_tune::fp8_gemm_static",  # every custom op this file checks
-       "loka_tune::serve_fused_epilogue"}
+       "loka_tune::serve_fused_epilogue", "loka::cast_dual"}
 
 
 def _operands(m: int, k: int, n: int, *, device: str = "cpu", dtype: torch.dtype = torch.float32,
@@ -208,3 +210,18 @@ def test_serve_fused_epilogue_fake_matches_the_op() -> None:
     for bias in (None, torch.randn(256, device="cuda")):
         torch.library.opcheck(torch.ops.loka_tune.serve_fused_epilogue.default,
                               (a, data, scale, bias, 128, 1e-6, c.short_str()), test_utils=_FP8_INPUT_TESTS)
+
+
+# ------------------------------------------------------------------------------ loka::cast_dual
+# FP8 outputs: opcheck's schema test compares them with arithmetic FP8 does not support
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("fmt, via", [("e4m3", ""), ("e5m2", ""), ("e4m3", "bfloat16")])
+def test_cast_dual_fake_matches_the_op(device: str, fmt: str, via: str) -> None:
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from loka_tune.kernels import dualcast  # noqa: F401  (defines the op)
+
+    a, _ = _operands(96, 160, 8, device=device, dtype=torch.float32 if via else torch.bfloat16)
+    for _layout, x, _ in _layouts(a, a):
+        torch.library.opcheck(torch.ops.loka.cast_dual.default, (x, torch.tensor(3.0, device=device), fmt, via),
+                              test_utils=_FP8_INPUT_TESTS)

@@ -23,6 +23,10 @@ dgrad and wgrad), it is quantized once and its FP8 copy (transposed where the ot
 it) serves both, and the FP8 copies of ``X`` and ``W`` are what forward saves for backward
 (:class:`~loka_tune.kernels.scaled.SharePlan`), as torchao's tensorwise training does.
 Bit-identical to quantizing per GEMM; eager mode keeps the fused Triton quantization per GEMM.
+On CUDA (dual-cast mode ``auto``, :mod:`loka_tune.kernels.dualcast`) each shared operand is cast
+by one kernel that writes both FP8 layouts from one read (``torch.ops.loka.cast_dual``), and
+forward saves the transposed copies backward takes; ``set_dual_cast("off")`` keeps inductor's
+casts, ``"on"`` uses the op on every device.
 
 Compute dtype: the autocast dtype when autocast is on for the input's device, else the
 input's dtype; operands are cast to it, the output is in it, and gradients come back in the
@@ -38,6 +42,7 @@ runs where the custom op runs (by default for CPU tensors);
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 from typing import Any, Callable
 
 import torch
@@ -46,7 +51,8 @@ from torch import nn
 
 from loka_tune.config import BF16, ROLES, GemmChoice, Granularity, SitePrecision
 from loka_tune.errors import BackendError
-from loka_tune.kernels import ops
+from loka_tune.kernels import dualcast, ops
+from loka_tune.kernels.dualcast import cast_to_fp8_dual
 from loka_tune.kernels.registry import SHAPE_FALLBACKS, Backend, get_backend
 from loka_tune.kernels.scaled import NO_SHARE, SharePlan, cast_to_fp8, mm_quantized, share_plan, transposed
 from loka_tune.layers import carry_hooks
@@ -116,13 +122,22 @@ class _LokaLinearFn(torch.autograd.Function):
         cs: tuple[GemmChoice, ...] = (),
     ) -> torch.Tensor:
         xc, wc = x.to(dtype), weight.to(dtype)
+        saved_x: tuple[torch.Tensor, ...]
+        saved_w: tuple[torch.Tensor, ...]
         if share.x or share.w:  # fwd is tensorwise on torch._scaled_mm: quantize, keep the FP8 copies
             c = cs[0]
-            qx = cast_to_fp8(xc, c.a_format, Granularity.TENSOR, c.rounding)  # (M, K), ()
-            qw = cast_to_fp8(wc, c.b_format, Granularity.TENSOR, c.rounding)  # (N, K), ()
+            # with share.dual, the copy saved for backward is the transposed one the dual cast wrote
+            if share.dual and share.x:
+                qx, saved_x = cast_to_fp8_dual(xc, c.a_format, c.rounding)  # (M, K), (K, M)
+            else:
+                qx = cast_to_fp8(xc, c.a_format, Granularity.TENSOR, c.rounding)  # (M, K), ()
+                saved_x = qx if share.x else (xc,)
+            if share.dual and share.w:  # the kernel reads the fp32 master weight (no bf16 copy)
+                qw, saved_w = cast_to_fp8_dual(weight, c.b_format, c.rounding, via=dtype)  # (N, K), (K, N)
+            else:
+                qw = cast_to_fp8(wc, c.b_format, Granularity.TENSOR, c.rounding)  # (N, K), ()
+                saved_w = qw if share.w else (wc,)
             y = mm_quantized(qx, qw, c, dtype)  # (M, N)
-            saved_x: tuple[torch.Tensor, ...] = qx if share.x else (xc,)
-            saved_w: tuple[torch.Tensor, ...] = qw if share.w else (wc,)
         else:
             y = _gemm(xc, wc, fwd, "fwd", tag, fns[0])  # (M, N)
             saved_x, saved_w = (xc,), (wc,)
@@ -139,24 +154,36 @@ class _LokaLinearFn(torch.autograd.Function):
         saved = ctx.saved_tensors
         sx, sw = saved[:nx], saved[nx:]  # (X,) or its FP8 (data, inv_scale); the same for W
         dy = dy.to(dtype)  # (M, N)
-        qdy = cast_to_fp8(dy, cs[1].a_format, Granularity.TENSOR, cs[1].rounding) if share.dy else None
+        qdy = qdy_t = None
+        if share.dy and share.dual:
+            qdy, qdy_t = cast_to_fp8_dual(dy, cs[1].a_format, cs[1].rounding)  # (M, N), (N, M)
+        elif share.dy:
+            qdy = cast_to_fp8(dy, cs[1].a_format, Granularity.TENSOR, cs[1].rounding)
         dx = dw = db = None
         if ctx.needs_input_grad[0]:  # (M, N) @ (K, N).T -> (M, K)
             if share.w or share.dy:
                 c = cs[1]
                 a = qdy if qdy is not None else cast_to_fp8(dy, c.a_format, Granularity.TENSOR, c.rounding)
-                b = transposed((sw[0], sw[1])) if share.w else cast_to_fp8(sw[0].t(), c.b_format, Granularity.TENSOR,
-                                                                         c.rounding)
+                if share.w:  # W^T (K, N): saved transposed by the dual cast, else transposed here
+                    b = (sw[0], sw[1]) if share.dual else transposed((sw[0], sw[1]))
+                else:
+                    b = cast_to_fp8(sw[0].t(), c.b_format, Granularity.TENSOR, c.rounding)
                 dx = mm_quantized(a, b, c, dtype).to(x_dtype)
             else:
                 dx = _gemm(dy, sw[0].t(), dgrad, "dgrad", tag, fns[1]).to(x_dtype)
         if ctx.needs_input_grad[1]:  # (N, M) @ (K, M).T -> (N, K)
             if share.x or share.dy:
                 c = cs[2]
-                a = transposed(qdy) if qdy is not None else cast_to_fp8(dy.t(), c.a_format, Granularity.TENSOR,
-                                                                         c.rounding)
-                b = transposed((sx[0], sx[1])) if share.x else cast_to_fp8(sx[0].t(), c.b_format, Granularity.TENSOR,
-                                                                         c.rounding)
+                if qdy_t is not None:
+                    a = qdy_t
+                elif qdy is not None:
+                    a = transposed(qdy)
+                else:
+                    a = cast_to_fp8(dy.t(), c.a_format, Granularity.TENSOR, c.rounding)
+                if share.x:  # X^T (K, M): saved transposed by the dual cast, else transposed here
+                    b = (sx[0], sx[1]) if share.dual else transposed((sx[0], sx[1]))
+                else:
+                    b = cast_to_fp8(sx[0].t(), c.b_format, Granularity.TENSOR, c.rounding)
                 dw = mm_quantized(a, b, c, dtype).to(w_dtype)
             else:
                 dw = _gemm(dy.t(), sx[0].t(), wgrad, "wgrad", tag, fns[2]).to(w_dtype)
@@ -213,6 +240,9 @@ class LokaLinear(nn.Linear):
         self._shape_checks = tuple(checks)
         self._choices = tuple(ops.parse_choice(i) for i in self._ids)
         self._share = share_plan(*self._choices)
+        # the same plan cast by loka::cast_dual (chosen per graph in forward, by the dual-cast mode)
+        self._share_dual = replace(self._share, dual=True) if self._share.any else self._share
+        self._dual_ok = self._share.any and dualcast.triton_available()
 
     def _fit_to_shape(self, m: int) -> tuple[tuple[str, str, str], tuple[GemmFn | None, ...]]:
         """Choices and call paths for ``m`` rows: bf16 for each GEMM whose backend cannot launch
@@ -242,6 +272,7 @@ class LokaLinear(nn.Linear):
         state.pop("_shape_checks", None)
         state.pop("_choices", None)
         state.pop("_share", None)
+        state.pop("_share_dual", None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -290,7 +321,12 @@ class LokaLinear(nn.Linear):
             # eager keeps the fused Triton quantization per GEMM; compiled, inductor fuses these casts
             if (fwd, dgrad, wgrad) != self._ids:  # a shape fallback changed a choice
                 cs = tuple(ops.parse_choice(i) for i in (fwd, dgrad, wgrad))
-            share = share_plan(*cs) if cs is not self._choices else self._share
+            if cs is not self._choices:
+                share = share_plan(*cs)
+            else:  # the dual cast: mode "on", or "auto" on a CUDA tensor with triton installed
+                mode = dualcast.get_dual_cast()
+                dual = mode == "on" or (mode == "auto" and x.is_cuda and self._dual_ok)
+                share = self._share_dual if dual else self._share
         y = _LokaLinearFn.apply(x2, self.weight, self.bias, fwd, dgrad, wgrad, fns, self._tag, dtype,
                                 share, cs)  # (M, N)
         return y.reshape(*lead, self.out_features)

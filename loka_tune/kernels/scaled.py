@@ -30,14 +30,14 @@ import torch
 from loka_tune.config import Format, GemmChoice, Granularity, ScaleRounding
 from loka_tune.kernels.quant import F32_MAX, FMAX, FP8_DTYPE
 
-__all__ = ["cast_to_fp8", "scaled_mm_gemm", "scaled_mm_static", "SCALED_MM_GRANULARITIES", "SharePlan", "share_plan", "mm_quantized",
+__all__ = ["cast_to_fp8", "scale_from_amax", "scaled_mm_gemm", "scaled_mm_static", "SCALED_MM_GRANULARITIES", "SharePlan", "share_plan", "mm_quantized",
            "transposed"]
 
 SCALED_MM_GRANULARITIES = frozenset({Granularity.TENSOR, Granularity.ROW})
 _EXP_MASK = 0x7F800000  # float32 exponent bits: clearing the mantissa rounds down to 2**e
 
 
-def _scale(amax: torch.Tensor, fmt: Format, pow2: bool) -> torch.Tensor:
+def scale_from_amax(amax: torch.Tensor, fmt: Format, pow2: bool) -> torch.Tensor:
     """Reference scales from float32 amaxes (see :func:`loka_tune.kernels.quant.compute_scale`)."""
     fmax = FMAX[fmt]
     # a tensor over a tensor: a true IEEE division (a Python scalar over a tensor may become
@@ -66,7 +66,7 @@ def cast_to_fp8(
         amax = x32.abs().amax(dim=1, keepdim=True)  # (rows, 1)
     else:
         raise ValueError(f"cast_to_fp8 runs 'tensor' and 'row' scaling, got {gran.value!r}")
-    scale = _scale(amax, fmt, rounding == ScaleRounding.POW2)
+    scale = scale_from_amax(amax, fmt, rounding == ScaleRounding.POW2)
     fmax = FMAX[fmt]
     data = (x32 * scale).clamp(-fmax, fmax).to(FP8_DTYPE[fmt])  # (rows, red), layout of x
     if data.stride(-1) != 1:
@@ -132,11 +132,15 @@ class SharePlan:
     the bytes of bf16), ``dY`` quantized for dgrad serves wgrad (``dY^T``). Torchao's
     tensorwise training does the same. Each flag needs both GEMMs on ``torch_scaled_mm``,
     tensorwise, with the operand in one format and one scale rounding.
+
+    ``dual``: the shared operands are cast by ``torch.ops.loka.cast_dual`` (one read, both
+    layouts, :mod:`loka_tune.kernels.dualcast`) instead of a cast and a transposing copy.
     """
 
     x: bool = False
     w: bool = False
     dy: bool = False
+    dual: bool = False
 
     @property
     def any(self) -> bool:

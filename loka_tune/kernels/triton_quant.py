@@ -37,7 +37,7 @@ import triton.language as tl
 from loka_tune.config import Format, Granularity, ScaleRounding
 from loka_tune.errors import UnsupportedChoiceError
 
-__all__ = ["QuantOut", "quantize", "TL_FP8", "FMAX", "tl_scale_from_amax", "tl_cast", "row_cast_partials_kernel"]
+__all__ = ["QuantOut", "quantize", "TL_FP8", "FMAX", "tl_scale_from_amax", "tl_cast", "row_cast_partials_kernel", "dual_cast"]
 
 FMAX = {Format.E4M3: 448.0, Format.E5M2: 57344.0}
 _TORCH_FP8 = {Format.E4M3: torch.float8_e4m3fn, Format.E5M2: torch.float8_e5m2}
@@ -292,3 +292,46 @@ def quantize(x: torch.Tensor, fmt: Format | str, gran: Granularity | str,
     raise UnsupportedChoiceError(
         f"the Triton quantizer implements tensor, row and block granularities, not {gran.value!r}"
     )
+
+
+# ----------------------------------------------------------------------------- dual (both layouts)
+@triton.jit
+def _dual_cast_kernel(x_ptr, s_ptr, y_ptr, yt_ptr, R, C, sxr, sxc, FMAX_: tl.constexpr, OUT_T: tl.constexpr,
+                      VIA_T: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+    """One (BR, BC) tile of ``x`` (any strides) times the tensorwise ``scale``, saturated and cast,
+    stored into ``y`` ``(R, C)`` and, transposed in fp32 first, into ``yt`` ``(C, R)``; both
+    contiguous. ``VIA_T``: the dtype the value is rounded through before the cast (the compute
+    dtype of an fp32 master weight; float32: none)."""
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)  # (BR,)
+    cols = tl.program_id(1) * BC + tl.arange(0, BC)  # (BC,)
+    m = (rows[:, None] < R) & (cols[None, :] < C)  # (BR, BC)
+    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * sxr + cols[None, :].to(tl.int64) * sxc, mask=m, other=0.0)
+    xf = x.to(VIA_T).to(tl.float32)
+    scale = tl.load(s_ptr)
+    tl.store(y_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], tl_cast(xf, scale, FMAX_, OUT_T), mask=m)
+    mt = (cols[:, None] < C) & (rows[None, :] < R)  # (BC, BR)
+    tl.store(yt_ptr + cols[:, None].to(tl.int64) * R + rows[None, :], tl_cast(tl.trans(xf), scale, FMAX_, OUT_T),
+             mask=mt)
+
+
+_TL_VIA = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def dual_cast(x: torch.Tensor, scale: torch.Tensor, fmt: Format,
+              via: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` ``(R, C)`` (CUDA, any strides and float dtype) rounded through ``via``, times
+    ``scale`` (float32, one element), saturated and cast to ``fmt``: ``(data (R, C), data_t (C, R))``,
+    both contiguous, from one read of ``x`` (see :mod:`loka_tune.kernels.dualcast`)."""
+    if fmt not in TL_FP8:
+        raise UnsupportedChoiceError(f"dual_cast writes e4m3 or e5m2, got {fmt.value!r}")
+    if via not in _TL_VIA:
+        raise UnsupportedChoiceError(f"dual_cast rounds through float32, bfloat16 or float16, got {via}")
+    r, c = x.shape
+    dt = torch.float8_e4m3fn if fmt == Format.E4M3 else torch.float8_e5m2
+    y = torch.empty((r, c), device=x.device, dtype=dt)
+    yt = torch.empty((c, r), device=x.device, dtype=dt)
+    if r and c:
+        grid = (triton.cdiv(r, 128), triton.cdiv(c, 128))
+        _dual_cast_kernel[grid](x, scale.reshape(1).to(torch.float32), y, yt, r, c, x.stride(0), x.stride(1),
+                                FMAX_=FMAX[fmt], OUT_T=TL_FP8[fmt], VIA_T=_TL_VIA[via], BR=128, BC=128, num_warps=8)
+    return y, yt

@@ -1,0 +1,157 @@
+"""Both FP8 layouts of a tensorwise operand from one read: ``torch.ops.loka.cast_dual``.
+
+Hopper's FP8 GEMMs take both operands K-major, so a linear layer needs each of ``X``, ``W`` and
+``dY`` in FP8 twice: ``X`` for the forward and ``X^T`` for wgrad, ``W`` for the forward and ``W^T``
+for dgrad, ``dY`` for dgrad and ``dY^T`` for wgrad. With tensorwise scales the two copies hold
+the same values (:class:`~loka_tune.kernels.scaled.SharePlan`). Left to inductor, the transposed
+copy is a kernel of its own; here one Triton kernel
+(:func:`loka_tune.kernels.triton_quant.dual_cast`) reads the operand once, with any strides, and
+writes both, the transposed one through a tile transpose, as TransformerEngine's cast-transpose
+does. The amax and the scale stay plain torch ops, so inductor still fuses the amax into the
+operand's producer; only the cast is opaque.
+
+Measured (BENCHMARKS.md, 2026-12-06, fourth session, one H100, Wukong large, compiled, torchao's
+15 filter sites): the benchmark form of this cast ran 1.011x / 1.012x torchao's tensorwise line
+at B = 8192 (two seeds) and 1.009x at 32768.
+
+When it runs: on the shared tensorwise operands of a compiled :class:`~loka_tune.kernels.linear.LokaLinear`
+(the only place the two copies are made together), by the mode:
+
+- ``auto`` (the default): on CUDA tensors where ``triton`` is installed; elsewhere inductor's casts;
+- ``on``: always (on the CPU the op runs :func:`cast_dual_reference`: tests, and the same graph);
+- ``off``: never (inductor's casts, the A/B baseline).
+
+The mode starts from the environment variable ``LOKA_DUAL_CAST`` and is changed with
+:func:`set_dual_cast` or, for one block, :func:`dual_cast_mode`. It is read when a graph is
+traced: change it before compiling.
+
+The result is bit for bit that of :func:`loka_tune.kernels.scaled.cast_to_fp8` and its
+transpose.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+from functools import lru_cache
+from typing import Iterator
+
+import torch
+
+from loka_tune.config import Format, ScaleRounding
+from loka_tune.kernels.quant import FMAX, FP8_DTYPE
+from loka_tune.kernels.scaled import scale_from_amax
+
+__all__ = ["DUAL_CAST_MODES", "cast_dual", "cast_dual_reference", "cast_to_fp8_dual", "dual_cast_mode",
+           "get_dual_cast", "set_dual_cast", "triton_available"]
+
+DUAL_CAST_MODES = ("auto", "on", "off")
+_FORMATS = (Format.E4M3, Format.E5M2)
+_VIA = {"": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_VIA_NAME = {None: "", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def _check_mode(mode: str, where: str) -> str:
+    m = str(mode).strip().lower()
+    if m not in DUAL_CAST_MODES:
+        raise ValueError(f"{where} {mode!r} is not a dual-cast mode; use one of {', '.join(DUAL_CAST_MODES)}")
+    return m
+
+
+_MODE = {"mode": _check_mode(os.environ.get("LOKA_DUAL_CAST", "auto") or "auto", "LOKA_DUAL_CAST=")}
+
+
+def get_dual_cast() -> str:
+    """The dual-cast mode: ``auto``, ``on`` or ``off`` (module docstring)."""
+    return _MODE["mode"]
+
+
+def set_dual_cast(mode: str) -> str:
+    """Set the dual-cast mode (``auto``, ``on``, ``off``); returns the previous one. Graphs
+    compiled before keep the mode they were traced with."""
+    prev = _MODE["mode"]
+    _MODE["mode"] = _check_mode(mode, "set_dual_cast:")
+    return prev
+
+
+@contextlib.contextmanager
+def dual_cast_mode(mode: str) -> Iterator[None]:
+    """The dual-cast mode ``mode`` inside the block, the previous one after it."""
+    prev = set_dual_cast(mode)
+    try:
+        yield
+    finally:
+        _MODE["mode"] = prev
+
+
+@lru_cache(maxsize=1)
+def triton_available() -> bool:
+    """Whether ``triton`` can be imported (looked up, not imported)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def cast_dual_reference(x: torch.Tensor, scale: torch.Tensor, fmt: Format,
+                        via: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` ``(R, C)`` rounded through ``via`` (None: not), times ``scale`` (float32, one element),
+    saturated at the format's max and cast: ``(data (R, C), data_t (C, R))``, both contiguous."""
+    xv = x if via is None else x.to(via)
+    fmax = FMAX[fmt]
+    y = (xv.to(torch.float32) * scale.reshape(())).clamp(-fmax, fmax).to(FP8_DTYPE[fmt])  # (R, C)
+    return y.contiguous(), y.t().clone(memory_format=torch.contiguous_format)  # a copy: (1, C) never aliases
+
+
+@torch.library.custom_op("loka::cast_dual", mutates_args=())
+def cast_dual(x: torch.Tensor, scale: torch.Tensor, fmt: str, via: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`cast_dual_reference` (``fmt``: ``e4m3`` / ``e5m2``; ``via``: ``""``, ``bfloat16`` or
+    ``float16``) in one Triton kernel on CUDA, the torch reference elsewhere."""
+    f, v = _parse(x, scale, fmt, via)
+    if x.device.type == "cuda":
+        from loka_tune.kernels.triton_quant import dual_cast
+
+        return dual_cast(x, scale, f, torch.float32 if v is None else v)
+    return cast_dual_reference(x, scale, f, v)
+
+
+def _parse(x: torch.Tensor, scale: torch.Tensor, fmt: str, via: str) -> tuple[Format, torch.dtype | None]:
+    if x.dim() != 2:
+        raise ValueError(f"loka::cast_dual takes a 2-D operand (rows, cols), got shape {tuple(x.shape)}; "
+                         "flatten the leading dims first")
+    if scale.numel() != 1:
+        raise ValueError(f"loka::cast_dual takes one tensorwise scale, got {scale.numel()} elements "
+                         f"(shape {tuple(scale.shape)}); rowwise and block scales have their own casts")
+    f = next((g for g in _FORMATS if g.value == fmt), None)
+    if f is None:
+        raise ValueError(f"loka::cast_dual writes e4m3 or e5m2, got fmt={fmt!r}")
+    if via not in _VIA:
+        raise ValueError(f"loka::cast_dual rounds through one of {sorted(_VIA)}, got via={via!r}")
+    return f, _VIA[via]
+
+
+@cast_dual.register_fake
+def _cast_dual_fake(x: torch.Tensor, scale: torch.Tensor, fmt: str, via: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+    f, _ = _parse(x, scale, fmt, via)
+    r, c = x.shape
+    dt = FP8_DTYPE[f]
+    return x.new_empty((r, c), dtype=dt), x.new_empty((c, r), dtype=dt)
+
+
+def cast_to_fp8_dual(
+    x: torch.Tensor, fmt: Format, rounding: ScaleRounding, via: torch.dtype | None = None
+) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """Tensorwise FP8 of ``x`` ``(R, C)`` in both layouts: ``((data, inv_scale), (data_t, inv_scale))``,
+    ``data`` ``(R, C)`` and ``data_t`` ``(C, R)`` contiguous, ``inv_scale`` float32 ``()``; bit for
+    bit :func:`~loka_tune.kernels.scaled.cast_to_fp8` of ``x.to(via)`` and its transpose.
+
+    ``via``: the compute dtype an fp32 master weight is rounded to first (the kernel reads the
+    fp32 weight itself: no bf16 copy is written). The amax is torch code that inductor fuses.
+    """
+    v = None if via is None or via in (x.dtype, torch.float32) else via  # rounding to fp32 changes nothing
+    if v not in _VIA_NAME:
+        raise ValueError(f"cast_to_fp8_dual rounds through bfloat16 or float16, got via={via}")
+    xv = x if v is None else x.to(v)
+    amax = xv.to(torch.float32).abs().amax()  # ()
+    scale = scale_from_amax(amax, fmt, rounding == ScaleRounding.POW2)  # ()
+    data, data_t = torch.ops.loka.cast_dual(x, scale, fmt.value, _VIA_NAME[v])
+    inv = scale.reciprocal()
+    return (data, inv), (data_t, inv)
