@@ -17,8 +17,15 @@ bf16 first). Whether the sum pays is what this variant measures before the produ
 ``torch._scaled_mm`` with each operand's own amax (the reference scale rule of
 :func:`loka_tune.kernels.scaled.cast_to_fp8`, computed by torch ops that inductor may fuse into
 the producer), fast accumulation in the forward GEMM only (torchao's tensorwise recipe), and the
-casts done by ``torch.ops.loka_bench.cast_dual``: its CUDA kernel here, the torch reference on
-other devices. The forward saves ``x^T`` and ``w^T`` in FP8 (what wgrad and dgrad take).
+casts done by ``torch.ops.loka.cast_dual`` (:mod:`loka_tune.kernels.dualcast`). The forward saves
+``x^T`` and ``w^T`` in FP8 (what wgrad and dgrad take).
+
+History: measured on 2026-12-06 (fourth session, ``e2e_dualcast_h100_s28_*``), this module had a
+Triton kernel of its own that took contiguous operands only (``x.contiguous()`` first: 5 aten
+copies a step, 0.68 ms at B = 8192, most likely strided operands); that kernel then moved into the
+product, reading any strides, and this module calls it. The product's own path
+(``loka_tune.apply``; e2e's ``scaled_mm_tensorwise_filter``) casts the same way and lets the
+kernel read the fp32 weight; this one casts a bf16 copy of it.
 
 Benchmark code, not the product: the product's path is ``loka_tune.apply`` with a config.
 """
@@ -31,76 +38,26 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["DualCastLinear", "swap_dual", "cast_dual_reference", "cast_dual"]
+from loka_tune.config import Format
+from loka_tune.kernels.dualcast import cast_dual_reference as product_reference
 
-E4M3 = torch.float8_e4m3fn
-FMAX = float(torch.finfo(E4M3).max)  # 448
+__all__ = ["DualCastLinear", "swap_dual", "cast_dual_reference", "cast_dual"]
 
 
 def cast_dual_reference(x: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` ``(R, C)`` times ``scale`` (float32 ``()``), saturated at +-448, in e4m3: the data
-    ``(R, C)`` and its transpose ``(C, R)``, both contiguous (the reference of the kernel)."""
-    y = (x.to(torch.float32) * scale).clamp(-FMAX, FMAX).to(E4M3)
-    return y.contiguous(), y.t().clone(memory_format=torch.contiguous_format)  # a copy: (1, C) never aliases
+    ``(R, C)`` and its transpose ``(C, R)``, both contiguous (the product's reference)."""
+    return product_reference(x, scale, Format.E4M3)
 
 
-try:  # the kernel needs triton (GPU machines); off CUDA the op runs the torch reference
-    import triton
-    import triton.language as tl
-
-    from loka_tune.kernels.triton_quant import tl_cast
-except ImportError:  # a CPU-only torch: no triton
-    triton = None
-
-if triton is not None:
-    @triton.jit
-    def _dual_cast_kernel(x_ptr, s_ptr, y_ptr, yt_ptr, R, C, FMAX_: tl.constexpr, OUT_T: tl.constexpr,
-                          BR: tl.constexpr, BC: tl.constexpr):
-        rows = tl.program_id(0) * BR + tl.arange(0, BR)  # (BR,)
-        cols = tl.program_id(1) * BC + tl.arange(0, BC)  # (BC,)
-        m = (rows[:, None] < R) & (cols[None, :] < C)  # (BR, BC)
-        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], mask=m, other=0.0)
-        xf = x.to(tl.float32)
-        scale = tl.load(s_ptr)
-        tl.store(y_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], tl_cast(xf, scale, FMAX_, OUT_T), mask=m)
-        # the transposed tile (transposed in fp32, then cast: the same values), stored with the rows
-        # contiguous: (BC, BR) into yt (C, R)
-        mt = (cols[:, None] < C) & (rows[None, :] < R)  # (BC, BR)
-        tl.store(yt_ptr + cols[:, None].to(tl.int64) * R + rows[None, :], tl_cast(tl.trans(xf), scale, FMAX_, OUT_T),
-                 mask=mt)
-
-
-def _launch(x: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The Triton kernel on a contiguous ``x`` ``(R, C)`` and a float32 ``()`` scale."""
-    if triton is None:
-        raise RuntimeError("cast_dual on CUDA needs triton, which does not import here; install the GPU wheels")
-    r, c = x.shape
-    y = torch.empty((r, c), device=x.device, dtype=E4M3)
-    yt = torch.empty((c, r), device=x.device, dtype=E4M3)
-    grid = (triton.cdiv(r, 128), triton.cdiv(c, 128))
-    _dual_cast_kernel[grid](x, scale, y, yt, r, c, FMAX_=FMAX, OUT_T=tl.float8e4nv, BR=128, BC=128, num_warps=8)
-    return y, yt
-
-
-@torch.library.custom_op("loka_bench::cast_dual", mutates_args=())
 def cast_dual(x: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`cast_dual_reference` in one pass on CUDA (a Triton kernel); the reference elsewhere."""
-    if x.dim() != 2:
-        raise ValueError(f"cast_dual takes a 2-D operand (rows, cols), got shape {tuple(x.shape)}")
-    if x.device.type != "cuda":
-        return cast_dual_reference(x, scale)
-    return _launch(x.contiguous(), scale.to(torch.float32).reshape(()).contiguous())
-
-
-@cast_dual.register_fake
-def _cast_dual_fake(x: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    r, c = x.shape
-    return x.new_empty((r, c), dtype=E4M3), x.new_empty((c, r), dtype=E4M3)
+    """Both e4m3 layouts of ``x`` through the product's ``torch.ops.loka.cast_dual`` (its Triton
+    kernel on CUDA: any strides, no copy first; the reference elsewhere)."""
+    return torch.ops.loka.cast_dual(x, scale.to(torch.float32).reshape(()), "e4m3")
 
 
 def _scale(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The tensorwise multiplier of ``t`` and its dequantization factor, by the product's rule."""
-    from loka_tune.config import Format
     from loka_tune.kernels.scaled import scale_from_amax as product_scale
 
     s = product_scale(t.detach().to(torch.float32).abs().amax(), Format.E4M3, False)  # ()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _bench import linear_grads64, load_bench
+from _bench import assert_compiled_matches_eager_and_float64, linear_grads64, load_bench
 from torch import nn
 
 from loka_tune.kernels.quant import sqnr_db as _sqnr
@@ -23,7 +23,7 @@ def _load():  # noqa: ANN202
 def test_the_cast_writes_the_data_and_its_transpose_saturated() -> None:
     cd = _load()
     x = torch.tensor([[1.0, -2.0, 1000.0], [0.0, 3.5, -1e6]])
-    y, yt = torch.ops.loka_bench.cast_dual(x, torch.tensor(2.0))
+    y, yt = cd.cast_dual(x, torch.tensor(2.0))  # the product's op
     assert y.dtype == torch.float8_e4m3fn and y.shape == (2, 3) and yt.shape == (3, 2)
     assert y.is_contiguous() and yt.is_contiguous()
     assert y.float().tolist() == [[2.0, -4.0, 448.0], [0.0, 7.0, -448.0]]  # 2000 and -2e6 saturate
@@ -31,7 +31,7 @@ def test_the_cast_writes_the_data_and_its_transpose_saturated() -> None:
     ref_y, ref_yt = cd.cast_dual_reference(x.t(), torch.tensor(2.0))  # any strides in
     assert torch.equal(ref_y.float(), y.float().t()) and torch.equal(ref_yt.float(), y.float())
     with pytest.raises(ValueError, match=r"2-D operand \(rows, cols\), got shape \(4,\)"):
-        torch.ops.loka_bench.cast_dual(torch.ones(4), torch.tensor(1.0))
+        cd.cast_dual(torch.ones(4), torch.tensor(1.0))
 
 
 @pytest.mark.parametrize("m,k,n", [(32, 64, 32), (64, 128, 48), (48, 32, 160)])
@@ -118,28 +118,6 @@ def test_e2e_prepares_the_dualcast_variant_on_the_filter_sites() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("r,c", [(8192, 2048), (300, 130), (1, 129), (128, 128)])
-def test_the_triton_kernel_is_the_reference_bit_for_bit(r: int, c: int) -> None:
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    cd = _load()
-    g = torch.Generator(device="cuda").manual_seed(r + c)
-    cases = {
-        "gaussian": torch.randn(r, c, device="cuda", generator=g),
-        "huge range": torch.randn(r, c, device="cuda", generator=g) * torch.logspace(-6, 6, c, device="cuda"),
-        "constant": torch.full((r, c), 0.3, device="cuda"),
-        "zeros": torch.zeros(r, c, device="cuda"),
-    }
-    for what, x in cases.items():
-        x = x.to(torch.bfloat16)
-        scale = 448.0 / x.float().abs().amax().clamp(min=1e-30)
-        y, yt = torch.ops.loka_bench.cast_dual(x, scale)
-        ry, ryt = cd.cast_dual_reference(x, scale)
-        assert torch.equal(y.view(torch.uint8), ry.view(torch.uint8)), what
-        assert torch.equal(yt.view(torch.uint8), ryt.view(torch.uint8)), what
-
-
-@pytest.mark.gpu
 def test_the_dual_cast_layer_compiles_whole_on_a_gpu_and_matches_eager() -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
@@ -148,15 +126,4 @@ def test_the_dual_cast_layer_compiles_whole_on_a_gpu_and_matches_eager() -> None
     block = nn.Sequential(nn.Hardswish(), cd.DualCastLinear.from_linear(nn.Linear(512, 256, bias=False))).cuda()
     x = torch.randn(1024, 512, device="cuda") * torch.logspace(-2, 2, 512, device="cuda")
     dy = torch.randn(1024, 256, device="cuda")
-    grads = []
-    for fn in (block, torch.compile(block, fullgraph=True)):
-        xg = x.clone().requires_grad_(True)
-        block.zero_grad()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            y = fn(xg)
-        y.float().backward(dy)
-        grads.append((y.detach().float(), xg.grad.clone(), block[1].weight.grad.clone()))
-    (ye, dxe, dwe), (yc, dxc, dwc) = grads
-    assert _sqnr(ye, yc) > 30.0 and _sqnr(dxe, dxc) > 30.0 and _sqnr(dwe, dwc) > 30.0
-    y64, _, dw64 = linear_grads64(block[1].weight, None, torch.nn.functional.hardswish(x), dy)
-    assert _sqnr(y64, yc) > 22.0 and _sqnr(dw64, dwc) > 22.0
+    assert_compiled_matches_eager_and_float64(block, x, dy)

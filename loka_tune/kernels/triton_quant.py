@@ -36,6 +36,7 @@ import triton.language as tl
 
 from loka_tune.config import Format, Granularity, ScaleRounding
 from loka_tune.errors import UnsupportedChoiceError
+from loka_tune.kernels.quant import FP8_DTYPE
 
 __all__ = ["QuantOut", "quantize", "TL_FP8", "FMAX", "tl_scale_from_amax", "tl_cast", "row_cast_partials_kernel", "dual_cast"]
 
@@ -327,7 +328,7 @@ def dual_cast(x: torch.Tensor, scale: torch.Tensor, fmt: Format,
     if via not in _TL_VIA:
         raise UnsupportedChoiceError(f"dual_cast rounds through float32, bfloat16 or float16, got {via}")
     r, c = x.shape
-    dt = torch.float8_e4m3fn if fmt == Format.E4M3 else torch.float8_e5m2
+    dt = FP8_DTYPE[fmt]
     y = torch.empty((r, c), device=x.device, dtype=dt)
     yt = torch.empty((c, r), device=x.device, dtype=dt)
     if r and c:
