@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 
@@ -9,9 +10,12 @@ import pytest
 import torch
 
 from loka_tune.errors import ConfigError
+from loka_tune.kernels.dualcast import dual_cast_mode
 from loka_tune.kernels.site_timing import (
+    DUAL_TAG,
     LAUNCH_S,
     SitePriceCache,
+    cell_precision,
     distinct_cells,
     price_sites,
     saving_s,
@@ -52,6 +56,44 @@ def test_cache_round_trips_and_keys_by_device_versions_shape_precision(tmp_path)
         c.put(1, 1, 1, "bf16", {"gpu_s": 0.0, "host_s": 0.0})
 
 
+def test_a_cell_timed_with_the_dual_cast_answers_only_under_it(tmp_path, monkeypatch: pytest.MonkeyPatch):
+    """A shared tensorwise precision on a GPU keys its cell by the cast path its compiled layer
+    takes: a cell timed with inductor's casts (LOKA_DUAL_CAST=off, or shipped before the dual
+    cast) never prices the dual-cast layer, nor the other way round; precisions that share no
+    operand, bf16 and serving cells key as before."""
+    import loka_tune.kernels.dualcast as dc
+
+    monkeypatch.setattr(dc, "triton_available", lambda: True)
+    tw, fa = "e4m3.tensor.torch_scaled_mm", "e4m3.tensor.fa.torch_scaled_mm|e4m3.tensor.torch_scaled_mm|e4m3.tensor.torch_scaled_mm"
+    row = "e4m3.row.fa.torch_scaled_mm"
+    unshared = "e4m3.tensor.torch_scaled_mm|bf16|bf16"  # X and W each feed one FP8 GEMM only
+    with dual_cast_mode("auto"):
+        assert cell_precision(tw, "GPU X") == tw + DUAL_TAG and cell_precision(fa, "GPU X") == fa + DUAL_TAG
+        assert cell_precision(tw, "cpu") == tw  # auto: CUDA only
+        for p in (row, unshared, "bf16", "serve:" + tw):
+            assert cell_precision(p, "GPU X") == p
+        with monkeypatch.context() as m:
+            m.setattr(dc, "triton_available", lambda: False)
+            assert cell_precision(tw, "GPU X") == tw  # no triton: inductor's casts
+    with dual_cast_mode("on"):
+        assert cell_precision(tw, "cpu") == tw + DUAL_TAG
+    with dual_cast_mode("off"):
+        assert cell_precision(tw, "GPU X") == tw
+        _cache(tmp_path).put(8192, 2048, 1024, tw, {"gpu_s": 2e-4, "host_s": 1e-5})
+        _cache(tmp_path).put(8192, 2048, 1024, row, {"gpu_s": 3e-4, "host_s": 1e-5})
+        assert _cache(tmp_path).get(8192, 2048, 1024, tw)["gpu_s"] == 2e-4
+    with dual_cast_mode("auto"):
+        c = _cache(tmp_path)
+        assert c.get(8192, 2048, 1024, tw) is None  # the dual-cast layer is not priced by the old cell
+        assert c.get(8192, 2048, 1024, row)["gpu_s"] == 3e-4  # rowwise shares nothing: the same program
+        c.put(8192, 2048, 1024, tw, {"gpu_s": 1.5e-4, "host_s": 1e-5})
+        assert _cache(tmp_path).get(8192, 2048, 1024, tw)["gpu_s"] == 1.5e-4
+        keys = set(json.loads((tmp_path / "p.json").read_text())["entries"])
+        assert f"GPU X|torch=1|8192x2048x1024|{tw}{DUAL_TAG}" in keys and f"GPU X|torch=1|8192x2048x1024|{tw}" in keys
+    with dual_cast_mode("off"):
+        assert _cache(tmp_path).get(8192, 2048, 1024, tw)["gpu_s"] == 2e-4
+
+
 def test_shipped_file_is_read_behind_the_users_and_never_written(tmp_path):
     shipped = tmp_path / "shipped.json"
     _cache(tmp_path / "s").put(1, 2, 3, "bf16", {"gpu_s": 5e-4, "host_s": 1e-5})
@@ -63,7 +105,7 @@ def test_shipped_file_is_read_behind_the_users_and_never_written(tmp_path):
     assert c.get(1, 2, 3, "bf16")["gpu_s"] == 4e-4 and shipped.read_text() == before
 
 
-def test_the_default_cache_answers_an_h100_from_its_shipped_cells_and_only_for_its_own_device(tmp_path):
+def test_the_default_cache_answers_an_h100_from_its_shipped_cells_and_only_for_its_own_device(tmp_path, request):
     """Every cell of the flagship B = 8192 study that an H100 80GB timed (7 cells on 2026-12-05,
     14.9 s of that study's preparation) comes from the package's H100 file; an H200 key with the
     same versions, shape and precision does not read the H100's timing."""
@@ -71,6 +113,10 @@ def test_the_default_cache_answers_an_h100_from_its_shipped_cells_and_only_for_i
 
     entries = json.loads(SHIPPED_H100.read_text())["entries"]
     assert len(entries) == 40
+    assert not any(DUAL_TAG in k for k in entries)  # timed with inductor's casts, before the dual cast
+    stack = contextlib.ExitStack()
+    stack.enter_context(dual_cast_mode("off"))  # so they answer here, on a GPU machine too
+    request.addfinalizer(stack.close)
     devices, versions = {k.split("|")[0] for k in entries}, {k.split("|")[1] for k in entries}
     assert devices == {"NVIDIA H100 80GB HBM3"} and len(versions) == 1
     h100 = SitePriceCache(tmp_path / "u.json", device="NVIDIA H100 80GB HBM3", versions=versions.pop())

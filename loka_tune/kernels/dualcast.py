@@ -44,7 +44,7 @@ from loka_tune.kernels.quant import FMAX, FP8_DTYPE
 from loka_tune.kernels.scaled import scale_from_amax
 
 __all__ = ["DUAL_CAST_MODES", "cast_dual", "cast_dual_reference", "cast_to_fp8_dual", "dual_cast_mode",
-           "get_dual_cast", "set_dual_cast", "triton_available"]
+           "get_dual_cast", "set_dual_cast", "triton_available", "takes_dual_cast"]
 
 DUAL_CAST_MODES = ("auto", "on", "off")
 _FORMATS = (Format.E4M3, Format.E5M2)
@@ -89,6 +89,15 @@ def dual_cast_mode(mode: str) -> Iterator[None]:
 def triton_available() -> bool:
     """Whether ``triton`` can be imported (looked up, not imported)."""
     return importlib.util.find_spec("triton") is not None
+
+
+def takes_dual_cast(share: bool, device_type: str = "cuda") -> bool:
+    """Whether a compiled :class:`~loka_tune.kernels.linear.LokaLinear` on ``device_type`` whose
+    precision shares an operand (``share``: its :class:`~loka_tune.kernels.scaled.SharePlan` has
+    ``any``) casts through :func:`cast_dual` under the current mode: the rule its forward applies
+    (there with triton's presence resolved before tracing). Site prices key on it."""
+    mode = get_dual_cast()
+    return share and (mode == "on" or (mode == "auto" and device_type == "cuda" and triton_available()))
 
 
 def cast_dual_reference(x: torch.Tensor, scale: torch.Tensor, fmt: Format,

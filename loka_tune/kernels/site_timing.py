@@ -27,7 +27,10 @@ Linear in a model, design.md). Checked on the H200 (2026-12-01, large Wukong, B 
 GPU-time savings of torchao's 15 filter sites under tensorwise add up to 2.7 ms, the e2e step
 time they save.
 Cells are cached in a JSON file (:class:`SitePriceCache`) keyed by GPU name, library versions,
-shape and precision string, so a study never times a cell twice and studies share them; the
+shape and precision string (with :data:`DUAL_TAG` where the layer casts its shared tensorwise
+operands with the dual cast, :mod:`loka_tune.kernels.dualcast`: the cells timed before it, or
+under ``LOKA_DUAL_CAST=off``, price inductor's casts), so a study never times a cell twice and
+studies share them; the
 repository ships the H200's (``kernels/data/site_prices_h200.json``, written by
 ``benchmarks/site_prices.py``) and an H100 80GB's cells of the flagship B = 8192 study
 (``kernels/data/site_prices_h100.json``), read-only and consulted behind the user's cache when
@@ -51,7 +54,7 @@ from loka_tune.config import SitePrecision
 from loka_tune.errors import ConfigError
 from loka_tune.kernels.timing import EnvironmentKeyed, gpu_activity_us, is_gpu_activity, kernel_summary, require_cuda
 
-__all__ = ["SitePriceCache", "site_key", "time_site", "price_sites", "saving_s", "default_cache_path",
+__all__ = ["SitePriceCache", "site_key", "cell_precision", "DUAL_TAG", "time_site", "price_sites", "saving_s", "default_cache_path",
            "SHIPPED", "SHIPPED_H100", "LAUNCH_S", "OPAQUE"]
 
 _VERSION = 1
@@ -66,6 +69,27 @@ BF16 = "bf16"
 def site_key(device: str, versions: str, m: int, k: int, n: int, prec: str) -> str:
     """``device|versions|MxKxN|precision``."""
     return f"{device}|{versions}|{m}x{k}x{n}|{prec}"
+
+
+#: the suffix of a cell's precision in its key when the layer casts its shared tensorwise
+#: operands with the dual cast (:mod:`loka_tune.kernels.dualcast`): such a cell is a different
+#: program from the same precision timed with inductor's casts (``LOKA_DUAL_CAST=off``, or a
+#: cell timed before the dual cast existed), so neither answers for the other
+DUAL_TAG = "+dualcast"
+
+
+def cell_precision(prec: str, device: str) -> str:
+    """The precision part of a cell's key: ``prec``, plus :data:`DUAL_TAG` where a compiled
+    layer of that precision on ``device`` (a GPU name, or ``"cpu"``) takes the dual cast under
+    the current mode. Keys that are not a site precision (``serve:<choice>``) pass unchanged."""
+    if prec.startswith("serve:"):
+        return prec
+    from loka_tune.kernels.dualcast import takes_dual_cast
+    from loka_tune.kernels.scaled import share_plan
+
+    p = SitePrecision.parse(prec)
+    shares = not p.is_bf16 and share_plan(p.fwd, p.dgrad, p.wgrad).any
+    return prec + DUAL_TAG if takes_dual_cast(shares, "cpu" if device == "cpu" else "cuda") else prec
 
 
 def default_cache_path() -> Path:
@@ -107,7 +131,7 @@ class SitePriceCache(EnvironmentKeyed):
         self._device, self._versions = device, versions
 
     def key(self, m: int, k: int, n: int, prec: str) -> str:
-        return site_key(self.device, self.versions, m, k, n, prec)
+        return site_key(self.device, self.versions, m, k, n, cell_precision(prec, self.device))
 
     def get(self, m: int, k: int, n: int, prec: str) -> dict[str, Any] | None:
         key = self.key(m, k, n, prec)
