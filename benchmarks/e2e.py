@@ -30,10 +30,11 @@ Variants (``--variants``, comma list, in this order by default; each name is one
   Wukong feature-axis Linears, whose wgrad is a 16-32 wide output over B x 256 rows, where a
   rowwise FP8 GEMM has no split-K and loses badly). ``scaled_mm_tensorwise_filter`` /
   ``scaled_mm_tensorwise_fa_filter``: e4m3 tensorwise on torchao's tensorwise sites, without /
-  with fast accumulation (in all three GEMMs: the ``tensorwise_fa`` recipe). On a GPU these cast
-  each shared operand into both FP8 layouts with ``torch.ops.loka.cast_dual``
-  (:mod:`loka_tune.kernels.dualcast`, mode ``auto``); ``scaled_mm_tensorwise_inductorcast_filter``
-  is ``scaled_mm_tensorwise_filter`` with that mode ``off`` (inductor's casts): the A/B of the op.
+  with fast accumulation (in all three GEMMs: the ``tensorwise_fa`` recipe). These take the
+  process's dual-cast mode (:mod:`loka_tune.kernels.dualcast`; default ``off``: inductor's casts);
+  ``scaled_mm_tensorwise_dualcast_filter`` is ``scaled_mm_tensorwise_filter`` with the mode
+  ``auto``: each shared operand cast into both FP8 layouts by ``torch.ops.loka.cast_dual`` (the
+  A/B of the op).
 - ``static_tensorwise_filter``: e4m3 tensorwise on the Linears torchao's tensorwise size filter
   accepts, each one's input cast with a scale calibrated before training (4 batches, margin 2)
   instead of its own amax per call (``benchmarks/static_scales.py``): does a fixed activation
@@ -95,13 +96,13 @@ from loka_tune.objectives.trainer import TrainConfig, train  # noqa: E402
 VARIANTS = ("bf16", "bf16_mods", "config", "torchao_tensorwise", "torchao_rowwise", "torchao_tensorwise_filter",
             "torchao_rowwise_filter", "fbgemm_rowwise", "scaled_mm_rowwise", "triton_rowwise",
             "scaled_mm_rowwise_filter", "scaled_mm_tensorwise_filter", "scaled_mm_tensorwise_fa_filter",
-            "static_tensorwise_filter", "dualcast_tensorwise_filter", "scaled_mm_tensorwise_inductorcast_filter")
+            "static_tensorwise_filter", "dualcast_tensorwise_filter", "scaled_mm_tensorwise_dualcast_filter")
 _UNIFORM = {"fbgemm_rowwise": "e4m3.row.fa.fbgemm", "scaled_mm_rowwise": "e4m3.row.fa.torch_scaled_mm",
             "triton_rowwise": "e4m3.row.fa.triton", "scaled_mm_rowwise_filter": "e4m3.row.fa.torch_scaled_mm",
             # LokaLinear's tensorwise path (operands quantized once when compiled) on torchao's tensorwise sites
             "scaled_mm_tensorwise_filter": "e4m3.tensor.torch_scaled_mm",
-            # the same with inductor's casts instead of loka::cast_dual (dual-cast mode "off": the A/B)
-            "scaled_mm_tensorwise_inductorcast_filter": "e4m3.tensor.torch_scaled_mm",
+            # the same with loka::cast_dual instead of inductor's casts (dual-cast mode "auto": the A/B)
+            "scaled_mm_tensorwise_dualcast_filter": "e4m3.tensor.torch_scaled_mm",
             # the same with fast accumulation in all three GEMMs (the tensorwise_fa recipe)
             "scaled_mm_tensorwise_fa_filter": "e4m3.tensor.fa.torch_scaled_mm"}
 _GPU_ONLY = {"torchao_tensorwise", "torchao_rowwise", "torchao_tensorwise_filter", "torchao_rowwise_filter",
@@ -557,7 +558,7 @@ def main(argv: list[str] | None = None) -> int:
                     rec["skipped"] = "needs a CUDA GPU"
                 else:
                     guard = strict_compile() if args.compile else contextlib.nullcontext({})
-                    cast_mode = dual_cast_mode("off") if "_inductorcast" in name else contextlib.nullcontext()
+                    cast_mode = dual_cast_mode("auto") if name.endswith("_dualcast_filter") else contextlib.nullcontext()
                     try:
                         with guard as dynamo, cast_mode:
                             run_variant(name, seed, rec)

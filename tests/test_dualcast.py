@@ -103,6 +103,23 @@ def test_bad_operands_are_named_with_the_fix(args: tuple, match: str) -> None:  
         torch.ops.loka.cast_dual(*args)
 
 
+def test_the_default_is_off_and_the_environment_sets_it() -> None:
+    """Off unless asked for (the op's host cost slowed host-bound steps: dualcast's docstring)."""
+    import os
+    import subprocess
+    import sys
+
+    code = "from loka_tune.kernels import dualcast; print(dualcast.get_dual_cast())"
+    env = {k: v for k, v in os.environ.items() if k != "LOKA_DUAL_CAST"}
+    for value, want in ((None, "off"), ("", "off"), ("auto", "auto"), ("On", "on")):
+        e = env if value is None else {**env, "LOKA_DUAL_CAST": value}
+        out = subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True, check=True)
+        assert out.stdout.strip() == want, (value, out.stdout, out.stderr)
+    bad = subprocess.run([sys.executable, "-c", code], env={**env, "LOKA_DUAL_CAST": "yes"}, capture_output=True,
+                         text=True)
+    assert bad.returncode != 0 and "LOKA_DUAL_CAST= 'yes' is not a dual-cast mode; use one of auto, on, off" in bad.stderr
+
+
 def test_the_mode_is_checked_and_restored() -> None:
     assert dualcast.get_dual_cast() in dualcast.DUAL_CAST_MODES
     with pytest.raises(ValueError, match=r"set_dual_cast: 'sometimes' is not a dual-cast mode; use one of auto, on, off"):

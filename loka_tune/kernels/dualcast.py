@@ -17,9 +17,20 @@ at B = 8192 (two seeds) and 1.009x at 32768.
 When it runs: on the shared tensorwise operands of a compiled :class:`~loka_tune.kernels.linear.LokaLinear`
 (the only place the two copies are made together), by the mode:
 
-- ``auto`` (the default): on CUDA tensors where ``triton`` is installed; elsewhere inductor's casts;
-- ``on``: always (on the CPU the op runs :func:`cast_dual_reference`: tests, and the same graph);
-- ``off``: never (inductor's casts, the A/B baseline).
+- ``off`` (the default): never (inductor's casts);
+- ``auto``: on CUDA tensors where ``triton`` is installed; elsewhere inductor's casts;
+- ``on``: always (on the CPU the op runs :func:`cast_dual_reference`: tests, and the same graph).
+
+Why ``off`` by default (one H100, 2026-12-07, BENCHMARKS.md): the op is opaque to inductor, so
+each call pays the custom op's dispatch and Triton's Python launcher on the host. With ``auto``
+the default, the GPU smoke's batch-1,024 models (host-bound steps) ran their tensorwise variants
+at 3.15x (DCNv2) and 1.31x (Interformer) the step time of bf16 + Mods in the same run, against
+0.94x and 0.85x with inductor's casts the session before; the compiled Linear-block price cells
+added 0.5-1.0 ms of host time per block (three calls) and saved at most 0.04 ms of GPU time
+(8192 x 2048 x 8192), and lost 0.22 ms at the feature-axis shape 2,097,152 x 64 x 32. In a
+GPU-bound step (B = 8192, large Wukong) the host time hides, and the cast gained 1.1% over
+torchao's line; until the host cost is gone (a ``torch.library.triton_op`` that inductor launches
+as its own kernel), turn it on only for such steps: ``LOKA_DUAL_CAST=auto``.
 
 The mode starts from the environment variable ``LOKA_DUAL_CAST`` and is changed with
 :func:`set_dual_cast` or, for one block, :func:`dual_cast_mode`. It is read when a graph is
@@ -59,7 +70,7 @@ def _check_mode(mode: str, where: str) -> str:
     return m
 
 
-_MODE = {"mode": _check_mode(os.environ.get("LOKA_DUAL_CAST", "auto") or "auto", "LOKA_DUAL_CAST=")}
+_MODE = {"mode": _check_mode(os.environ.get("LOKA_DUAL_CAST", "off") or "off", "LOKA_DUAL_CAST=")}
 
 
 def get_dual_cast() -> str:

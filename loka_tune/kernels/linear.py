@@ -23,10 +23,10 @@ dgrad and wgrad), it is quantized once and its FP8 copy (transposed where the ot
 it) serves both, and the FP8 copies of ``X`` and ``W`` are what forward saves for backward
 (:class:`~loka_tune.kernels.scaled.SharePlan`), as torchao's tensorwise training does.
 Bit-identical to quantizing per GEMM; eager mode keeps the fused Triton quantization per GEMM.
-On CUDA (dual-cast mode ``auto``, :mod:`loka_tune.kernels.dualcast`) each shared operand is cast
-by one kernel that writes both FP8 layouts from one read (``torch.ops.loka.cast_dual``), and
-forward saves the transposed copies backward takes; ``set_dual_cast("off")`` keeps inductor's
-casts, ``"on"`` uses the op on every device.
+With the dual-cast mode ``auto`` (on CUDA) or ``on`` (:mod:`loka_tune.kernels.dualcast`; the
+default ``off`` keeps inductor's casts, see there why) each shared operand is cast by one kernel
+that writes both FP8 layouts from one read (``torch.ops.loka.cast_dual``), and forward saves
+the transposed copies backward takes.
 
 Compute dtype: the autocast dtype when autocast is on for the input's device, else the
 input's dtype; operands are cast to it, the output is in it, and gradients come back in the

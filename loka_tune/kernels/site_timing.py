@@ -171,21 +171,24 @@ def saving_s(bf16: Mapping[str, Any], cell: Mapping[str, Any], prec: SitePrecisi
     GPU time saved, less ``LAUNCH_S`` per extra kernel (none unless both cells count their
     ``kernels``: a bf16 cell timed before the count existed must not price every kernel of the
     FP8 one as extra, ~85 us at 17 kernels, more than the GEMM saves at 8192 x 2048 x 2048), less the
-    whole host time added when a GEMM of ``prec`` runs on an :data:`OPAQUE` backend (or when
-    ``prec`` is not given); see the module docstring.
+    whole host time added when a GEMM of ``prec`` runs on an :data:`OPAQUE` backend, when the cell
+    was timed with the dual cast (``cell["dual_cast"]``: an opaque custom op), or when ``prec`` is
+    not given; see the module docstring.
     """
     gpu = float(bf16["gpu_s"]) - float(cell["gpu_s"])
     counted = cell.get("kernels") is not None and bf16.get("kernels") is not None
     extra = max(0.0, float(cell["kernels"]) - float(bf16["kernels"])) if counted else 0.0
     p = None if prec is None else SitePrecision.from_obj(prec, key="site precision")
-    opaque = p is None or any(not c.is_bf16 and c.backend in OPAQUE for c in (p.fwd, p.dgrad, p.wgrad))
+    opaque = (p is None or bool(cell.get("dual_cast"))  # loka::cast_dual is an opaque op too
+              or any(not c.is_bf16 and c.backend in OPAQUE for c in (p.fwd, p.dgrad, p.wgrad)))
     host = max(0.0, float(cell["host_s"]) - float(bf16["host_s"])) if opaque else 0.0
     return gpu - LAUNCH_S * extra - host
 
 
 def time_site(m: int, k: int, n: int, prec: SitePrecision | str, *, device: str = "cuda", iters: int = 10,
               reps: int = 3, top: int = 0) -> dict[str, Any]:
-    """Time one cell (see the module docstring): ``{gpu_s, host_s, spread, iters, kernels}``.
+    """Time one cell (see the module docstring): ``{gpu_s, host_s, spread, iters, kernels}``, and
+    ``dual_cast: True`` where the layer took the dual cast (:func:`cell_precision`).
 
     ``gpu_s`` is the median over ``reps`` profiled windows of ``iters`` iterations each;
     ``spread`` = (max - min) / median of those windows. ``top`` > 0 adds the last window's
@@ -196,10 +199,13 @@ def time_site(m: int, k: int, n: int, prec: SitePrecision | str, *, device: str 
     graph break (``fullgraph=True``).
     """
     require_cuda("site timing")
+    from loka_tune.kernels.dualcast import takes_dual_cast
     from loka_tune.kernels.linear import LokaLinear
+    from loka_tune.kernels.scaled import share_plan
 
     p = SitePrecision.from_obj(prec, key="site precision")
     dev = torch.device(device)
+    dual = takes_dual_cast(not p.is_bf16 and share_plan(p.fwd, p.dgrad, p.wgrad).any, dev.type)
     torch.manual_seed(0)
     lin = LokaLinear(k, n, bias=False, device=dev, precision=p, name=f"{m}x{k}x{n}")
     block = torch.nn.Sequential(torch.nn.Hardswish(), lin)
@@ -239,6 +245,8 @@ def time_site(m: int, k: int, n: int, prec: SitePrecision | str, *, device: str 
     med = statistics.median(gpu)
     out: dict[str, Any] = {"gpu_s": med, "host_s": statistics.median(host), "spread": (max(gpu) - min(gpu)) / med,
                            "iters": iters * reps, "kernels": statistics.median(kernels)}
+    if dual:
+        out["dual_cast"] = True
     if top > 0:
         summary = kernel_summary(((e.name, e.time_range.elapsed_us()) for e in events), iters, top=top)
         out.update(gemm_s=summary["gemm_ms"] / 1e3, top_kernels=summary["top"])
