@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 
@@ -39,6 +38,9 @@ def test_saving_is_gpu_time_saved_less_launches_and_an_opaque_ops_host_time():
     assert saving_s(ref, slow_host) == pytest.approx(0.4e-3 - 10 * LAUNCH_S - 1.2e-3)  # unknown: conservative
     # launches are priced only where both cells count them: an old bf16 cell without a count
     # does not make all 16 of the FP8 cell's kernels extra (nor the other way round)
+    # a cell timed with the dual cast pays its opaque op's host time, as an opaque backend does
+    dual = {**slow_host, "dual_cast": True}
+    assert saving_s(ref, dual, "e4m3.tensor.torch_scaled_mm") == pytest.approx(0.4e-3 - 10 * LAUNCH_S - 1.2e-3)
     old_ref = {"gpu_s": 1.0e-3, "host_s": 0.2e-3}
     assert saving_s(old_ref, slow_host, "e4m3.tensor.torch_scaled_mm") == pytest.approx(0.4e-3)
     assert saving_s(ref, {"gpu_s": 0.6e-3, "host_s": 0.2e-3}, "e4m3.tensor.torch_scaled_mm") == pytest.approx(0.4e-3)
@@ -105,26 +107,30 @@ def test_shipped_file_is_read_behind_the_users_and_never_written(tmp_path):
     assert c.get(1, 2, 3, "bf16")["gpu_s"] == 4e-4 and shipped.read_text() == before
 
 
-def test_the_default_cache_answers_an_h100_from_its_shipped_cells_and_only_for_its_own_device(tmp_path, request):
-    """Every cell of the flagship B = 8192 study that an H100 80GB timed (7 cells on 2026-12-05,
-    14.9 s of that study's preparation) comes from the package's H100 file; an H200 key with the
-    same versions, shape and precision does not read the H100's timing."""
+def test_the_default_cache_answers_an_h100_from_its_shipped_cells_and_only_for_its_own_device(
+        tmp_path, monkeypatch: pytest.MonkeyPatch):
+    """Every cell of the flagship studies that an H100 80GB timed (40 cells of the B = 8192 study
+    on 2026-12-05, 14.9 s of that study's preparation; 37 more on 2026-12-07: the B = 32768
+    study's and the dual-cast ones) comes from the package's H100 file, each under the cast path
+    it was timed with (``+dualcast``: with the dual-cast mode ``auto``); an H200 key with the same
+    versions, shape and precision does not read the H100's timing."""
+    import loka_tune.kernels.dualcast as dc
     from loka_tune.kernels.site_timing import SHIPPED_H100
 
+    monkeypatch.setattr(dc, "triton_available", lambda: True)  # as on the GPU machine
     entries = json.loads(SHIPPED_H100.read_text())["entries"]
-    assert len(entries) == 40
-    assert not any(DUAL_TAG in k for k in entries)  # timed with inductor's casts, before the dual cast
-    stack = contextlib.ExitStack()
-    stack.enter_context(dual_cast_mode("off"))  # so they answer here, on a GPU machine too
-    request.addfinalizer(stack.close)
+    assert len(entries) == 77
+    dual = {k for k in entries if k.endswith(DUAL_TAG)}
+    assert len(dual) == 22 and all(entries[k].get("dual_cast") is True for k in dual)
     devices, versions = {k.split("|")[0] for k in entries}, {k.split("|")[1] for k in entries}
     assert devices == {"NVIDIA H100 80GB HBM3"} and len(versions) == 1
     h100 = SitePriceCache(tmp_path / "u.json", device="NVIDIA H100 80GB HBM3", versions=versions.pop())
     for key, cell in entries.items():
         shape, prec = key.split("|", 3)[2:]
         m, k, n = (int(x) for x in shape.split("x"))
-        assert m in (8192, 8192 * 256), key  # the study's batch rows (and its feature-axis sites'), no smoke cells
-        assert h100.get(m, k, n, prec) == cell and cell["gpu_s"] > 0
+        assert m in (8192, 8192 * 256, 32768, 32768 * 256), key  # the studies' batch rows, no smoke cells
+        with dual_cast_mode("auto" if prec.endswith(DUAL_TAG) else "off"):
+            assert h100.get(m, k, n, prec.removesuffix(DUAL_TAG)) == cell and cell["gpu_s"] > 0
     h200 = SitePriceCache(tmp_path / "u.json", device="NVIDIA H200", versions=h100.versions)
     key = next(iter(entries))
     shape, prec = key.split("|", 3)[2:]
