@@ -26,7 +26,7 @@ each call pays the custom op's dispatch and Triton's Python launcher on the host
 the default, the GPU smoke's batch-1,024 models (host-bound steps) ran their tensorwise variants
 at 3.15x (DCNv2) and 1.31x (Interformer) the step time of bf16 + Mods in the same run, against
 0.94x and 0.85x with inductor's casts the session before; the compiled Linear-block price cells
-added 0.5-1.0 ms of host time per block (three calls) and saved at most 0.04 ms of GPU time
+added up to 1.3 ms of host time per block (three calls; median 0.9 ms), saved at most 0.04 ms of GPU time
 (8192 x 2048 x 8192), and lost 0.22 ms at the feature-axis shape 2,097,152 x 64 x 32. In a
 GPU-bound step (B = 8192, large Wukong) the host time hides, and the cast gained 1.1% over
 torchao's line; until the host cost is gone (a ``torch.library.triton_op`` that inductor launches
