@@ -84,12 +84,15 @@ def cell_precision(prec: str, device: str) -> str:
     the current mode. Keys that are not a site precision (``serve:<choice>``) pass unchanged."""
     if prec.startswith("serve:"):
         return prec
+    return prec + DUAL_TAG if _takes_dual(SitePrecision.parse(prec), "cpu" if device == "cpu" else "cuda") else prec
+
+
+def _takes_dual(p: SitePrecision, device_type: str) -> bool:
+    """Whether a compiled layer of precision ``p`` on ``device_type`` takes the dual cast now."""
     from loka_tune.kernels.dualcast import takes_dual_cast
     from loka_tune.kernels.scaled import share_plan
 
-    p = SitePrecision.parse(prec)
-    shares = not p.is_bf16 and share_plan(p.fwd, p.dgrad, p.wgrad).any
-    return prec + DUAL_TAG if takes_dual_cast(shares, "cpu" if device == "cpu" else "cuda") else prec
+    return takes_dual_cast(not p.is_bf16 and share_plan(p.fwd, p.dgrad, p.wgrad).any, device_type)
 
 
 def default_cache_path() -> Path:
@@ -199,13 +202,11 @@ def time_site(m: int, k: int, n: int, prec: SitePrecision | str, *, device: str 
     graph break (``fullgraph=True``).
     """
     require_cuda("site timing")
-    from loka_tune.kernels.dualcast import takes_dual_cast
     from loka_tune.kernels.linear import LokaLinear
-    from loka_tune.kernels.scaled import share_plan
 
     p = SitePrecision.from_obj(prec, key="site precision")
     dev = torch.device(device)
-    dual = takes_dual_cast(not p.is_bf16 and share_plan(p.fwd, p.dgrad, p.wgrad).any, dev.type)
+    dual = _takes_dual(p, dev.type)
     torch.manual_seed(0)
     lin = LokaLinear(k, n, bias=False, device=dev, precision=p, name=f"{m}x{k}x{n}")
     block = torch.nn.Sequential(torch.nn.Hardswish(), lin)
