@@ -34,7 +34,7 @@ Variants (``--variants``, comma list, in this order by default; each name is one
   process's dual-cast mode (:mod:`loka_tune.kernels.dualcast`; default ``off``: inductor's casts);
   ``scaled_mm_tensorwise_dualcast_filter`` is ``scaled_mm_tensorwise_filter`` with the mode
   ``auto``: each shared operand cast into both FP8 layouts by ``torch.ops.loka.cast_dual`` (the
-  A/B of the op).
+  A/B of the op); ``config_dualcast`` is ``config`` with the mode ``auto``.
 - ``static_tensorwise_filter``: e4m3 tensorwise on the Linears torchao's tensorwise size filter
   accepts, each one's input cast with a scale calibrated before training (4 batches, margin 2)
   instead of its own amax per call (``benchmarks/static_scales.py``): does a fixed activation
@@ -96,7 +96,9 @@ from loka_tune.objectives.trainer import TrainConfig, train  # noqa: E402
 VARIANTS = ("bf16", "bf16_mods", "config", "torchao_tensorwise", "torchao_rowwise", "torchao_tensorwise_filter",
             "torchao_rowwise_filter", "fbgemm_rowwise", "scaled_mm_rowwise", "triton_rowwise",
             "scaled_mm_rowwise_filter", "scaled_mm_tensorwise_filter", "scaled_mm_tensorwise_fa_filter",
-            "static_tensorwise_filter", "dualcast_tensorwise_filter", "scaled_mm_tensorwise_dualcast_filter")
+            "static_tensorwise_filter", "dualcast_tensorwise_filter", "scaled_mm_tensorwise_dualcast_filter",
+            "config_dualcast")
+_DUAL = {"scaled_mm_tensorwise_dualcast_filter", "config_dualcast"}  # run with the dual-cast mode "auto"
 _UNIFORM = {"fbgemm_rowwise": "e4m3.row.fa.fbgemm", "scaled_mm_rowwise": "e4m3.row.fa.torch_scaled_mm",
             "triton_rowwise": "e4m3.row.fa.triton", "scaled_mm_rowwise_filter": "e4m3.row.fa.torch_scaled_mm",
             # LokaLinear's tensorwise path (operands quantized once when compiled) on torchao's tensorwise sites
@@ -140,7 +142,7 @@ def prepare(name: str, model: nn.Module, config: PrecisionConfig, *, source: Any
     if name == "bf16_mods":
         apply(model, PrecisionConfig(mods=mods))
         return {"fp8_sites": 0, "mods": mods.short_str()}
-    if name == "config":
+    if name in ("config", "config_dualcast"):
         s = apply(model, config, strict=False)
         return {"fp8_sites": len(s.replaced), "fallbacks": len(s.fallbacks), "mods": mods.short_str()}
     if name.startswith("torchao_"):
@@ -493,8 +495,8 @@ def main(argv: list[str] | None = None) -> int:
     bad = [v for v in names if v not in VARIANTS]
     if bad:
         raise SystemExit(f"unknown variant(s) {bad}; choose from {', '.join(VARIANTS)}")
-    if "config" in names and args.config is None:
-        raise SystemExit("the 'config' variant needs --config best.json (loka-tune export STUDY --out best.json)")
+    if {"config", "config_dualcast"} & set(names) and args.config is None:
+        raise SystemExit("the 'config' variants need --config best.json (loka-tune export STUDY --out best.json)")
     infer_sizes = [int(b) for b in args.infer_batches.split(",") if b.strip()]
     infer_variants = {v.strip() for v in args.infer_variants.split(",")}
     t = cfg.training
@@ -558,7 +560,7 @@ def main(argv: list[str] | None = None) -> int:
                     rec["skipped"] = "needs a CUDA GPU"
                 else:
                     guard = strict_compile() if args.compile else contextlib.nullcontext({})
-                    cast_mode = dual_cast_mode("auto") if name.endswith("_dualcast_filter") else contextlib.nullcontext()
+                    cast_mode = dual_cast_mode("auto") if name in _DUAL else contextlib.nullcontext()
                     try:
                         with guard as dynamo, cast_mode:
                             run_variant(name, seed, rec)
