@@ -134,6 +134,71 @@ def test_the_mode_is_checked_and_restored() -> None:
         cast_to_fp8_dual(torch.ones(2, 2), Format.E4M3, ScaleRounding.POW2, via=torch.int8)
 
 
+def test_the_form_is_checked_and_the_environment_sets_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+    import subprocess
+    import sys
+
+    code = "from loka_tune.kernels import dualcast; print(dualcast.get_dual_cast_op())"
+    env = {k: v for k, v in os.environ.items() if k != "LOKA_DUAL_CAST_OP"}
+    for value, want in ((None, "inline"), ("Opaque", "opaque")):
+        e = env if value is None else {**env, "LOKA_DUAL_CAST_OP": value}
+        out = subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True, check=True)
+        assert out.stdout.strip() == want, (value, out.stdout, out.stderr)
+    with pytest.raises(ValueError, match=r"set_dual_cast_op: 'fast' is not a form of the dual cast; use one of inline, opaque"):
+        dualcast.set_dual_cast_op("fast")
+    # without triton there is no inline form, and setting a mode does not fail for it
+    monkeypatch.setattr(dualcast, "_INLINE", {})
+    monkeypatch.setattr(dualcast, "triton_available", lambda: False)
+    with dual_cast_mode("auto"):
+        assert dualcast.inline_op() is None
+
+
+def test_a_triton_that_cannot_be_imported_leaves_the_opaque_form(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(dualcast, "_INLINE", {})
+    monkeypatch.setattr(dualcast, "triton_available", lambda: True)
+
+    def broken() -> None:
+        raise ImportError("libcuda.so.1: cannot open shared object file")
+
+    monkeypatch.setattr(dualcast, "_register_inline", broken)
+    with dual_cast_mode("on"):  # registers (and fails) here, outside any trace
+        assert dualcast._INLINE == {"op": None}
+        x = torch.randn(6, 5)
+        (d, inv), (dt, _) = cast_to_fp8_dual(x, Format.E4M3, ScaleRounding.EXACT)  # the opaque op: the reference
+        assert torch.equal(dt.view(torch.uint8), d.t().contiguous().view(torch.uint8))
+
+
+def test_the_inline_form_under_the_triton_interpreter() -> None:
+    """Where triton is installed (not in CI), the triton_op runs eagerly under TRITON_INTERPRET=1
+    on the CPU and writes what the opaque form writes (the interpreter's own FP8 rounding on both)."""
+    import os
+    import subprocess
+    import sys
+
+    if not dualcast.triton_available():
+        pytest.skip("needs triton (the interpreter runs on the CPU)")
+    code = (
+        "import torch\n"
+        "from loka_tune.config import Format\n"
+        "from loka_tune.kernels import dualcast\n"
+        "from loka_tune.kernels.triton_quant import dual_cast\n"
+        "op = dualcast.inline_op()\n"
+        "x = (torch.randn(300, 130) * torch.logspace(-5, 5, 130)).to(torch.bfloat16)\n"
+        "s = torch.tensor(0.37)\n"
+        "for fmt, f in (('e4m3', Format.E4M3), ('e5m2', Format.E5M2)):\n"
+        "    for xx in (x, x.t().contiguous().t()):\n"
+        "        y, yt = op(xx, s, fmt, '')\n"
+        "        ry, ryt = dual_cast(xx, s, f)\n"
+        "        assert torch.equal(y.view(torch.uint8), ry.view(torch.uint8))\n"
+        "        assert torch.equal(yt.view(torch.uint8), y.t().contiguous().view(torch.uint8))\n"
+        "print('ok', op)\n"
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "ok loka.cast_dual_inline" in out.stdout, out.stderr[-2000:]
+
+
 # ------------------------------------------------------------------------ LokaLinear through it
 _PRECISIONS = [
     "e4m3.tensor.torch_scaled_mm",  # X, W and dY shared
@@ -270,3 +335,46 @@ def test_a_compiled_linear_on_cuda_takes_the_kernel_and_matches_inductors_casts(
         assert sqnr_db(ref, got) > 20.0
     for a, b in zip(outs["auto"], outs["off"]):  # the same casts (inductor may skip the weight's bf16 rounding)
         assert sqnr_db(b, a) > 35.0
+
+
+@pytest.mark.gpu
+def test_the_inline_form_is_launched_by_inductor_and_equals_the_opaque_one() -> None:
+    """LOKA_DUAL_CAST_OP=inline (the default): inductor's generated code launches the Triton
+    kernel itself, three times a step (X, W forward; dY backward), calls no ``loka::cast_dual``
+    and clones no operand; the results equal the opaque form's bit for bit."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from torch._inductor.utils import run_and_get_code
+
+    def step(form: str) -> tuple[tuple[torch.Tensor, ...], list[str]]:
+        prev = dualcast.set_dual_cast_op(form)
+        try:
+            torch.manual_seed(0)
+            m = LokaLinear.from_linear(nn.Linear(512, 768), "e4m3.tensor.torch_scaled_mm").cuda()
+            x = (torch.randn(2048, 512, device="cuda") * 3.0).requires_grad_(True)
+            dy = torch.randn(2048, 768, device="cuda")
+            torch._dynamo.reset()
+
+            def run() -> torch.Tensor:
+                with dual_cast_mode("auto"), torch.autocast("cuda", dtype=torch.bfloat16):
+                    y = torch.compile(m, fullgraph=True)(x)
+                y.float().backward(dy)
+                return y
+
+            y, code = run_and_get_code(run)
+            return (y.float(), x.grad, m.weight.grad), code
+        finally:
+            dualcast.set_dual_cast_op(prev)
+
+    assert dualcast.inline_op() is not None  # triton is installed on a GPU machine
+    inline, code = step("inline")
+    src = "\n".join(code)
+    assert "cast_dual" not in src.replace("_dual_cast_kernel", "")  # no custom op left in the graph
+    launches = [ln for ln in src.splitlines() if "_dual_cast_kernel" in ln and ".run(" in ln]
+    assert len(launches) == 3, [ln.strip() for ln in src.splitlines() if "dual" in ln][:20]
+    opaque, code_o = step("opaque")
+    src_o = "\n".join(code_o)
+    assert "loka.cast_dual" in src_o
+    assert src.count("clone") <= src_o.count("clone")  # the kernel's inputs are read only: nothing copied
+    for a, b in zip(inline, opaque):
+        assert torch.equal(a, b)

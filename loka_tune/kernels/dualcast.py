@@ -36,6 +36,17 @@ The mode starts from the environment variable ``LOKA_DUAL_CAST`` and is changed 
 :func:`set_dual_cast` or, for one block, :func:`dual_cast_mode`. It is read when a graph is
 traced: change it before compiling.
 
+Two forms of the same kernel (``LOKA_DUAL_CAST_OP`` or :func:`set_dual_cast_op`):
+
+- ``inline`` (the default): on CUDA, ``torch.ops.loka.cast_dual_inline``, a
+  ``torch.library.triton_op``: inductor sees the Triton kernel inside it and launches it from its
+  own generated code, like the kernels it writes (no custom-op dispatch, no Triton Python
+  launcher per call). It is registered the first time it can be needed (a mode other than ``off``
+  set, or a LokaLinear that could take it built under such a mode), which imports ``triton``;
+  until then, and without ``triton``, the opaque form runs;
+- ``opaque``: ``torch.ops.loka.cast_dual``, a ``custom_op`` inductor calls as a black box (the
+  form measured on 2026-12-06/07; kept for the A/B and for the CPU, where it runs the reference).
+
 The result is bit for bit that of :func:`loka_tune.kernels.scaled.cast_to_fp8` and its
 transpose.
 """
@@ -46,7 +57,7 @@ import contextlib
 import importlib.util
 import os
 from functools import lru_cache
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 
@@ -54,10 +65,12 @@ from loka_tune.config import Format, ScaleRounding
 from loka_tune.kernels.quant import FMAX, FP8_DTYPE
 from loka_tune.kernels.scaled import scale_from_amax
 
-__all__ = ["DUAL_CAST_MODES", "cast_dual", "cast_dual_reference", "cast_to_fp8_dual", "dual_cast_mode",
-           "get_dual_cast", "set_dual_cast", "triton_available", "takes_dual_cast"]
+__all__ = ["DUAL_CAST_MODES", "DUAL_CAST_OPS", "cast_dual", "cast_dual_reference", "cast_to_fp8_dual",
+           "dual_cast_mode", "get_dual_cast", "get_dual_cast_op", "inline_op", "prepare_inline",
+           "set_dual_cast", "set_dual_cast_op", "triton_available", "takes_dual_cast"]
 
 DUAL_CAST_MODES = ("auto", "on", "off")
+DUAL_CAST_OPS = ("inline", "opaque")
 _FORMATS = (Format.E4M3, Format.E5M2)
 _VIA = {"": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _VIA_NAME = {None: "", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -70,7 +83,16 @@ def _check_mode(mode: str, where: str) -> str:
     return m
 
 
-_MODE = {"mode": _check_mode(os.environ.get("LOKA_DUAL_CAST", "off") or "off", "LOKA_DUAL_CAST=")}
+def _check_op(op: str, where: str) -> str:
+    o = str(op).strip().lower()
+    if o not in DUAL_CAST_OPS:
+        raise ValueError(f"{where} {op!r} is not a form of the dual cast; use one of {', '.join(DUAL_CAST_OPS)}")
+    return o
+
+
+_MODE = {"mode": _check_mode(os.environ.get("LOKA_DUAL_CAST", "off") or "off", "LOKA_DUAL_CAST="),
+         "op": _check_op(os.environ.get("LOKA_DUAL_CAST_OP", "inline") or "inline", "LOKA_DUAL_CAST_OP=")}
+_INLINE: dict[str, Any] = {}  # "op": the registered triton_op (or None where it cannot be)
 
 
 def get_dual_cast() -> str:
@@ -83,7 +105,57 @@ def set_dual_cast(mode: str) -> str:
     compiled before keep the mode they were traced with."""
     prev = _MODE["mode"]
     _MODE["mode"] = _check_mode(mode, "set_dual_cast:")
+    if _MODE["mode"] != "off":
+        prepare_inline()
     return prev
+
+
+def get_dual_cast_op() -> str:
+    """The form of the dual cast: ``inline`` (a triton_op, the default) or ``opaque`` (module docstring)."""
+    return _MODE["op"]
+
+
+def set_dual_cast_op(op: str) -> str:
+    """Set the form of the dual cast (``inline``, ``opaque``); returns the previous one. Read
+    when a graph is traced, as the mode is."""
+    prev = _MODE["op"]
+    _MODE["op"] = _check_op(op, "set_dual_cast_op:")
+    return prev
+
+
+def prepare_inline() -> None:
+    """Register the inline form (:func:`inline_op`) now, outside any trace, if the mode and the
+    form ask for it and ``triton`` is installed: what :func:`set_dual_cast` and LokaLinear's
+    constructor call, so that a graph traced afterwards can take it."""
+    if _MODE["mode"] != "off" and _MODE["op"] == "inline" and triton_available():
+        inline_op()
+
+
+def inline_op() -> Any:
+    """``torch.ops.loka.cast_dual_inline``, registered on the first call (which imports
+    ``triton``); None without ``triton``. The same signature and result as ``loka::cast_dual``,
+    CUDA only (the Triton interpreter, ``TRITON_INTERPRET=1``, also runs it on the CPU)."""
+    if "op" not in _INLINE:
+        try:
+            _INLINE["op"] = _register_inline() if triton_available() else None
+        except ImportError:  # a triton that cannot be imported: the opaque form
+            _INLINE["op"] = None
+    return _INLINE["op"]
+
+
+def _register_inline() -> Any:
+    from loka_tune.kernels.triton_quant import dual_cast  # imports triton
+
+    def cast_dual_inline(x: torch.Tensor, scale: torch.Tensor, fmt: str,
+                         via: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+        f, v = _parse(x, scale, fmt, via)
+        if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(f"loka::cast_dual_inline runs on CUDA tensors, got one on {x.device.type}; "
+                             "use torch.ops.loka.cast_dual there (its torch reference)")
+        return dual_cast(x, scale, f, torch.float32 if v is None else v, wrap=torch.library.wrap_triton)
+
+    torch.library.triton_op("loka::cast_dual_inline", cast_dual_inline, mutates_args=())
+    return torch.ops.loka.cast_dual_inline
 
 
 @contextlib.contextmanager
@@ -172,6 +244,8 @@ def cast_to_fp8_dual(
     xv = x if v is None else x.to(v)
     amax = xv.to(torch.float32).abs().amax()  # ()
     scale = scale_from_amax(amax, fmt, rounding == ScaleRounding.POW2)  # ()
-    data, data_t = torch.ops.loka.cast_dual(x, scale, fmt.value, _VIA_NAME[v])
+    inline = _INLINE.get("op") if x.is_cuda and _MODE["op"] == "inline" else None
+    op = torch.ops.loka.cast_dual if inline is None else inline
+    data, data_t = op(x, scale, fmt.value, _VIA_NAME[v])
     inv = scale.reciprocal()
     return (data, inv), (data_t, inv)

@@ -25,8 +25,9 @@ it) serves both, and the FP8 copies of ``X`` and ``W`` are what forward saves fo
 Bit-identical to quantizing per GEMM; eager mode keeps the fused Triton quantization per GEMM.
 With the dual-cast mode ``auto`` (on CUDA) or ``on`` (:mod:`loka_tune.kernels.dualcast`; the
 default ``off`` keeps inductor's casts, see there why) each shared operand is cast by one kernel
-that writes both FP8 layouts from one read (``torch.ops.loka.cast_dual``), and forward saves
-the transposed copies backward takes.
+that writes both FP8 layouts from one read (on CUDA ``torch.ops.loka.cast_dual_inline``, which
+inductor launches itself; ``torch.ops.loka.cast_dual`` elsewhere), and forward saves the
+transposed copies backward takes.
 
 Compute dtype: the autocast dtype when autocast is on for the input's device, else the
 input's dtype; operands are cast to it, the output is in it, and gradients come back in the
@@ -243,6 +244,8 @@ class LokaLinear(nn.Linear):
         # the same plan cast by loka::cast_dual (chosen per graph in forward, by the dual-cast mode)
         self._share_dual = replace(self._share, dual=True) if self._share.any else self._share
         self._dual_ok = self._share.any and dualcast.triton_available()
+        if self._dual_ok:
+            dualcast.prepare_inline()  # the inline form, registered now if the mode asks for it (not under a trace)
 
     def _fit_to_shape(self, m: int) -> tuple[tuple[str, str, str], tuple[GemmFn | None, ...]]:
         """Choices and call paths for ``m`` rows: bf16 for each GEMM whose backend cannot launch

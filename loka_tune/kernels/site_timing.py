@@ -29,7 +29,9 @@ time they save.
 Cells are cached in a JSON file (:class:`SitePriceCache`) keyed by GPU name, library versions,
 shape and precision string (with :data:`DUAL_TAG` where the layer casts its shared tensorwise
 operands with the dual cast, :mod:`loka_tune.kernels.dualcast`: the cells timed before it, or
-under ``LOKA_DUAL_CAST=off``, price inductor's casts), so a study never times a cell twice and
+under ``LOKA_DUAL_CAST=off``, price inductor's casts; both forms of the dual cast share a cell,
+whose GPU time is the one kernel's, and only the opaque form is charged its host time), so a
+study never times a cell twice and
 studies share them; the
 repository ships the H200's (``kernels/data/site_prices_h200.json``, written by
 ``benchmarks/site_prices.py``) and an H100 80GB's cells of the flagship B = 8192 study
@@ -175,14 +177,18 @@ def saving_s(bf16: Mapping[str, Any], cell: Mapping[str, Any], prec: SitePrecisi
     ``kernels``: a bf16 cell timed before the count existed must not price every kernel of the
     FP8 one as extra, ~85 us at 17 kernels, more than the GEMM saves at 8192 x 2048 x 2048), less the
     whole host time added when a GEMM of ``prec`` runs on an :data:`OPAQUE` backend, when the cell
-    was timed with the dual cast (``cell["dual_cast"]``: an opaque custom op), or when ``prec`` is
+    was timed with the dual cast (``cell["dual_cast"]``) and the dual cast's form now is the
+    opaque custom op (``LOKA_DUAL_CAST_OP=opaque``; the default inline form is launched by inductor
+    like its own kernels, and its GPU time is the opaque form's: one kernel), or when ``prec`` is
     not given; see the module docstring.
     """
+    from loka_tune.kernels.dualcast import get_dual_cast_op
+
     gpu = float(bf16["gpu_s"]) - float(cell["gpu_s"])
     counted = cell.get("kernels") is not None and bf16.get("kernels") is not None
     extra = max(0.0, float(cell["kernels"]) - float(bf16["kernels"])) if counted else 0.0
     p = None if prec is None else SitePrecision.from_obj(prec, key="site precision")
-    opaque = (p is None or bool(cell.get("dual_cast"))  # loka::cast_dual is an opaque op too
+    opaque = (p is None or (bool(cell.get("dual_cast")) and get_dual_cast_op() == "opaque")  # loka::cast_dual
               or any(not c.is_bf16 and c.backend in OPAQUE for c in (p.fwd, p.dgrad, p.wgrad)))
     host = max(0.0, float(cell["host_s"]) - float(bf16["host_s"])) if opaque else 0.0
     return gpu - LAUNCH_S * extra - host
@@ -247,7 +253,10 @@ def time_site(m: int, k: int, n: int, prec: SitePrecision | str, *, device: str 
     out: dict[str, Any] = {"gpu_s": med, "host_s": statistics.median(host), "spread": (max(gpu) - min(gpu)) / med,
                            "iters": iters * reps, "kernels": statistics.median(kernels)}
     if dual:
+        from loka_tune.kernels.dualcast import get_dual_cast_op, inline_op
+
         out["dual_cast"] = True
+        out["dual_cast_op"] = "inline" if get_dual_cast_op() == "inline" and inline_op() is not None else "opaque"
     if top > 0:
         summary = kernel_summary(((e.name, e.time_range.elapsed_us()) for e in events), iters, top=top)
         out.update(gemm_s=summary["gemm_ms"] / 1e3, top_kernels=summary["top"])

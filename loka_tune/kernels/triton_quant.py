@@ -29,6 +29,7 @@ Import of this module needs ``triton``; it is imported lazily by the GPU backend
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 import triton
@@ -297,42 +298,58 @@ def quantize(x: torch.Tensor, fmt: Format | str, gran: Granularity | str,
 
 # ----------------------------------------------------------------------------- dual (both layouts)
 @triton.jit
-def _dual_cast_kernel(x_ptr, s_ptr, y_ptr, yt_ptr, R, C, sxr, sxc, FMAX_: tl.constexpr, OUT_T: tl.constexpr,
-                      VIA_T: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+def _dual_cast_kernel(x_ptr, s_ptr, y_ptr, yt_ptr, R, C, sxr, sxc, FMT: tl.constexpr, VIA: tl.constexpr,
+                      BR: tl.constexpr, BC: tl.constexpr):
     """One (BR, BC) tile of ``x`` (any strides) times the tensorwise ``scale``, saturated and cast,
     stored into ``y`` ``(R, C)`` and, transposed in fp32 first, into ``yt`` ``(C, R)``; both
-    contiguous. ``VIA_T``: the dtype the value is rounded through before the cast (the compute
-    dtype of an fp32 master weight; float32: none)."""
+    contiguous. ``FMT``: 0 e4m3, 1 e5m2; ``VIA``: the dtype the value is rounded through before
+    the cast (the compute dtype of an fp32 master weight), 0 none, 1 bfloat16, 2 float16. Plain
+    integers, not Triton dtypes, so that inductor can write them into the code it generates when
+    it launches the kernel itself (:func:`loka_tune.kernels.dualcast.inline_op`)."""
     rows = tl.program_id(0) * BR + tl.arange(0, BR)  # (BR,)
     cols = tl.program_id(1) * BC + tl.arange(0, BC)  # (BC,)
     m = (rows[:, None] < R) & (cols[None, :] < C)  # (BR, BC)
     x = tl.load(x_ptr + rows[:, None].to(tl.int64) * sxr + cols[None, :].to(tl.int64) * sxc, mask=m, other=0.0)
-    xf = x.to(VIA_T).to(tl.float32)
+    if VIA == 1:
+        xf = x.to(tl.bfloat16).to(tl.float32)
+    elif VIA == 2:
+        xf = x.to(tl.float16).to(tl.float32)
+    else:
+        xf = x.to(tl.float32)
     scale = tl.load(s_ptr)
-    tl.store(y_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], tl_cast(xf, scale, FMAX_, OUT_T), mask=m)
     mt = (cols[:, None] < C) & (rows[None, :] < R)  # (BC, BR)
-    tl.store(yt_ptr + cols[:, None].to(tl.int64) * R + rows[None, :], tl_cast(tl.trans(xf), scale, FMAX_, OUT_T),
-             mask=mt)
+    y_at = y_ptr + rows[:, None].to(tl.int64) * C + cols[None, :]
+    yt_at = yt_ptr + cols[:, None].to(tl.int64) * R + rows[None, :]
+    if FMT == 0:
+        tl.store(y_at, tl_cast(xf, scale, 448.0, tl.float8e4nv), mask=m)
+        tl.store(yt_at, tl_cast(tl.trans(xf), scale, 448.0, tl.float8e4nv), mask=mt)
+    else:
+        tl.store(y_at, tl_cast(xf, scale, 57344.0, tl.float8e5), mask=m)
+        tl.store(yt_at, tl_cast(tl.trans(xf), scale, 57344.0, tl.float8e5), mask=mt)
 
 
-_TL_VIA = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+_FMT_CODE = {Format.E4M3: 0, Format.E5M2: 1}
+_VIA_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 def dual_cast(x: torch.Tensor, scale: torch.Tensor, fmt: Format,
-              via: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+              via: torch.dtype = torch.float32, wrap: Callable[[Any], Any] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` ``(R, C)`` (CUDA, any strides and float dtype) rounded through ``via``, times
     ``scale`` (float32, one element), saturated and cast to ``fmt``: ``(data (R, C), data_t (C, R))``,
-    both contiguous, from one read of ``x`` (see :mod:`loka_tune.kernels.dualcast`)."""
-    if fmt not in TL_FP8:
+    both contiguous, from one read of ``x`` (see :mod:`loka_tune.kernels.dualcast`). ``wrap``:
+    :func:`torch.library.wrap_triton` inside a ``triton_op`` (inductor then launches the kernel as
+    one of its own); None launches it here."""
+    if fmt not in _FMT_CODE:
         raise UnsupportedChoiceError(f"dual_cast writes e4m3 or e5m2, got {fmt.value!r}")
-    if via not in _TL_VIA:
+    if via not in _VIA_CODE:
         raise UnsupportedChoiceError(f"dual_cast rounds through float32, bfloat16 or float16, got {via}")
     r, c = x.shape
     dt = FP8_DTYPE[fmt]
     y = torch.empty((r, c), device=x.device, dtype=dt)
     yt = torch.empty((c, r), device=x.device, dtype=dt)
     if r and c:
+        kernel = _dual_cast_kernel if wrap is None else wrap(_dual_cast_kernel)
         grid = (triton.cdiv(r, 128), triton.cdiv(c, 128))
-        _dual_cast_kernel[grid](x, scale.reshape(1).to(torch.float32), y, yt, r, c, x.stride(0), x.stride(1),
-                                FMAX_=FMAX[fmt], OUT_T=TL_FP8[fmt], VIA_T=_TL_VIA[via], BR=128, BC=128, num_warps=8)
+        kernel[grid](x, scale.reshape(1).to(torch.float32), y, yt, r, c, x.stride(0), x.stride(1),
+                     FMT=_FMT_CODE[fmt], VIA=_VIA_CODE[via], BR=128, BC=128, num_warps=8)
     return y, yt
