@@ -120,6 +120,7 @@ def set_dual_cast_op(op: str) -> str:
     when a graph is traced, as the mode is."""
     prev = _MODE["op"]
     _MODE["op"] = _check_op(op, "set_dual_cast_op:")
+    prepare_inline()
     return prev
 
 
