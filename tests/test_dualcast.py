@@ -281,7 +281,7 @@ def test_auto_keeps_inductors_casts_off_cuda(monkeypatch: pytest.MonkeyPatch) ->
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("shape", [(1, 129), (300, 130), (1024, 4096)])
+@pytest.mark.parametrize("shape", [(1, 129), (300, 130), (1024, 4096), (4100, 64), (3000, 32), (32, 64)])
 def test_the_triton_kernel_is_the_reference_bit_for_bit(fmt: Format, kind: str, shape: tuple[int, int]) -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
