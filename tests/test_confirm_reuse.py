@@ -137,9 +137,18 @@ def test_a_trial_records_how_it_ran(tmp_path: Path, runs: Runs) -> None:
     study, ctx = _searched(tmp_path, runs)
     for t in study.trials:
         assert t.user_attrs["run"] == {"seed": 0, "steps": 12, "compile": False, "cuda_graphs": False, "batch_size": 32,
-                                       "autocast": "auto", "device": "cpu", "nproc": 1}
+                                       "autocast": "auto", "device": "cpu", "dual_cast": "off",
+                                       "dual_cast_op": "inline", "nproc": 1}
         assert "compile_cache" not in t.user_attrs  # an eager run compiles nothing
     assert {s for _, s in runs.seeds} == {0}  # every trial (and the reference) ran on the pairing seed
+    # a run traced under another cast path is another run (its record says which)
+    from loka_tune.kernels.dualcast import dual_cast_mode
+    from loka_tune.tuner.trial import run_description
+
+    tcfg = ctx.cfg.training.to_train_config()
+    with dual_cast_mode("auto"):
+        assert run_description(ctx.cfg, tcfg)["dual_cast"] == "auto"
+    assert run_description(ctx.cfg, tcfg)["dual_cast"] == "off"
 
 
 def test_the_confirmation_takes_each_trials_own_run_for_its_seed(tmp_path: Path, runs: Runs,

@@ -96,9 +96,14 @@ class RegimeSection:
         return out
 
     def describe(self, tcfg: TrainConfig) -> dict[str, Any]:
-        """The regime a run config stands for (for records, provenance and MLflow)."""
+        """The regime a run config stands for (for records, provenance and MLflow), with the
+        dual-cast mode and form its compiled layers were traced under
+        (:mod:`loka_tune.kernels.dualcast`): a run under another cast path is another run."""
+        from loka_tune.kernels.dualcast import get_dual_cast, get_dual_cast_op
+
         return {"compile": tcfg.compile, "cuda_graphs": tcfg.cuda_graphs, "batch_size": tcfg.batch_size,
-                "autocast": tcfg.autocast, "device": tcfg.device}
+                "autocast": tcfg.autocast, "device": tcfg.device, "dual_cast": get_dual_cast(),
+                "dual_cast_op": get_dual_cast_op()}
 
 
 def _nproc(v: Any) -> int:
