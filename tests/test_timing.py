@@ -149,6 +149,7 @@ CAST_AND_AMAX = [
     ("triton_tem_fused__scaled_mm__to_copy_clamp_clone_div_eq_full_like_mul_ones_like_reciprocal_t_where_4", False,
      False),  # a GEMM template with its prologue cast: GEMM time
     ("_tensor_amax_kernel", False, False),  # our eager Triton quantization: not inductor's
+    ("_dual_cast_kernel", True, False),  # the dual cast (inline form: inductor launches it; 2026-12-07, H100)
 ]
 
 

@@ -12,7 +12,9 @@ operand's producer; only the cast is opaque.
 
 Measured (BENCHMARKS.md, 2026-12-06, fourth session, one H100, Wukong large, compiled, torchao's
 15 filter sites): the benchmark form of this cast ran 1.011x / 1.012x torchao's tensorwise line
-at B = 8192 (two seeds) and 1.009x at 32768.
+at B = 8192 (two seeds) and 1.009x at 32768. This module's form (2026-12-07, one H100, B = 8192,
+seed 0): the study's export 1.0035x torchao's line, the kernel 1.55 ms a step for its 45 calls
+(it reads the fp32 weight; the benchmark form's read a bf16 copy: 1.37 ms).
 
 When it runs: on the shared tensorwise operands of a compiled :class:`~loka_tune.kernels.linear.LokaLinear`
 (the only place the two copies are made together), by the mode:
@@ -29,8 +31,11 @@ at 3.15x (DCNv2) and 1.31x (Interformer) the step time of bf16 + Mods in the sam
 added up to 1.3 ms of host time per block (three calls; median 0.9 ms), saved at most 0.04 ms of GPU time
 (8192 x 2048 x 8192), and lost 0.22 ms at the feature-axis shape 2,097,152 x 64 x 32. In a
 GPU-bound step (B = 8192, large Wukong) the host time hides, and the cast gained 1.1% over
-torchao's line; until the host cost is gone (a ``torch.library.triton_op`` that inductor launches
-as its own kernel), turn it on only for such steps: ``LOKA_DUAL_CAST=auto``.
+torchao's line. The inline form below (a ``torch.library.triton_op``) took most of the host
+cost away but not all (one H100, 2026-12-07, the same smoke tests: DCNv2 1.66x and Interformer
+1.13x bf16 + Mods), and in the GPU-bound whole model it ran the study's export at 1.0035x
+torchao's line (B = 8192, one seed). So the default stays ``off``; turn it on only for
+GPU-bound steps: ``LOKA_DUAL_CAST=auto``.
 
 The mode starts from the environment variable ``LOKA_DUAL_CAST`` and is changed with
 :func:`set_dual_cast` or, for one block, :func:`dual_cast_mode`. It is read when a graph is
