@@ -39,6 +39,11 @@ Variants (``--variants``, comma list, in this order by default; each name is one
   accepts, each one's input cast with a scale calibrated before training (4 batches, margin 2)
   instead of its own amax per call (``benchmarks/static_scales.py``): does a fixed activation
   scale pay in the compiled training step, as it does in serving, and what does it cost in loss?
+- ``delayed_tensorwise_filter``: the same sites, ``x`` and ``dy`` cast by *delayed* scales (the
+  amax of the step before, times a margin of 2, filled by one calibration pass of forward and
+  backward before training: ``benchmarks/delayed_scales.py``), so that inductor can fuse each cast
+  into the operand's producer and the wgrad's transposed copy is read from the FP8 one: does it
+  pay, and what does it cost in loss?
 - ``dualcast_tensorwise_filter``: the same sites, dynamic scales, each operand (``x``, ``w``,
   ``dy``) cast by one kernel that writes both of its FP8 layouts (``benchmarks/cast_dual.py``):
   do inductor's separate transposing casts cost more than the fusion an opaque cast gives up?
@@ -97,7 +102,7 @@ VARIANTS = ("bf16", "bf16_mods", "config", "torchao_tensorwise", "torchao_rowwis
             "torchao_rowwise_filter", "fbgemm_rowwise", "scaled_mm_rowwise", "triton_rowwise",
             "scaled_mm_rowwise_filter", "scaled_mm_tensorwise_filter", "scaled_mm_tensorwise_fa_filter",
             "static_tensorwise_filter", "dualcast_tensorwise_filter", "scaled_mm_tensorwise_dualcast_filter",
-            "config_dualcast")
+            "config_dualcast", "delayed_tensorwise_filter")
 _DUAL = {"scaled_mm_tensorwise_dualcast_filter", "config_dualcast"}  # run with the dual-cast mode "auto"
 _UNIFORM = {"fbgemm_rowwise": "e4m3.row.fa.fbgemm", "scaled_mm_rowwise": "e4m3.row.fa.torch_scaled_mm",
             "triton_rowwise": "e4m3.row.fa.triton", "scaled_mm_rowwise_filter": "e4m3.row.fa.torch_scaled_mm",
@@ -108,7 +113,7 @@ _UNIFORM = {"fbgemm_rowwise": "e4m3.row.fa.fbgemm", "scaled_mm_rowwise": "e4m3.r
             # the same with fast accumulation in all three GEMMs (the tensorwise_fa recipe)
             "scaled_mm_tensorwise_fa_filter": "e4m3.tensor.fa.torch_scaled_mm"}
 _GPU_ONLY = {"torchao_tensorwise", "torchao_rowwise", "torchao_tensorwise_filter", "torchao_rowwise_filter",
-             "static_tensorwise_filter", "dualcast_tensorwise_filter", *_UNIFORM}  # (CPU torch._scaled_mm: a reference loop, ~1 GFLOP/s)
+             "static_tensorwise_filter", "dualcast_tensorwise_filter", "delayed_tensorwise_filter", *_UNIFORM}  # (CPU torch._scaled_mm: a reference loop, ~1 GFLOP/s)
 
 
 def _torchao(model: nn.Module, recipe: str, size_filter: bool) -> dict[str, Any]:
@@ -162,6 +167,8 @@ def prepare(name: str, model: nn.Module, config: PrecisionConfig, *, source: Any
         return _static_tensorwise(model, mods, source, batch_size, device)
     if name == "dualcast_tensorwise_filter":
         return _dualcast_tensorwise(model, mods)
+    if name == "delayed_tensorwise_filter":
+        return _delayed_tensorwise(model, mods, source, batch_size, device)
     raise SystemExit(f"unknown variant {name!r}; choose from {', '.join(VARIANTS)}")
 
 
@@ -210,6 +217,32 @@ def _dualcast_tensorwise(model: nn.Module, mods: ModsConfig) -> dict[str, Any]:
 
     swapped = swap_dual(model, names)
     return {"fp8_sites": len(swapped), "sites": swapped, "mods": mods.short_str()}
+
+
+#: calibration of ``delayed_tensorwise_filter``: forward + backward passes (of the run's batch size,
+#: seed 1000) that fill the amax buffers before training
+DELAYED_CALIBRATION_BATCHES = 1
+
+
+def _delayed_tensorwise(model: nn.Module, mods: ModsConfig, source: Any, batch_size: int,
+                        device: torch.device) -> dict[str, Any]:
+    """e4m3 tensorwise on torchao's tensorwise filter sites with ``x`` and ``dy`` cast by delayed
+    scales (the last step's amax times a margin: ``benchmarks/delayed_scales.py``), so that the
+    casts fuse into the operands' producers; the weight keeps its own amax per call."""
+    names = _filter_sites_after_mods(model, mods)
+    import torch.nn.functional as F
+    from delayed_scales import MARGIN, calibrate, swap_delayed
+
+    swapped = swap_delayed(model, names)
+    it = iter(source.batches("train", batch_size, seed=1000, device=device))
+    raw = [next(it) for _ in range(DELAYED_CALIBRATION_BATCHES)]
+
+    def loss(out: torch.Tensor, i: int) -> torch.Tensor:  # the trainer's loss (objectives/step.py)
+        return F.binary_cross_entropy_with_logits(out.float().reshape(-1), raw[i].labels.float().reshape(-1))
+
+    amax = calibrate(model, [model_inputs(model, b) for b in raw], loss, autocast=torch.bfloat16)
+    return {"fp8_sites": len(swapped), "sites": swapped, "mods": mods.short_str(), "calibration_amax": amax,
+            "calibration": {"batches": DELAYED_CALIBRATION_BATCHES, "margin": MARGIN}}
 
 
 def _torchao_filtered(model: nn.Module, recipe: str) -> set[str]:
