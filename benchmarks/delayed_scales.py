@@ -27,19 +27,36 @@ operand's own amax there for the next. The weight keeps its own amax per call (t
 writes it outside the graph, so nothing could fuse its cast). :func:`calibrate` fills the buffers
 with one forward and backward of real batches, cast with their own amaxes, before training.
 
+``dual=True`` (e2e.py's ``delayed_dualcast_tensorwise_filter``) casts every operand, the weight
+included, with a delayed scale through one Triton kernel that writes both FP8 layouts from one
+read *and* takes the operand's amax for the next step in the same pass (an atomic max per tile:
+:func:`cast_dual_amax`). That removes the weights' own amax pass: with the product's dual cast
+(``config_dualcast``) each step still reads every fp32 master weight twice, once for its amax and
+once to cast it (15 reductions, ~0.3 ms a step at B = 8192 on an H100, 2026-12-07); here once.
+``x`` and ``dy`` are then written in bf16 by their producers and read once by the kernel, as in
+the product's dual cast, but their amax reductions leave the producers' kernels.
+
+Measured (one H100, 2026-12-07, third session; BENCHMARKS.md, "Delayed scales in the compiled
+step"): the first form ran 1.0054x / 1.0060x torchao's line at B = 8192 (seeds 0 / 1) and 0.998x
+at 32768. Inductor did not write the FP8 copies from the norm's pass: it recomputed the norm and
+Hard Swish from the GEMM's bf16 output in two cast kernels, one a layout. The ``dual`` form has
+not run on a GPU yet.
+
 Benchmark code, not the product: the product's path is ``loka_tune.apply`` with a config.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Iterable, Sequence
+from functools import lru_cache
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["DelayedScaleLinear", "swap_delayed", "calibrate", "MARGIN"]
+__all__ = ["DelayedScaleLinear", "swap_delayed", "calibrate", "cast_dual_amax", "cast_dual_amax_reference", "MARGIN"]
 
 E4M3 = torch.float8_e4m3fn
 FMAX = float(torch.finfo(E4M3).max)  # 448
@@ -67,22 +84,129 @@ def _own_amax(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to(torch.float32).abs().amax()  # ()
 
 
+# ------------------------------------------------------------------ both layouts and the amax, one pass
+def cast_dual_amax_reference(x: torch.Tensor, scale: torch.Tensor,
+                             via: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x`` ``(R, C)`` rounded through ``via`` (None: not), times ``scale`` (float32, one element),
+    saturated at +-448 in e4m3: ``(data (R, C), data_t (C, R), amax (1,))``, both layouts contiguous,
+    ``amax`` the float32 max of ``|x|`` after the rounding (what the next step's scale is taken from)."""
+    xf = (x if via is None else x.to(via)).to(torch.float32)
+    q = (xf * scale.reshape(())).clamp(-FMAX, FMAX).to(E4M3)  # (R, C)
+    return q.contiguous(), q.t().contiguous(), xf.abs().amax().reshape(1)
+
+
+@lru_cache(maxsize=1)
+def _kernel() -> Any:
+    """The Triton kernel (``triton`` imported on first use only)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def cast_dual_amax_kernel(x_ptr, s_ptr, y_ptr, yt_ptr, amax_ptr, R, C, sxr, sxc, VIA: tl.constexpr,
+                              BR: tl.constexpr, BC: tl.constexpr):
+        # one (BR, BC) tile of x (any strides): both e4m3 layouts and an atomic max of |x| (VIA 1: rounded
+        # through bfloat16 first, the compute dtype of an fp32 master weight)
+        rows = tl.program_id(0) * BR + tl.arange(0, BR)
+        cols = tl.program_id(1) * BC + tl.arange(0, BC)
+        m = (rows[:, None] < R) & (cols[None, :] < C)
+        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * sxr + cols[None, :].to(tl.int64) * sxc, mask=m, other=0.0)
+        if VIA == 1:
+            xf = x.to(tl.bfloat16).to(tl.float32)
+        else:
+            xf = x.to(tl.float32)
+        scale = tl.load(s_ptr)
+        q = tl.minimum(tl.maximum(xf * scale, -448.0), 448.0).to(tl.float8e4nv)
+        tl.store(y_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], q, mask=m)
+        mt = (cols[:, None] < C) & (rows[None, :] < R)
+        qt = tl.minimum(tl.maximum(tl.trans(xf) * scale, -448.0), 448.0).to(tl.float8e4nv)
+        tl.store(yt_ptr + cols[:, None].to(tl.int64) * R + rows[None, :], qt, mask=mt)
+        tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(xf), axis=1), axis=0))  # |x| >= 0: float max is int max
+
+    return triton, cast_dual_amax_kernel
+
+
+def _launch(x: torch.Tensor, scale: torch.Tensor, via: str, wrap: Callable[[Any], Any] | None
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    triton, kernel = _kernel()
+    r, c = x.shape
+    y = torch.empty((r, c), device=x.device, dtype=E4M3)
+    yt = torch.empty((c, r), device=x.device, dtype=E4M3)
+    amax = torch.zeros(1, device=x.device, dtype=torch.float32)
+    if r and c:
+        bc = min(128, max(16, triton.next_power_of_2(c)))  # the product's dual_cast_tile
+        br = min(512, max(128, 16384 // bc))
+        k = kernel if wrap is None else wrap(kernel)
+        k[(triton.cdiv(r, br), triton.cdiv(c, bc))](x, scale.reshape(1).to(torch.float32), y, yt, amax, r, c,
+                                                    x.stride(0), x.stride(1), VIA=1 if via == "bfloat16" else 0,
+                                                    BR=br, BC=bc, num_warps=8)
+    return y, yt, amax
+
+
+@lru_cache(maxsize=1)
+def _inline_op() -> Any:
+    """``torch.ops.loka_bench.cast_dual_amax``: the kernel as a ``torch.library.triton_op``, which
+    inductor launches from its own generated code (as the product's ``loka::cast_dual_inline``)."""
+    def cast_dual_amax_op(x: torch.Tensor, scale: torch.Tensor, via: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return _launch(x, scale, via, torch.library.wrap_triton)
+
+    torch.library.triton_op("loka_bench::cast_dual_amax", cast_dual_amax_op, mutates_args=())
+    return torch.ops.loka_bench.cast_dual_amax
+
+
+def _kernel_runs_here(x: torch.Tensor) -> bool:
+    if not (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+        return False
+    try:
+        _kernel()
+    except ImportError:
+        return False
+    return True
+
+
+def cast_dual_amax(x: torch.Tensor, scale: torch.Tensor,
+                   via: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`cast_dual_amax_reference` in one Triton kernel where it can run (CUDA; the CPU under
+    ``TRITON_INTERPRET=1``), the reference elsewhere. ``via``: None or ``torch.bfloat16``."""
+    if x.dim() != 2:
+        raise ValueError(f"cast_dual_amax takes a 2-D operand (rows, cols), got shape {tuple(x.shape)}")
+    if via not in (None, torch.bfloat16):
+        raise ValueError(f"cast_dual_amax rounds through bfloat16 or nothing, got via={via}")
+    if not _kernel_runs_here(x):
+        return cast_dual_amax_reference(x, scale, via)
+    return _inline_op()(x, scale, "bfloat16" if via is not None else "")
+
+
 class _DelayedFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, x_amax: torch.Tensor, g_amax: torch.Tensor,
-                margin: float, own: bool) -> torch.Tensor:  # x (M, K), w (N, K) in one dtype
-        amax_now = _own_amax(x)  # () the amax the next step's scale is taken from
-        sx = _multiplier(amax_now if own else x_amax, 1.0 if own else margin)  # ()
-        qx = _cast(x, sx)  # (M, K)
-        x_amax.copy_(amax_now)  # after sx was formed from the old value
-        qxt = qx.t().contiguous()  # (K, M): the wgrad's operand, transposed from the FP8 copy
-        sw = _multiplier(_own_amax(w), 1.0)
-        qw = _cast(w, sw)  # (N, K)
-        qwt = qw.t().contiguous()  # (K, N): the dgrad's operand
+                margin: float, own: bool, w_amax: torch.Tensor | None = None) -> torch.Tensor:
+        # x (M, K) in the compute dtype; w (N, K): that dtype, or (dual, w_amax given) the fp32 master weight
+        dual = w_amax is not None and not own
+        if dual:  # one kernel a operand: both layouts and the next step's amax
+            assert w_amax is not None
+            sx = _multiplier(x_amax, margin)
+            qx, qxt, ax = cast_dual_amax(x, sx)  # (M, K), (K, M), (1,)
+            x_amax.copy_(ax.reshape(()))
+            sw = _multiplier(w_amax, margin)
+            qw, qwt, aw = cast_dual_amax(w, sw, via=x.dtype if w.dtype != x.dtype else None)  # (N, K), (K, N)
+            w_amax.copy_(aw.reshape(()))
+        else:
+            amax_now = _own_amax(x)  # () the amax the next step's scale is taken from
+            sx = _multiplier(amax_now if own else x_amax, 1.0 if own else margin)  # ()
+            qx = _cast(x, sx)  # (M, K)
+            x_amax.copy_(amax_now)  # after sx was formed from the old value
+            qxt = qx.t().contiguous()  # (K, M): the wgrad's operand, transposed from the FP8 copy
+            wc = w.to(x.dtype)
+            w_now = _own_amax(wc)
+            sw = _multiplier(w_now, 1.0)
+            if w_amax is not None:
+                w_amax.copy_(w_now)
+            qw = _cast(wc, sw)  # (N, K)
+            qwt = qw.t().contiguous()  # (K, N): the dgrad's operand
         x_inv, w_inv = sx.reciprocal(), sw.reciprocal()
         y = torch._scaled_mm(qx, qw.t(), scale_a=x_inv, scale_b=w_inv, out_dtype=x.dtype, use_fast_accum=True)
         ctx.save_for_backward(qxt, qwt, x_inv, w_inv)
-        ctx.g_amax, ctx.margin, ctx.own, ctx.dtypes = g_amax, margin, own, (x.dtype, w.dtype)
+        ctx.g_amax, ctx.margin, ctx.own, ctx.dual, ctx.dtypes = g_amax, margin, own, dual, (x.dtype, w.dtype)
         return y  # (M, N)
 
     @staticmethod
@@ -91,47 +215,55 @@ class _DelayedFn(torch.autograd.Function):
         x_dtype, w_dtype = ctx.dtypes
         g_amax = ctx.g_amax
         dy = dy.to(x_dtype)  # (M, N)
-        amax_now = _own_amax(dy)
-        sg = _multiplier(amax_now if ctx.own else g_amax, 1.0 if ctx.own else ctx.margin)
-        qg = _cast(dy, sg)  # (M, N)
-        g_amax.copy_(amax_now)
-        qgt = qg.t().contiguous()  # (N, M)
+        if ctx.dual:
+            sg = _multiplier(g_amax, ctx.margin)
+            qg, qgt, ag = cast_dual_amax(dy, sg)  # (M, N), (N, M), (1,)
+            g_amax.copy_(ag.reshape(()))
+        else:
+            amax_now = _own_amax(dy)
+            sg = _multiplier(amax_now if ctx.own else g_amax, 1.0 if ctx.own else ctx.margin)
+            qg = _cast(dy, sg)  # (M, N)
+            g_amax.copy_(amax_now)
+            qgt = qg.t().contiguous()  # (N, M)
         g_inv = sg.reciprocal()
         dx = torch._scaled_mm(qg, qwt.t(), scale_a=g_inv, scale_b=w_inv, out_dtype=x_dtype)  # (M, K)
         dw = torch._scaled_mm(qgt, qxt.t(), scale_a=g_inv, scale_b=x_inv, out_dtype=torch.float32)  # (N, K)
-        return dx, dw.to(w_dtype), None, None, None, None
+        return dx, dw.to(w_dtype), None, None, None, None, None
 
 
 class DelayedScaleLinear(nn.Linear):
     """``nn.Linear`` in e4m3 tensorwise with delayed scales for ``x`` and ``dy`` (see the module doc).
 
     Buffers ``x_amax`` and ``g_amax`` (float32 ``()``) hold the amax of the last call's input and
-    output gradient. ``own_scales`` (set by :func:`calibrate` while it runs): cast with each
-    operand's own amax instead, as torchao's dynamic recipe does.
+    output gradient, ``w_amax`` its weight's (``dual``: the weight's scale is delayed too, and
+    every operand is cast by :func:`cast_dual_amax`). ``own_scales`` (set by :func:`calibrate`
+    while it runs): cast with each operand's own amax instead, as torchao's dynamic recipe does.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, margin: float = MARGIN,
-                 device: Any = None, dtype: Any = None) -> None:
+                 dual: bool = False, device: Any = None, dtype: Any = None) -> None:
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         if not (isinstance(margin, (int, float)) and math.isfinite(margin) and margin >= 1.0):
             raise ValueError(f"margin={margin!r}: a delayed scale's margin is a factor >= 1.0")
         self.margin = float(margin)
         self.own_scales = False
+        self.dual = bool(dual)
         self.register_buffer("x_amax", torch.zeros((), device=device))
         self.register_buffer("g_amax", torch.zeros((), device=device))
+        self.register_buffer("w_amax", torch.zeros((), device=device))
 
     @classmethod
-    def from_linear(cls, lin: nn.Linear, *, margin: float = MARGIN) -> "DelayedScaleLinear":
-        new = cls(lin.in_features, lin.out_features, lin.bias is not None, margin=margin, device="meta")
+    def from_linear(cls, lin: nn.Linear, *, margin: float = MARGIN, dual: bool = False) -> "DelayedScaleLinear":
+        new = cls(lin.in_features, lin.out_features, lin.bias is not None, margin=margin, dual=dual, device="meta")
         new.weight = lin.weight
         new.bias = lin.bias
-        new.x_amax = torch.zeros((), device=lin.weight.device)  # the buffers, off the meta device
-        new.g_amax = torch.zeros((), device=lin.weight.device)
+        for name in ("x_amax", "g_amax", "w_amax"):  # the buffers, off the meta device
+            setattr(new, name, torch.zeros((), device=lin.weight.device))
         return new
 
     @property
     def calibrated(self) -> bool:
-        return bool(self.x_amax > 0) and bool(self.g_amax > 0)
+        return bool(self.x_amax > 0) and bool(self.g_amax > 0) and (not self.dual or bool(self.w_amax > 0))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., K) -> (..., N)
         dev = x.device.type
@@ -139,25 +271,30 @@ class DelayedScaleLinear(nn.Linear):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features).to(dtype)  # (M, K)
         with torch.autocast(dev, enabled=False):
-            y = _DelayedFn.apply(x2, self.weight.to(dtype), self.x_amax, self.g_amax, self.margin, self.own_scales)
+            if self.dual:  # the fp32 master weight: the kernel rounds it to the compute dtype as it reads
+                y = _DelayedFn.apply(x2, self.weight, self.x_amax, self.g_amax, self.margin, self.own_scales,
+                                     self.w_amax)
+            else:
+                y = _DelayedFn.apply(x2, self.weight.to(dtype), self.x_amax, self.g_amax, self.margin,
+                                     self.own_scales)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, margin={self.margin}"
+        return f"{super().extra_repr()}, margin={self.margin}, dual={self.dual}"
 
 
-def swap_delayed(model: nn.Module, names: Iterable[str], *, margin: float = MARGIN) -> list[str]:
+def swap_delayed(model: nn.Module, names: Iterable[str], *, margin: float = MARGIN, dual: bool = False) -> list[str]:
     """Replace the named plain ``nn.Linear`` modules of ``model`` by :class:`DelayedScaleLinear`
-    (weights shared, in place); returns the names swapped, sorted."""
+    (weights shared, in place; ``dual``: see the class); returns the names swapped, sorted."""
     wanted = set(names)
     done = []
     for name, mod in list(model.named_modules()):
         if name in wanted and type(mod) is nn.Linear:
             parent_name, _, child = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
-            setattr(parent, child, DelayedScaleLinear.from_linear(mod, margin=margin))
+            setattr(parent, child, DelayedScaleLinear.from_linear(mod, margin=margin, dual=dual))
             done.append(name)
     missing = wanted - set(done)
     if missing:
@@ -169,7 +306,8 @@ def calibrate(model: nn.Module, batches: Sequence[tuple[Any, ...]], loss_fn: Cal
               autocast: torch.dtype | None = torch.bfloat16) -> dict[str, tuple[float, float]]:
     """Fill every :class:`DelayedScaleLinear`'s ``x_amax`` / ``g_amax`` from real batches: each of
     ``batches`` (the model's positional inputs) runs forward and ``loss_fn(output, i)`` backward
-    with every operand cast by its own amax; the buffers keep the largest amax seen. The
+    with every operand cast by its own amax; the buffers keep the largest amax seen (``w_amax``
+    the weight's). The
     gradients this leaves are cleared (the parameters do not move). Returns ``{name: (x amax,
     dy amax)}``."""
     layers = {n: m for n, m in model.named_modules() if isinstance(m, DelayedScaleLinear)}
@@ -197,6 +335,9 @@ def calibrate(model: nn.Module, batches: Sequence[tuple[Any, ...]], loss_fn: Cal
         if not (math.isfinite(xa) and xa > 0 and math.isfinite(ga) and ga > 0):
             raise ValueError(f"{n}: amaxes {xa!r} / {ga!r} after calibration; calibrate on batches whose inputs "
                              "and gradients at this layer are finite and not all zero")
+        if m.dual and not (math.isfinite(float(m.w_amax)) and float(m.w_amax) > 0):
+            raise ValueError(f"{n}: its weight's amax is {float(m.w_amax)!r}; a delayed weight scale needs a finite, "
+                             "nonzero weight")
         m.x_amax.fill_(xa)
         m.g_amax.fill_(ga)
     return seen

@@ -43,7 +43,9 @@ Variants (``--variants``, comma list, in this order by default; each name is one
   amax of the step before, times a margin of 2, filled by one calibration pass of forward and
   backward before training: ``benchmarks/delayed_scales.py``), so that inductor can fuse each cast
   into the operand's producer and the wgrad's transposed copy is read from the FP8 one: does it
-  pay, and what does it cost in loss?
+  pay, and what does it cost in loss? ``delayed_dualcast_tensorwise_filter``: the weight's scale
+  delayed too, and every operand cast by one Triton kernel that writes both FP8 layouts and takes
+  the next step's amax in the same pass (no amax pass over the fp32 weights).
 - ``dualcast_tensorwise_filter``: the same sites, dynamic scales, each operand (``x``, ``w``,
   ``dy``) cast by one kernel that writes both of its FP8 layouts (``benchmarks/cast_dual.py``):
   do inductor's separate transposing casts cost more than the fusion an opaque cast gives up?
@@ -102,7 +104,7 @@ VARIANTS = ("bf16", "bf16_mods", "config", "torchao_tensorwise", "torchao_rowwis
             "torchao_rowwise_filter", "fbgemm_rowwise", "scaled_mm_rowwise", "triton_rowwise",
             "scaled_mm_rowwise_filter", "scaled_mm_tensorwise_filter", "scaled_mm_tensorwise_fa_filter",
             "static_tensorwise_filter", "dualcast_tensorwise_filter", "scaled_mm_tensorwise_dualcast_filter",
-            "config_dualcast", "delayed_tensorwise_filter")
+            "config_dualcast", "delayed_tensorwise_filter", "delayed_dualcast_tensorwise_filter")
 _DUAL = {"scaled_mm_tensorwise_dualcast_filter", "config_dualcast"}  # run with the dual-cast mode "auto"
 _UNIFORM = {"fbgemm_rowwise": "e4m3.row.fa.fbgemm", "scaled_mm_rowwise": "e4m3.row.fa.torch_scaled_mm",
             "triton_rowwise": "e4m3.row.fa.triton", "scaled_mm_rowwise_filter": "e4m3.row.fa.torch_scaled_mm",
@@ -113,7 +115,8 @@ _UNIFORM = {"fbgemm_rowwise": "e4m3.row.fa.fbgemm", "scaled_mm_rowwise": "e4m3.r
             # the same with fast accumulation in all three GEMMs (the tensorwise_fa recipe)
             "scaled_mm_tensorwise_fa_filter": "e4m3.tensor.fa.torch_scaled_mm"}
 _GPU_ONLY = {"torchao_tensorwise", "torchao_rowwise", "torchao_tensorwise_filter", "torchao_rowwise_filter",
-             "static_tensorwise_filter", "dualcast_tensorwise_filter", "delayed_tensorwise_filter", *_UNIFORM}  # (CPU torch._scaled_mm: a reference loop, ~1 GFLOP/s)
+             "static_tensorwise_filter", "dualcast_tensorwise_filter", "delayed_tensorwise_filter",
+             "delayed_dualcast_tensorwise_filter", *_UNIFORM}  # (CPU torch._scaled_mm: a reference loop, ~1 GFLOP/s)
 
 
 def _torchao(model: nn.Module, recipe: str, size_filter: bool) -> dict[str, Any]:
@@ -167,8 +170,8 @@ def prepare(name: str, model: nn.Module, config: PrecisionConfig, *, source: Any
         return _static_tensorwise(model, mods, source, batch_size, device)
     if name == "dualcast_tensorwise_filter":
         return _dualcast_tensorwise(model, mods)
-    if name == "delayed_tensorwise_filter":
-        return _delayed_tensorwise(model, mods, source, batch_size, device)
+    if name in ("delayed_tensorwise_filter", "delayed_dualcast_tensorwise_filter"):
+        return _delayed_tensorwise(model, mods, source, batch_size, device, dual=name.startswith("delayed_dual"))
     raise SystemExit(f"unknown variant {name!r}; choose from {', '.join(VARIANTS)}")
 
 
@@ -225,15 +228,17 @@ DELAYED_CALIBRATION_BATCHES = 1
 
 
 def _delayed_tensorwise(model: nn.Module, mods: ModsConfig, source: Any, batch_size: int,
-                        device: torch.device) -> dict[str, Any]:
+                        device: torch.device, *, dual: bool = False) -> dict[str, Any]:
     """e4m3 tensorwise on torchao's tensorwise filter sites with ``x`` and ``dy`` cast by delayed
     scales (the last step's amax times a margin: ``benchmarks/delayed_scales.py``), so that the
-    casts fuse into the operands' producers; the weight keeps its own amax per call."""
+    casts fuse into the operands' producers; the weight keeps its own amax per call. ``dual``:
+    the weight's scale is delayed too, and each operand is cast by one kernel that writes both
+    FP8 layouts and takes the next step's amax in the same pass."""
     names = _filter_sites_after_mods(model, mods)
     import torch.nn.functional as F
     from delayed_scales import MARGIN, calibrate, swap_delayed
 
-    swapped = swap_delayed(model, names)
+    swapped = swap_delayed(model, names, dual=dual)
     it = iter(source.batches("train", batch_size, seed=1000, device=device))
     raw = [next(it) for _ in range(DELAYED_CALIBRATION_BATCHES)]
 
@@ -242,7 +247,7 @@ def _delayed_tensorwise(model: nn.Module, mods: ModsConfig, source: Any, batch_s
 
     amax = calibrate(model, [model_inputs(model, b) for b in raw], loss, autocast=torch.bfloat16)
     return {"fp8_sites": len(swapped), "sites": swapped, "mods": mods.short_str(), "calibration_amax": amax,
-            "calibration": {"batches": DELAYED_CALIBRATION_BATCHES, "margin": MARGIN}}
+            "calibration": {"batches": DELAYED_CALIBRATION_BATCHES, "margin": MARGIN}, "dual": dual}
 
 
 def _torchao_filtered(model: nn.Module, recipe: str) -> set[str]:
