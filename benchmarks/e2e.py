@@ -46,6 +46,11 @@ Variants (``--variants``, comma list, in this order by default; each name is one
   pay, and what does it cost in loss? ``delayed_dualcast_tensorwise_filter``: the weight's scale
   delayed too, and every operand cast by one Triton kernel that writes both FP8 layouts and takes
   the next step's amax in the same pass (no amax pass over the fp32 weights).
+- ``chain_tensorwise_filter``: the same sites, each MLP among them (``linear -> BlockNorm(256) ->
+  Hard Swish`` blocks, and a Wukong FMB's ``out`` after it) one FP8 chain whose norms write the
+  next GEMM's FP8 operands, and the previous GEMM's FP8 gradients, themselves (delayed scales; no
+  bf16 copy of either: ``benchmarks/fp8_chain.py``); any other site as in
+  ``delayed_dualcast_tensorwise_filter``.
 - ``dualcast_tensorwise_filter``: the same sites, dynamic scales, each operand (``x``, ``w``,
   ``dy``) cast by one kernel that writes both of its FP8 layouts (``benchmarks/cast_dual.py``):
   do inductor's separate transposing casts cost more than the fusion an opaque cast gives up?
@@ -104,7 +109,8 @@ VARIANTS = ("bf16", "bf16_mods", "config", "torchao_tensorwise", "torchao_rowwis
             "torchao_rowwise_filter", "fbgemm_rowwise", "scaled_mm_rowwise", "triton_rowwise",
             "scaled_mm_rowwise_filter", "scaled_mm_tensorwise_filter", "scaled_mm_tensorwise_fa_filter",
             "static_tensorwise_filter", "dualcast_tensorwise_filter", "scaled_mm_tensorwise_dualcast_filter",
-            "config_dualcast", "delayed_tensorwise_filter", "delayed_dualcast_tensorwise_filter")
+            "config_dualcast", "delayed_tensorwise_filter", "delayed_dualcast_tensorwise_filter",
+            "chain_tensorwise_filter")
 _DUAL = {"scaled_mm_tensorwise_dualcast_filter", "config_dualcast"}  # run with the dual-cast mode "auto"
 _UNIFORM = {"fbgemm_rowwise": "e4m3.row.fa.fbgemm", "scaled_mm_rowwise": "e4m3.row.fa.torch_scaled_mm",
             "triton_rowwise": "e4m3.row.fa.triton", "scaled_mm_rowwise_filter": "e4m3.row.fa.torch_scaled_mm",
@@ -116,7 +122,7 @@ _UNIFORM = {"fbgemm_rowwise": "e4m3.row.fa.fbgemm", "scaled_mm_rowwise": "e4m3.r
             "scaled_mm_tensorwise_fa_filter": "e4m3.tensor.fa.torch_scaled_mm"}
 _GPU_ONLY = {"torchao_tensorwise", "torchao_rowwise", "torchao_tensorwise_filter", "torchao_rowwise_filter",
              "static_tensorwise_filter", "dualcast_tensorwise_filter", "delayed_tensorwise_filter",
-             "delayed_dualcast_tensorwise_filter", *_UNIFORM}  # (CPU torch._scaled_mm: a reference loop, ~1 GFLOP/s)
+             "delayed_dualcast_tensorwise_filter", "chain_tensorwise_filter", *_UNIFORM}  # (CPU torch._scaled_mm: a reference loop, ~1 GFLOP/s)
 
 
 def _torchao(model: nn.Module, recipe: str, size_filter: bool) -> dict[str, Any]:
@@ -170,6 +176,8 @@ def prepare(name: str, model: nn.Module, config: PrecisionConfig, *, source: Any
         return _static_tensorwise(model, mods, source, batch_size, device)
     if name == "dualcast_tensorwise_filter":
         return _dualcast_tensorwise(model, mods)
+    if name == "chain_tensorwise_filter":
+        return _chain_tensorwise(model, mods, source, batch_size, device)
     if name in ("delayed_tensorwise_filter", "delayed_dualcast_tensorwise_filter"):
         return _delayed_tensorwise(model, mods, source, batch_size, device, dual=name.startswith("delayed_dual"))
     raise SystemExit(f"unknown variant {name!r}; choose from {', '.join(VARIANTS)}")
@@ -248,6 +256,63 @@ def _delayed_tensorwise(model: nn.Module, mods: ModsConfig, source: Any, batch_s
     amax = calibrate(model, [model_inputs(model, b) for b in raw], loss, autocast=torch.bfloat16)
     return {"fp8_sites": len(swapped), "sites": swapped, "mods": mods.short_str(), "calibration_amax": amax,
             "calibration": {"batches": DELAYED_CALIBRATION_BATCHES, "margin": MARGIN}, "dual": dual}
+
+
+def chain_sites(model: nn.Module, names: list[str]) -> tuple[list[str], list[str]]:
+    """Swap the MLPs (``linear -> BlockNorm(256) -> Hard Swish`` blocks) whose linears are among
+    ``names`` for FP8 chains (``benchmarks/fp8_chain.py``), each Wukong FMB's MLP with its ``out``
+    as the chain's tail when ``out`` is among them too, and the rest of ``names`` for
+    ``DelayedScaleLinear(dual=True)``; returns (the linears in chains, the rest)."""
+    from delayed_scales import swap_delayed
+    from fp8_chain import swap_chain
+
+    wanted, covered = set(names), []
+    for name, mod in list(model.named_modules()):
+        if type(mod).__name__ != "MLP" or not any(f"{name}.{j}.linear" in wanted for j in range(len(mod))):
+            continue
+        parent_name = name.rpartition(".")[0]
+        parent = model.get_submodule(parent_name) if parent_name else model
+        tail = f"{parent_name}.out" if type(parent).__name__ == "FactorizationMachineBlock" else None
+        try:
+            covered += swap_chain(model, name, tail if tail in wanted else None)
+        except ValueError:  # no block of it can join a chain: its sites stay for the per-layer swap
+            continue
+    rest = [n for n in names if n not in set(covered)]
+    if rest:
+        swap_delayed(model, rest, dual=True)
+    return sorted(covered), rest
+
+
+def _chain_tensorwise(model: nn.Module, mods: ModsConfig, source: Any, batch_size: int,
+                      device: torch.device) -> dict[str, Any]:
+    """e4m3 tensorwise on torchao's tensorwise filter sites, the MLPs among them as FP8 chains whose
+    norms write the FP8 operands with delayed scales (``benchmarks/fp8_chain.py``), any other site a
+    ``DelayedScaleLinear(dual=True)``; one calibration pass fills every delayed amax."""
+    names = _filter_sites_after_mods(model, mods)
+    import delayed_scales
+    import fp8_chain
+    import torch.nn.functional as F
+
+    chained, rest = chain_sites(model, names)
+    it = iter(source.batches("train", batch_size, seed=1000, device=device))
+    raw = [next(it) for _ in range(DELAYED_CALIBRATION_BATCHES)]
+    batches = [model_inputs(model, b) for b in raw]
+
+    def loss(out: torch.Tensor, i: int) -> torch.Tensor:  # the trainer's loss (objectives/step.py)
+        return F.binary_cross_entropy_with_logits(out.float().reshape(-1), raw[i].labels.float().reshape(-1))
+
+    layers = [m for m in model.modules() if isinstance(m, delayed_scales.DelayedScaleLinear)]
+    for m in layers:  # the chains' pass with the other layers on their own amaxes
+        m.own_scales = True
+    try:
+        chain_amax = fp8_chain.calibrate(model, batches, loss, autocast=torch.bfloat16)
+    finally:
+        for m in layers:
+            m.own_scales = False
+    layer_amax = delayed_scales.calibrate(model, batches, loss, autocast=torch.bfloat16)
+    return {"fp8_sites": len(chained) + len(rest), "sites": sorted(chained + rest), "chained": chained, "rest": rest,
+            "mods": mods.short_str(), "calibration_amax": {**chain_amax, **layer_amax},
+            "calibration": {"batches": DELAYED_CALIBRATION_BATCHES, "margin": delayed_scales.MARGIN}}
 
 
 def _torchao_filtered(model: nn.Module, recipe: str) -> set[str]:

@@ -1,0 +1,298 @@
+"""benchmarks/fp8_chain.py on the CPU: the norm kernels' references against float64 autograd, an
+FP8 chain against the float64 MLP it replaces, eager and compiled, its delayed amaxes, the swap and
+e2e's site split; the Triton kernels under the interpreter (where triton is installed) and on a GPU."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from _bench import load_bench
+from torch import nn
+
+from loka_tune.kernels.quant import sqnr_db as _sqnr
+from loka_tune.layers import BlockNorm
+from loka_tune.models.base import MLPBlock
+
+REPO = Path(__file__).resolve().parents[1]
+BENCH = str(REPO / "benchmarks")
+
+
+def _load():  # noqa: ANN202
+    if BENCH not in sys.path:
+        sys.path.insert(0, BENCH)  # its sibling delayed_scales
+    return load_bench("fp8_chain.py", "fp8_chain_bench", register=True)
+
+
+def _block(k: int, n: int) -> MLPBlock:
+    b = MLPBlock(k, n, norm="none", activation="relu", bias=False)
+    b.norm, b.act = BlockNorm(256), nn.Hardswish()  # what the Mods make of it
+    return b
+
+
+def _mlp64(blocks: list[MLPBlock], tail: nn.Linear | None, x: torch.Tensor, g: torch.Tensor):  # noqa: ANN202
+    """The float64 forward and gradients (input, each weight) of the blocks (and tail)."""
+    x64 = x.double().requires_grad_(True)
+    ws = [b.linear.weight.detach().double().requires_grad_(True) for b in blocks]
+    h = x64
+    for w in ws:
+        y = (h @ w.t()).unflatten(-1, (-1, 256))
+        h = nn.functional.hardswish(y * torch.rsqrt(y.square().mean(-1, keepdim=True) + 1e-6)).flatten(-2)
+    wt = None
+    if tail is not None:
+        wt = tail.weight.detach().double().requires_grad_(True)
+        h = h @ wt.t()
+    h.backward(g.double())
+    return h.detach(), x64.grad, [w.grad for w in ws] + ([wt.grad] if wt is not None else [])
+
+
+def test_the_norm_references_are_blocknorm_and_hard_swish_and_their_gradient() -> None:
+    ch = _load()
+    torch.manual_seed(0)
+    y = (torch.randn(48, 512) * torch.logspace(-2, 2, 512)).to(torch.bfloat16)
+    s = torch.tensor(20.0)
+    q, qt, rstd, amax = ch.norm_fwd_cast_reference(y, s, 1e-6)
+    y64 = y.double().requires_grad_(True)
+    x64 = nn.functional.hardswish(BlockNorm(256, eps=1e-6)(y64))
+    assert _sqnr(x64, q.float() / 20.0) > 25.0  # e4m3 of the fp32 math (~28 dB)
+    assert torch.equal(qt.view(torch.uint8), q.t().contiguous().view(torch.uint8))
+    assert float(amax) == pytest.approx(float(x64.abs().max()), rel=1e-5)
+    assert rstd.shape == (48, 2)
+    rstd_out, x_bf16 = ch.norm_fwd_cast_reference(y, s, 1e-6, out_bf16=True)
+    assert torch.equal(rstd_out, rstd) and x_bf16.dtype == torch.bfloat16 and _sqnr(x64, x_bf16) > 40.0
+    g = torch.randn(48, 512)
+    x64.backward(g.double())
+    dy_ref = y64.grad
+    sd = 400.0 / float(dy_ref.abs().max())
+    qd, qdt, damax = ch.norm_bwd_cast_reference(g.to(torch.bfloat16), y, rstd, torch.tensor(sd))
+    assert _sqnr(dy_ref, qd.float() / sd) > 24.0  # e4m3 (~28 dB) of the bf16 gradient's fp32 math
+    assert float(damax) == pytest.approx(float(dy_ref.abs().max()), rel=2e-2)
+    with pytest.raises(ValueError, match="features a multiple of 256, got \\(4, 300\\)"):
+        ch.norm_fwd_cast(torch.zeros(4, 300), s, 1e-6)
+
+
+@pytest.mark.parametrize("tail", [False, True])
+def test_a_chain_trains_within_fp8_error_of_the_float64_mlp(tail: bool) -> None:
+    ch = _load()
+    torch.manual_seed(1)
+    blocks = [_block(64, 256), _block(256, 512)]
+    t = nn.Linear(512, 128, bias=False) if tail else None
+    chain = ch.ChainMLP(blocks, t)
+    assert chain.amax.shape == (3 * (2 + tail),) and not chain.calibrated
+    x = torch.randn(96, 64) * 2.0
+    g = torch.randn(96, 128 if tail else 512)
+    seen = ch.calibrate(nn.Sequential(chain), [(x,)], lambda out, i: (out.float() * g).sum())
+    assert chain.calibrated and set(seen) == {"0"} and all(p.grad is None for p in chain.parameters())
+    h64, dx64, dws64 = _mlp64(blocks, t, x, g)
+    xg = x.clone().requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = chain(xg)
+    assert out.dtype == torch.bfloat16 and out.shape == h64.shape
+    out.float().backward(g)
+    # two or three e4m3 GEMMs in a row (~28 dB each operand) and the norms between them
+    assert _sqnr(h64, out) > 18.0
+    assert _sqnr(dx64, xg.grad) > 15.0
+    for w, dw64 in zip(chain.weights, dws64):
+        assert w.grad is not None and w.grad.dtype == torch.float32 and _sqnr(dw64, w.grad) > 15.0
+
+
+def test_the_chain_compiled_whole_matches_eager_and_keeps_its_amaxes_one_call_behind() -> None:
+    ch = _load()
+    torch.manual_seed(2)
+    chain = ch.ChainMLP([_block(64, 256), _block(256, 256)], nn.Linear(256, 64, bias=False))
+    x = torch.randn(64, 64)
+    g = torch.randn(64, 64)
+    ch.calibrate(nn.Sequential(chain), [(x,)], lambda out, i: (out.float() * g).sum())
+    calibrated = chain.amax.clone()
+    res = []
+    for fn in (chain, torch.compile(chain, fullgraph=True)):
+        chain.amax.copy_(calibrated)
+        chain.zero_grad(set_to_none=True)
+        xg = x.clone().requires_grad_(True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = fn(xg)
+        out.float().backward(g)
+        res.append((out.detach().float(), xg.grad.clone(), [w.grad.clone() for w in chain.weights], chain.amax.clone()))
+    (oe, dxe, dwe, ae), (oc, dxc, dwc, ac) = res
+    assert _sqnr(oe, oc) > 25.0 and _sqnr(dxe, dxc) > 25.0 and all(_sqnr(a, b) > 25.0 for a, b in zip(dwe, dwc))
+    # the same inputs as the calibration: every amax comes back to within bf16's rounding
+    assert torch.allclose(ae, calibrated, rtol=2e-2) and torch.allclose(ac, calibrated, rtol=2e-2)
+    # a call on 4x the input: its scales are the old ones (its x_0 saturates at margin x old amax), its amaxes the new
+    chain.amax.copy_(calibrated)
+    with torch.no_grad():
+        chain(x * 4.0)
+    assert float(chain.amax[0]) == pytest.approx(4.0 * float(calibrated[0]), rel=1e-2)
+
+
+def test_swap_chain_folds_the_tail_and_keeps_blocks_that_cannot_join_in_front() -> None:
+    ch = _load()
+    mlp = nn.Sequential(_block(13, 256), _block(256, 256), _block(256, 256))
+
+    class Host(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mlp, self.out = mlp, nn.Linear(256, 32, bias=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.out(self.mlp(x))
+
+    host = Host()
+    names = ch.swap_chain(host, "mlp", "out")
+    assert names == ["mlp.1.linear", "mlp.2.linear", "out"]
+    assert isinstance(host.out, nn.Identity) and isinstance(host.mlp, nn.Sequential)
+    assert isinstance(host.mlp[0], MLPBlock) and isinstance(host.mlp[1], ch.ChainMLP)
+    assert host.mlp[1].tail is not None and host.mlp[1].weights[-1] is host.mlp[1].tail.weight
+    ch.calibrate(host, [(torch.randn(8, 13),)], lambda out, i: out.float().square().sum())
+    assert host(torch.randn(8, 13)).shape == (8, 32)
+    relu = nn.Sequential(MLPBlock(256, 256, norm="none", activation="relu", bias=False))
+    with pytest.raises(ValueError, match="no block of 'm' can join an FP8 chain: its norm is not a parameter-free BlockNorm"):
+        ch.swap_chain(nn.ModuleDict({"m": relu}), "m")
+    with pytest.raises(ValueError, match="the tail must be a bias-free nn.Linear"):
+        ch.ChainMLP([_block(256, 256)], nn.Linear(256, 32))
+    with pytest.raises(ValueError, match="a chain needs at least one"):
+        ch.ChainMLP([])
+
+
+def test_e2e_splits_wukongs_sites_into_chains_and_single_layers() -> None:
+    """e2e.py's ``chain_tensorwise_filter`` on a small Wukong with the Mods: every FMB's MLP and its
+    ``out`` one chain, the head MLP one, the dense MLP from its first FP8-able block; trains a step."""
+    from loka_tune import apply
+    from loka_tune.config import ModsConfig, PrecisionConfig
+    from loka_tune.models.wukong import Wukong
+
+    _load()
+    e2e = load_bench("e2e.py", "e2e_bench_chain")
+    torch.manual_seed(3)
+    model = Wukong(5, [10] * 12, embedding_dim=16, num_layers=2, num_fmb=8, num_lcb=8, fmb_rank=16,
+                   fmb_mlp=(256, 256), dense_mlp=(256, 256), head_mlp=(256,), dense_embeddings=1, activation="silu")
+    apply(model, PrecisionConfig(mods=ModsConfig(no_bias=True, blocknorm=256, hardswish=True)))
+    lin = sorted(n for n, m in model.named_modules() if type(m) is nn.Linear and m.in_features % 16 == 0
+                 and m.out_features % 16 == 0 and m.out_features > 1)
+    chained, rest = e2e.chain_sites(model, lin)
+    assert "layers.0.fmb.out" in chained and "layers.1.fmb.mlp.0.linear" in chained and "head_mlp.0.linear" in chained
+    assert "dense_mlp.1.linear" in chained and "dense_mlp.0.linear" not in chained + rest  # K = 5: never FP8
+    assert set(chained) | set(rest) == set(lin) and not set(chained) & set(rest)
+    assert all(type(model.get_submodule(n)).__name__ == "DelayedScaleLinear" for n in rest)
+    dense, sparse = torch.randn(32, 5), torch.randint(0, 10, (32, 12))
+    labels = torch.randint(0, 2, (32,)).float()
+    import delayed_scales
+    import fp8_chain
+
+    def loss(out: torch.Tensor, i: int) -> torch.Tensor:
+        return nn.functional.binary_cross_entropy_with_logits(out.float(), labels)
+
+    for m in model.modules():
+        if isinstance(m, delayed_scales.DelayedScaleLinear):
+            m.own_scales = True
+    fp8_chain.calibrate(model, [(dense, sparse)], loss)
+    for m in model.modules():
+        if isinstance(m, delayed_scales.DelayedScaleLinear):
+            m.own_scales = False
+    delayed_scales.calibrate(model, [(dense, sparse)], loss)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(dense, sparse)
+    loss(out, 0).backward()
+    assert torch.isfinite(out).all()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for n, p in model.named_parameters()
+               if "fmb.mlp" in n or "head_mlp" in n)
+
+
+def test_the_kernels_under_the_triton_interpreter() -> None:
+    """Where triton is installed (not in CI): the two kernels on the CPU under TRITON_INTERPRET=1
+    against the references: rstd and amax to fp32 rounding, and the FP8 bytes against the fp32
+    values the references compute cast by the product's dual-cast kernel under the same
+    interpreter (which rounds to FP8 its own way: 127.86 became 64, not 128, on triton 3.9): at most
+    0.1% of the bytes differ (ties of the fp32 math); the transposed copy is the same bytes."""
+    import importlib.util
+    import os
+    import subprocess
+
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("needs triton (the interpreter runs on the CPU)")
+    code = (
+        "import sys, torch\n"
+        f"sys.path.insert(0, {BENCH!r})\n"
+        "import fp8_chain as ch\n"
+        "from loka_tune.config import Format\n"
+        "from loka_tune.kernels.triton_quant import dual_cast\n"
+        "torch.manual_seed(0)\n"
+        "y = (torch.randn(70, 512) * torch.logspace(-2, 2, 512)).to(torch.bfloat16)\n"
+        "g = torch.randn(70, 512).to(torch.bfloat16)\n"
+        "s = torch.tensor(30.0)\n"
+        "def same(q, qt, v):\n"
+        "    rq, _ = dual_cast(v.contiguous(), s, Format.E4M3)\n"
+        "    assert (q.view(torch.uint8) != rq.view(torch.uint8)).float().mean() <= 1e-3\n"
+        "    assert torch.equal(qt.view(torch.uint8), q.t().contiguous().view(torch.uint8))\n"
+        "q, qt, r, a = ch.norm_fwd_cast(y, s, 1e-6)\n"
+        "_, _, rr, ra = ch.norm_fwd_cast_reference(y, s, 1e-6)\n"
+        "assert torch.allclose(r, rr, rtol=1e-5) and torch.allclose(a, ra, rtol=1e-5)\n"
+        "z = y.float().view(70, 2, 256) * rr[..., None]\n"
+        "x = (z * (z + 3).clamp(0, 6) / 6).reshape(70, 512)\n"
+        "same(q, qt, x)\n"
+        "r2, x2 = ch.norm_fwd_cast(y, s, 1e-6, out_bf16=True)\n"
+        "assert torch.allclose(r2, rr, rtol=1e-5) and torch.allclose(x2.float(), x, rtol=1e-2, atol=1e-2)\n"
+        "d, dt, da = ch.norm_bwd_cast(g, y, rr, s)\n"
+        "_, _, rda = ch.norm_bwd_cast_reference(g, y, rr, s)\n"
+        "assert torch.allclose(da, rda, rtol=1e-4)\n"
+        "gz = g.float().view(70, 2, 256) * torch.where(z < -3, 0.0, torch.where(z <= 3, z / 3 + 0.5, 1.0))\n"
+        "dy = (rr[..., None] * (gz - z * (gz * z).mean(-1, keepdim=True))).reshape(70, 512)\n"
+        "same(d, dt, dy)\n"
+        "print('ok')\n"
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n", [(1, 256), (70, 512), (8192, 2048)])
+def test_the_norm_kernels_match_their_references_on_a_gpu(m: int, n: int) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    ch = _load()
+    torch.manual_seed(4)
+    y = (torch.randn(m, n, device="cuda") * torch.logspace(-3, 3, n, device="cuda")).to(torch.bfloat16)
+    y[0, :256] = 0.0  # an all-zero block: rstd = 1 / sqrt(eps), x = 0
+    g = (torch.randn(m, n, device="cuda") * 1e-4).to(torch.bfloat16)
+    s = torch.tensor(30.0, device="cuda")
+    q, qt, r, a = ch.norm_fwd_cast(y, s, 1e-6)
+    rq, _, rr, ra = ch.norm_fwd_cast_reference(y, s, 1e-6)
+    assert torch.allclose(r, rr, rtol=1e-5) and torch.allclose(a, ra, rtol=1e-5)
+    assert (q.view(torch.uint8) != rq.view(torch.uint8)).float().mean() < 1e-3  # ties of the fp32 math only
+    assert torch.equal(qt.view(torch.uint8), q.t().contiguous().view(torch.uint8))
+    d, dt, da = ch.norm_bwd_cast(g, y, rr, torch.tensor(400.0, device="cuda") / ra.reshape(()))
+    rd, _, rda = ch.norm_bwd_cast_reference(g, y, rr, torch.tensor(400.0, device="cuda") / ra.reshape(()))
+    assert torch.allclose(da, rda, rtol=1e-4)
+    assert (d.view(torch.uint8) != rd.view(torch.uint8)).float().mean() < 1e-3
+    assert torch.equal(dt.view(torch.uint8), d.t().contiguous().view(torch.uint8))
+
+
+@pytest.mark.gpu
+def test_the_chain_compiles_whole_on_a_gpu_and_matches_eager_and_float64() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    ch = _load()
+    torch.manual_seed(5)
+    blocks = [_block(512, 1024), _block(1024, 1024)]
+    chain = ch.ChainMLP(blocks, nn.Linear(1024, 512, bias=False)).cuda()
+    x = torch.randn(2048, 512, device="cuda")
+    g = torch.randn(2048, 512, device="cuda")
+    ch.calibrate(nn.Sequential(chain), [(x,)], lambda out, i: (out.float() * g).sum())
+    calibrated = chain.amax.clone()
+    res = []
+    for fn in (chain, torch.compile(chain, fullgraph=True)):
+        chain.amax.copy_(calibrated)
+        chain.zero_grad(set_to_none=True)
+        xg = x.clone().requires_grad_(True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = fn(xg)
+        out.float().backward(g)
+        res.append((out.detach().float(), xg.grad.clone(), [w.grad.clone() for w in chain.weights]))
+    (oe, dxe, dwe), (oc, dxc, dwc) = res
+    assert _sqnr(oe, oc) > 30.0 and _sqnr(dxe, dxc) > 30.0 and all(_sqnr(a, b) > 30.0 for a, b in zip(dwe, dwc))
+    h64, dx64, dws64 = _mlp64([b.cpu() for b in blocks], chain.tail.cpu(), x.cpu(), g.cpu())
+    chain.cuda()
+    assert _sqnr(h64, oc.cpu()) > 18.0 and _sqnr(dx64, dxc.cpu()) > 15.0
+    assert all(_sqnr(d64, d.cpu()) > 15.0 for d64, d in zip(dws64, dwc))
