@@ -142,25 +142,29 @@ def _launch(x: torch.Tensor, scale: torch.Tensor, via: str, wrap: Callable[[Any]
     return y, yt, amax
 
 
-@lru_cache(maxsize=1)
-def _inline_op() -> Any:
-    """``torch.ops.loka_bench.cast_dual_amax``: the kernel as a ``torch.library.triton_op``, which
-    inductor launches from its own generated code (as the product's ``loka::cast_dual_inline``)."""
-    def cast_dual_amax_op(x: torch.Tensor, scale: torch.Tensor, via: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return _launch(x, scale, via, torch.library.wrap_triton)
-
-    torch.library.triton_op("loka_bench::cast_dual_amax", cast_dual_amax_op, mutates_args=())
-    return torch.ops.loka_bench.cast_dual_amax
-
-
-def _kernel_runs_here(x: torch.Tensor) -> bool:
-    if not (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
-        return False
+def prepare_kernel() -> None:
+    """Register ``torch.ops.loka_bench.cast_dual_amax`` (the kernel as a ``torch.library.triton_op``,
+    which inductor launches from its own generated code, as the product's ``loka::cast_dual_inline``)
+    once per process, outside any trace; registering does not import triton (launching does)."""
     try:
-        _kernel()
-    except ImportError:
-        return False
-    return True
+        torch.ops.loka_bench.cast_dual_amax  # noqa: B018
+    except (AttributeError, RuntimeError):
+        def cast_dual_amax_op(x: torch.Tensor, scale: torch.Tensor, via: str
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            return _launch(x, scale, via, torch.library.wrap_triton)
+
+        torch.library.triton_op("loka_bench::cast_dual_amax", cast_dual_amax_op, mutates_args=())
+
+
+def _kernel_op(x: torch.Tensor) -> Any:
+    """The kernel's op where it runs for ``x`` (CUDA; the CPU under ``TRITON_INTERPRET=1``, eagerly),
+    else None (the reference). Inside a trace only ``x.is_cuda`` is read: the op is registered
+    by :class:`DelayedScaleLinear`'s constructor before any trace."""
+    if not x.is_cuda and (torch.compiler.is_compiling() or os.environ.get("TRITON_INTERPRET") != "1"):
+        return None
+    if not torch.compiler.is_compiling():
+        prepare_kernel()
+    return torch.ops.loka_bench.cast_dual_amax
 
 
 def cast_dual_amax(x: torch.Tensor, scale: torch.Tensor,
@@ -171,9 +175,10 @@ def cast_dual_amax(x: torch.Tensor, scale: torch.Tensor,
         raise ValueError(f"cast_dual_amax takes a 2-D operand (rows, cols), got shape {tuple(x.shape)}")
     if via not in (None, torch.bfloat16):
         raise ValueError(f"cast_dual_amax rounds through bfloat16 or nothing, got via={via}")
-    if not _kernel_runs_here(x):
+    op = _kernel_op(x)
+    if op is None:
         return cast_dual_amax_reference(x, scale, via)
-    return _inline_op()(x, scale, "bfloat16" if via is not None else "")
+    return op(x, scale, "bfloat16" if via is not None else "")
 
 
 class _DelayedFn(torch.autograd.Function):
@@ -248,6 +253,8 @@ class DelayedScaleLinear(nn.Linear):
         self.margin = float(margin)
         self.own_scales = False
         self.dual = bool(dual)
+        if self.dual:
+            prepare_kernel()
         self.register_buffer("x_amax", torch.zeros((), device=device))
         self.register_buffer("g_amax", torch.zeros((), device=device))
         self.register_buffer("w_amax", torch.zeros((), device=device))

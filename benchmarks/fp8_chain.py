@@ -38,6 +38,7 @@ from collections.abc import Callable, Sequence
 from functools import lru_cache
 from typing import Any
 
+import delayed_scales as dsc
 import torch
 from delayed_scales import E4M3, FMAX, MARGIN, _multiplier, cast_dual_amax
 from torch import nn
@@ -190,28 +191,39 @@ def _bwd_launch(g: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, scale: tor
     return q, qt, amax
 
 
-@lru_cache(maxsize=1)
-def _ops() -> tuple[Any, Any]:
-    """The kernels as ``torch.library.triton_op`` s (inductor launches them from its own code)."""
-    def fwd(y: torch.Tensor, scale: torch.Tensor, eps: float, act: bool, out_bf16: bool) -> list[torch.Tensor]:
-        return list(_fwd_launch(y, scale, eps, act, out_bf16, torch.library.wrap_triton))
-
-    def bwd(g: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, scale: torch.Tensor, act: bool) -> list[torch.Tensor]:
-        return list(_bwd_launch(g, y, rstd, scale, act, torch.library.wrap_triton))
-
-    torch.library.triton_op("loka_bench::norm_fwd_cast", fwd, mutates_args=())
-    torch.library.triton_op("loka_bench::norm_bwd_cast", bwd, mutates_args=())
-    return torch.ops.loka_bench.norm_fwd_cast, torch.ops.loka_bench.norm_bwd_cast
-
-
-def _kernel_runs_here(t: torch.Tensor) -> bool:
-    if not (t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
-        return False
+def prepare_kernels() -> None:
+    """Register the kernels as ``torch.library.triton_op`` s (inductor launches them from its own
+    code) once per process, outside any trace; registering does not import triton."""
     try:
-        _kernels()
-    except ImportError:
-        return False
-    return True
+        torch.ops.loka_bench.norm_bwd_cast  # noqa: B018
+    except (AttributeError, RuntimeError):
+        def fwd(y: torch.Tensor, scale: torch.Tensor, eps: float, act: bool
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+            q, qt, rstd, amax = _fwd_launch(y, scale, eps, act, False, torch.library.wrap_triton)
+            return q, qt, rstd, amax
+
+        def fwd_out(y: torch.Tensor, eps: float, act: bool) -> tuple[torch.Tensor, torch.Tensor]:
+            rstd, x = _fwd_launch(y, torch.ones(1, device=y.device), eps, act, True, torch.library.wrap_triton)
+            return rstd, x
+
+        def bwd(g: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, scale: torch.Tensor, act: bool
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            return _bwd_launch(g, y, rstd, scale, act, torch.library.wrap_triton)
+
+        torch.library.triton_op("loka_bench::norm_fwd_cast", fwd, mutates_args=())
+        torch.library.triton_op("loka_bench::norm_fwd_out", fwd_out, mutates_args=())
+        torch.library.triton_op("loka_bench::norm_bwd_cast", bwd, mutates_args=())
+
+
+def _kernel_ops(t: torch.Tensor) -> Any:
+    """(fwd, fwd_out, bwd) ops where the kernels run for ``t`` (CUDA; the CPU under
+    ``TRITON_INTERPRET=1``, eagerly), else None (the references)."""
+    if not t.is_cuda and (torch.compiler.is_compiling() or os.environ.get("TRITON_INTERPRET") != "1"):
+        return None
+    if not torch.compiler.is_compiling():
+        prepare_kernels()
+    ops = torch.ops.loka_bench
+    return ops.norm_fwd_cast, ops.norm_fwd_out, ops.norm_bwd_cast
 
 
 def _check(y: torch.Tensor, what: str) -> None:
@@ -225,18 +237,22 @@ def norm_fwd_cast(y: torch.Tensor, scale: torch.Tensor, eps: float, act: bool = 
     ``TRITON_INTERPRET=1``), the reference elsewhere."""
     _check(y, "norm_fwd_cast")
     y = y.contiguous()
-    if not _kernel_runs_here(y):
+    ops = _kernel_ops(y)
+    if ops is None:
         return norm_fwd_cast_reference(y, scale, eps, act, out_bf16)
-    return tuple(_ops()[0](y, scale, float(eps), act, out_bf16))
+    if out_bf16:
+        return tuple(ops[1](y, float(eps), act))
+    return tuple(ops[0](y, scale, float(eps), act))
 
 
 def norm_bwd_cast(g: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, scale: torch.Tensor, act: bool = True
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`norm_bwd_cast_reference` in one Triton kernel where it can run, the reference elsewhere."""
     _check(y, "norm_bwd_cast")
-    if not _kernel_runs_here(y):
+    ops = _kernel_ops(y)
+    if ops is None:
         return norm_bwd_cast_reference(g, y, rstd, scale, act)
-    q, qt, amax = _ops()[1](g.contiguous(), y.contiguous(), rstd, scale, act)
+    q, qt, amax = ops[2](g.contiguous(), y.contiguous(), rstd, scale, act)
     return q, qt, amax
 
 
@@ -368,6 +384,8 @@ class ChainMLP(nn.Module):
         self.eps = float(torch.finfo(torch.bfloat16).eps if eps is None else eps)
         self.margin = float(margin)
         self.own_scales = False
+        prepare_kernels()
+        dsc.prepare_kernel()
         n = len(blocks) + (tail is not None)
         dev = blocks[0].linear.weight.device
         self.register_buffer("amax", torch.zeros(3 * n, device=dev))  # see FP8Chain
