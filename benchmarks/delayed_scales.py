@@ -102,7 +102,7 @@ def _kernel() -> Any:
     import triton.language as tl
 
     @triton.jit
-    def cast_dual_amax_kernel(x_ptr, s_ptr, y_ptr, yt_ptr, amax_ptr, R, C, sxr, sxc, VIA: tl.constexpr,
+    def _fp8cast_dual_amax_kernel(x_ptr, s_ptr, y_ptr, yt_ptr, amax_ptr, R, C, sxr, sxc, VIA: tl.constexpr,
                               BR: tl.constexpr, BC: tl.constexpr):
         # one (BR, BC) tile of x (any strides): both e4m3 layouts and an atomic max of |x| (VIA 1: rounded
         # through bfloat16 first, the compute dtype of an fp32 master weight)
@@ -122,7 +122,7 @@ def _kernel() -> Any:
         tl.store(yt_ptr + cols[:, None].to(tl.int64) * R + rows[None, :], qt, mask=mt)
         tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(xf), axis=1), axis=0))  # |x| >= 0: float max is int max
 
-    return triton, cast_dual_amax_kernel
+    return triton, _fp8cast_dual_amax_kernel
 
 
 def _launch(x: torch.Tensor, scale: torch.Tensor, via: str, wrap: Callable[[Any], Any] | None

@@ -102,7 +102,7 @@ def _kernels() -> Any:
     import triton.language as tl
 
     @triton.jit
-    def norm_fwd_kernel(y_ptr, s_ptr, q_ptr, qt_ptr, rstd_ptr, amax_ptr, x_ptr, M, N, NB, eps,
+    def _fp8cast_norm_fwd_kernel(y_ptr, s_ptr, q_ptr, qt_ptr, rstd_ptr, amax_ptr, x_ptr, M, N, NB, eps,
                         ACT: tl.constexpr, OUT: tl.constexpr, BR: tl.constexpr, BLK: tl.constexpr):
         # one (BR, BLK) tile: BR rows of one norm block of BLK features
         rows = tl.program_id(0) * BR + tl.arange(0, BR)
@@ -128,7 +128,7 @@ def _kernels() -> Any:
             tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
 
     @triton.jit
-    def norm_bwd_kernel(g_ptr, y_ptr, rstd_ptr, s_ptr, q_ptr, qt_ptr, amax_ptr, M, N, NB,
+    def _fp8cast_norm_bwd_kernel(g_ptr, y_ptr, rstd_ptr, s_ptr, q_ptr, qt_ptr, amax_ptr, M, N, NB,
                         ACT: tl.constexpr, BR: tl.constexpr, BLK: tl.constexpr):
         rows = tl.program_id(0) * BR + tl.arange(0, BR)
         blk = tl.program_id(1)
@@ -152,7 +152,7 @@ def _kernels() -> Any:
                  mask=rm[None, :])
         tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(dy), axis=1), axis=0))
 
-    return triton, norm_fwd_kernel, norm_bwd_kernel
+    return triton, _fp8cast_norm_fwd_kernel, _fp8cast_norm_bwd_kernel
 
 
 _BR = 32  # rows a tile: 32 x 256 fp32 values, and 32-byte runs in the transposed stores

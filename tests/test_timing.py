@@ -150,6 +150,8 @@ CAST_AND_AMAX = [
      False),  # a GEMM template with its prologue cast: GEMM time
     ("_tensor_amax_kernel", False, False),  # our eager Triton quantization: not inductor's
     ("_dual_cast_kernel", True, False),  # the dual cast (inline form: inductor launches it; 2026-12-07, H100)
+    ("_fp8cast_norm_bwd_kernel", True, False),  # benchmarks/fp8_chain.py's norms that write FP8 operands
+    ("_fp8cast_dual_amax_kernel", True, False),  # benchmarks/delayed_scales.py's cast with its amax
 ]
 
 

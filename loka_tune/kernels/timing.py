@@ -237,8 +237,10 @@ KERNEL_KINDS: tuple[str, ...] = ("gemm_fp8", "gemm", *(k for k, _ in _KIND_RES),
 #: inductor's kernels that write an FP8 operand: named after the ``_scaled_mm`` they feed (the
 #: cast of ``x``, ``w``, ``dy`` and their transposed copies; 2026-12-06 on an H100, e.g.
 #: ``triton_poi_fused__scaled_mm__to_copy_clamp_clone_mul_reciprocal_t_view_4``), and the dual
-#: cast's kernel, which inductor launches under its own name from ``loka::cast_dual_inline``
-_FP8_CAST_RE = re.compile(r"^(triton_(poi|red|per)_fused_\w*_scaled_mm|_dual_cast_kernel)")
+#: cast's kernel, which inductor launches under its own name from ``loka::cast_dual_inline``, and
+#: the benchmark kernels named ``_fp8cast_*`` (``benchmarks/delayed_scales.py``, ``fp8_chain.py``:
+#: a norm or a cast that writes FP8 operands and takes their amax in the same pass)
+_FP8_CAST_RE = re.compile(r"^(triton_(poi|red|per)_fused_\w*_scaled_mm|_dual_cast_kernel|_fp8cast_\w+)")
 #: inductor's reductions that take an amax (``abs`` then ``amax`` / ``max``), mostly fused into the
 #: producer's own reduction (a norm's forward or backward): their time is not the amax's alone
 _AMAX_RE = re.compile(r"^triton_(red|per)_fused_\w*abs\w*_(amax|max)_")
