@@ -399,12 +399,14 @@ class ChainMLP(nn.Module):
     def calibrated(self) -> bool:
         return bool((self.amax > 0).all())
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (M, K0) -> (M, N_last)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., K0) -> (..., N_last)
         dev = x.device.type
         dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+        lead = x.shape[:-1]
         with torch.autocast(dev, enabled=False):
-            return FP8Chain.apply(x.to(dtype), self.amax, self.eps, self.margin, self.tail is not None,
-                                  self.own_scales, *self.weights)
+            out = FP8Chain.apply(x.reshape(-1, x.shape[-1]).to(dtype), self.amax, self.eps, self.margin,
+                                 self.tail is not None, self.own_scales, *self.weights)
+        return out.reshape(*lead, out.shape[-1])
 
 
 def _why_not(lin: Any, norm: Any, act: Any) -> str:

@@ -146,6 +146,7 @@ def test_swap_chain_folds_the_tail_and_keeps_blocks_that_cannot_join_in_front() 
     assert host.mlp[1].tail is not None and host.mlp[1].weights[-1] is host.mlp[1].tail.weight
     ch.calibrate(host, [(torch.randn(8, 13),)], lambda out, i: out.float().square().sum())
     assert host(torch.randn(8, 13)).shape == (8, 32)
+    assert host(torch.randn(2, 4, 13)).shape == (2, 4, 32)  # leading dims flattened and restored
     relu = nn.Sequential(MLPBlock(256, 256, norm="none", activation="relu", bias=False))
     with pytest.raises(ValueError, match="no block of 'm' can join an FP8 chain: its norm is not a parameter-free BlockNorm"):
         ch.swap_chain(nn.ModuleDict({"m": relu}), "m")
