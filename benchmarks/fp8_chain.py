@@ -63,12 +63,12 @@ def _q(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (t * scale.reshape(())).clamp(-FMAX, FMAX).to(E4M3)
 
 
-def norm_fwd_cast_reference(y: torch.Tensor, scale: torch.Tensor, eps: float, act: bool = True, out_bf16: bool = False
+def norm_fwd_cast_reference(y: torch.Tensor, scale: torch.Tensor | None, eps: float, act: bool = True, out_bf16: bool = False
                             ) -> tuple[torch.Tensor, ...]:
     """``x = hswish(blocknorm(y))`` (blocks of 256 along the last dim; ``act`` False: the norm only)
     of ``y`` ``(M, N)``, in fp32 math: ``(qx (M, N), qx_t (N, M), rstd (M, N / 256), amax (1,))``;
     with ``out_bf16`` (the chain's last output, which leaves it in bf16) ``(rstd, x)``, ``x`` in
-    ``y``'s dtype, and ``scale`` unused."""
+    ``y``'s dtype, and ``scale`` unused (None allowed)."""
     m, n = y.shape
     yf = y.float().view(m, n // BLOCK, BLOCK)
     rstd = torch.rsqrt(yf.square().mean(-1) + eps)  # (M, N / 256)
@@ -76,6 +76,7 @@ def norm_fwd_cast_reference(y: torch.Tensor, scale: torch.Tensor, eps: float, ac
     x = (_hswish(z) if act else z).reshape(m, n)
     if out_bf16:
         return rstd, x.to(y.dtype)
+    assert scale is not None, "an FP8 output needs its scale"
     q = _q(x, scale)
     return q, q.t().contiguous(), rstd, x.abs().amax().reshape(1)
 
@@ -231,7 +232,7 @@ def _check(y: torch.Tensor, what: str) -> None:
         raise ValueError(f"{what} takes (rows, features) with features a multiple of {BLOCK}, got {tuple(y.shape)}")
 
 
-def norm_fwd_cast(y: torch.Tensor, scale: torch.Tensor, eps: float, act: bool = True, out_bf16: bool = False
+def norm_fwd_cast(y: torch.Tensor, scale: torch.Tensor | None, eps: float, act: bool = True, out_bf16: bool = False
                   ) -> tuple[torch.Tensor, ...]:
     """:func:`norm_fwd_cast_reference` in one Triton kernel where it can run (CUDA; the CPU under
     ``TRITON_INTERPRET=1``), the reference elsewhere."""
@@ -242,6 +243,7 @@ def norm_fwd_cast(y: torch.Tensor, scale: torch.Tensor, eps: float, act: bool = 
         return norm_fwd_cast_reference(y, scale, eps, act, out_bf16)
     if out_bf16:
         return tuple(ops[1](y, float(eps), act))
+    assert scale is not None, "an FP8 output needs its scale"
     return tuple(ops[0](y, scale, float(eps), act))
 
 
@@ -299,7 +301,7 @@ class FP8Chain(torch.autograd.Function):
                 break
             ys.append(y)
             if last:  # the chain's output: the norm and Hard Swish in bf16 (no FP8 needed)
-                rstd, out = norm_fwd_cast(y, torch.ones((), device=y.device), eps, True, True)
+                rstd, out = norm_fwd_cast(y, None, eps, True, True)
                 rstds.append(rstd)
                 break
             if own:
@@ -334,14 +336,13 @@ class FP8Chain(torch.autograd.Function):
         g = g.to(dtype)
         dws: list[torch.Tensor] = [torch.empty(0)] * L
         new = []
-        one = torch.ones((), device=g.device)
         for i in reversed(range(L)):
             if i == L - 1 and tail:  # the tail's output gradient arrives in bf16: one kernel, both layouts
                 sg = _multiplier(_own(g), 1.0) if own else _multiplier(amax[idy + i], margin)
                 qg, qgt, ag = cast_dual_amax(g, sg)
             else:
                 if own:
-                    _, _, a_now = norm_bwd_cast(g, ys[i], rstds[i], one)
+                    _, _, a_now = norm_bwd_cast(g, ys[i], rstds[i], torch.ones((), device=g.device))
                     sg = _multiplier(a_now.reshape(()), 1.0)
                 else:
                     sg = _multiplier(amax[idy + i], margin)

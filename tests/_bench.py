@@ -58,3 +58,19 @@ def assert_compiled_matches_eager_and_float64(block: torch.nn.Sequential, x: tor
     assert sqnr_db(ye, yc) > 30.0 and sqnr_db(dxe, dxc) > 30.0 and sqnr_db(dwe, dwc) > 30.0
     y64, _, dw64 = linear_grads64(block[1].weight, None, torch.nn.functional.hardswish(x), dy)
     assert sqnr_db(y64, yc) > 22.0 and sqnr_db(dw64, dwc) > 22.0
+
+
+def run_under_triton_interpreter(code: str, timeout: int = 300) -> None:
+    """Run ``code`` in a fresh Python with ``TRITON_INTERPRET=1`` (Triton kernels on the CPU; the
+    variable must be set before triton is imported) and assert it printed ``ok``; skips the calling
+    test where triton is not installed (as in CI)."""
+    import os
+    import subprocess
+
+    import pytest
+
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("needs triton (the interpreter runs on the CPU)")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _bench import assert_compiled_matches_eager_and_float64, load_bench
+from _bench import assert_compiled_matches_eager_and_float64, load_bench, run_under_triton_interpreter
 from _bench import linear_grads64 as _grads64
 from torch import nn
 
@@ -278,13 +278,6 @@ def test_the_kernel_under_the_triton_interpreter() -> None:
     writes the bytes of the product's dual-cast kernel (the interpreter's own FP8 rounding on both,
     which differs from torch's) and the reference's amax: any strides, ragged tiles, the fp32
     weight through bf16. On a GPU the next test holds it to the torch reference bit for bit."""
-    import importlib.util
-    import os
-    import subprocess
-    import sys
-
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("needs triton (the interpreter runs on the CPU)")
     code = (
         "import sys, torch\n"
         f"sys.path.insert(0, {str(REPO / 'benchmarks')!r})\n"
@@ -303,9 +296,7 @@ def test_the_kernel_under_the_triton_interpreter() -> None:
         "    assert torch.equal(a, ra), (a, ra)\n"
         "print('ok')\n"
     )
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]
+    run_under_triton_interpreter(code)
 
 
 @pytest.mark.gpu

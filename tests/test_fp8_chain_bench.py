@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _bench import load_bench
+from _bench import load_bench, run_under_triton_interpreter
 from torch import nn
 
 from loka_tune.kernels.quant import sqnr_db as _sqnr
@@ -46,6 +46,22 @@ def _mlp64(blocks: list[MLPBlock], tail: nn.Linear | None, x: torch.Tensor, g: t
         h = h @ wt.t()
     h.backward(g.double())
     return h.detach(), x64.grad, [w.grad for w in ws] + ([wt.grad] if wt is not None else [])
+
+
+def _eager_then_compiled(chain, x: torch.Tensor, g: torch.Tensor):  # noqa: ANN001, ANN202
+    """One step of ``chain`` eagerly, then compiled whole (``fullgraph``), each from its calibrated
+    amaxes under bf16 autocast: ``[(out, dx, [dw ...], amax after), ...]``."""
+    calibrated = chain.amax.clone()
+    res = []
+    for fn in (chain, torch.compile(chain, fullgraph=True)):
+        chain.amax.copy_(calibrated)
+        chain.zero_grad(set_to_none=True)
+        xg = x.clone().requires_grad_(True)
+        with torch.autocast(x.device.type, dtype=torch.bfloat16):
+            out = fn(xg)
+        out.float().backward(g)
+        res.append((out.detach().float(), xg.grad.clone(), [w.grad.clone() for w in chain.weights], chain.amax.clone()))
+    return res
 
 
 def test_the_norm_references_are_blocknorm_and_hard_swish_and_their_gradient() -> None:
@@ -106,16 +122,7 @@ def test_the_chain_compiled_whole_matches_eager_and_keeps_its_amaxes_one_call_be
     g = torch.randn(64, 64)
     ch.calibrate(nn.Sequential(chain), [(x,)], lambda out, i: (out.float() * g).sum())
     calibrated = chain.amax.clone()
-    res = []
-    for fn in (chain, torch.compile(chain, fullgraph=True)):
-        chain.amax.copy_(calibrated)
-        chain.zero_grad(set_to_none=True)
-        xg = x.clone().requires_grad_(True)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            out = fn(xg)
-        out.float().backward(g)
-        res.append((out.detach().float(), xg.grad.clone(), [w.grad.clone() for w in chain.weights], chain.amax.clone()))
-    (oe, dxe, dwe, ae), (oc, dxc, dwc, ac) = res
+    (oe, dxe, dwe, ae), (oc, dxc, dwc, ac) = _eager_then_compiled(chain, x, g)
     assert _sqnr(oe, oc) > 25.0 and _sqnr(dxe, dxc) > 25.0 and all(_sqnr(a, b) > 25.0 for a, b in zip(dwe, dwc))
     # the same inputs as the calibration: every amax comes back to within bf16's rounding
     assert torch.allclose(ae, calibrated, rtol=2e-2) and torch.allclose(ac, calibrated, rtol=2e-2)
@@ -206,12 +213,6 @@ def test_the_kernels_under_the_triton_interpreter() -> None:
     values the references compute cast by the product's dual-cast kernel under the same
     interpreter (which rounds to FP8 its own way: 127.86 became 64, not 128, on triton 3.9): at most
     0.1% of the bytes differ (ties of the fp32 math); the transposed copy is the same bytes."""
-    import importlib.util
-    import os
-    import subprocess
-
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("needs triton (the interpreter runs on the CPU)")
     code = (
         "import sys, torch\n"
         f"sys.path.insert(0, {BENCH!r})\n"
@@ -242,9 +243,7 @@ def test_the_kernels_under_the_triton_interpreter() -> None:
         "same(d, dt, dy)\n"
         "print('ok')\n"
     )
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]
+    run_under_triton_interpreter(code)
 
 
 @pytest.mark.gpu
@@ -281,19 +280,8 @@ def test_the_chain_compiles_whole_on_a_gpu_and_matches_eager_and_float64() -> No
     x = torch.randn(2048, 512, device="cuda")
     g = torch.randn(2048, 512, device="cuda")
     ch.calibrate(nn.Sequential(chain), [(x,)], lambda out, i: (out.float() * g).sum())
-    calibrated = chain.amax.clone()
-    res = []
-    for fn in (chain, torch.compile(chain, fullgraph=True)):
-        chain.amax.copy_(calibrated)
-        chain.zero_grad(set_to_none=True)
-        xg = x.clone().requires_grad_(True)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            out = fn(xg)
-        out.float().backward(g)
-        res.append((out.detach().float(), xg.grad.clone(), [w.grad.clone() for w in chain.weights]))
-    (oe, dxe, dwe), (oc, dxc, dwc) = res
+    (oe, dxe, dwe, _), (oc, dxc, dwc, _) = _eager_then_compiled(chain, x, g)
     assert _sqnr(oe, oc) > 30.0 and _sqnr(dxe, dxc) > 30.0 and all(_sqnr(a, b) > 30.0 for a, b in zip(dwe, dwc))
-    h64, dx64, dws64 = _mlp64([b.cpu() for b in blocks], chain.tail.cpu(), x.cpu(), g.cpu())
-    chain.cuda()
-    assert _sqnr(h64, oc.cpu()) > 18.0 and _sqnr(dx64, dxc.cpu()) > 15.0
-    assert all(_sqnr(d64, d.cpu()) > 15.0 for d64, d in zip(dws64, dwc))
+    h64, dx64, dws64 = _mlp64(blocks, chain.tail, x, g)  # float64 on the GPU, the modules where they are
+    assert _sqnr(h64, oc) > 18.0 and _sqnr(dx64, dxc) > 15.0
+    assert all(_sqnr(d64, d) > 15.0 for d64, d in zip(dws64, dwc))
