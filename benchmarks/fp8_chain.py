@@ -103,7 +103,7 @@ def _kernels() -> Any:
     import triton.language as tl
 
     @triton.jit
-    def _fp8cast_norm_fwd_kernel(y_ptr, s_ptr, q_ptr, qt_ptr, rstd_ptr, amax_ptr, x_ptr, M, N, NB, eps,
+    def _fp8cast_norm_fwd_kernel(y_ptr, s_ptr, q_ptr, qt_ptr, rstd_ptr, amax_ptr, x_ptr, M, N, NB, EPS: tl.constexpr,
                         ACT: tl.constexpr, OUT: tl.constexpr, BR: tl.constexpr, BLK: tl.constexpr):
         # one (BR, BLK) tile: BR rows of one norm block of BLK features
         rows = tl.program_id(0) * BR + tl.arange(0, BR)
@@ -113,7 +113,9 @@ def _kernels() -> Any:
         m = rm[:, None]
         at = rows[:, None].to(tl.int64) * N + cols[None, :]
         yf = tl.load(y_ptr + at, mask=m, other=0.0).to(tl.float32)
-        r = 1.0 / tl.sqrt(tl.sum(yf * yf, axis=1) / BLK + eps)  # (BR,)
+        # EPS a constexpr: as a runtime argument inductor types a Python float fp64, and Triton
+        # 3.6 fails to lower the fp64 square root (make_llir's PassManager, 2026-12-07, H100)
+        r = 1.0 / tl.sqrt(tl.sum(yf * yf, axis=1) / BLK + EPS)  # (BR,)
         tl.store(rstd_ptr + rows.to(tl.int64) * NB + blk, r, mask=rm)
         x = yf * r[:, None]
         if ACT:  # Hard Swish
@@ -172,7 +174,7 @@ def _fwd_launch(y: torch.Tensor, scale: torch.Tensor, eps: float, act: bool, out
     x = torch.empty((m, n) if out_bf16 else (1,), device=y.device, dtype=y.dtype)
     if m and n:
         k = kf if wrap is None else wrap(kf)
-        k[(triton.cdiv(m, _BR), nb)](y, scale.reshape(1).to(torch.float32), q, qt, rstd, amax, x, m, n, nb, float(eps),
+        k[(triton.cdiv(m, _BR), nb)](y, scale.reshape(1).to(torch.float32), q, qt, rstd, amax, x, m, n, nb, EPS=float(eps),
                                      ACT=act, OUT=out_bf16, BR=_BR, BLK=BLOCK, num_warps=4)
     return (rstd, x) if out_bf16 else (q, qt, rstd, amax)
 

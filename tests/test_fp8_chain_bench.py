@@ -285,3 +285,31 @@ def test_the_chain_compiles_whole_on_a_gpu_and_matches_eager_and_float64() -> No
     h64, dx64, dws64 = _mlp64(blocks, chain.tail, x, g)  # float64 on the GPU, the modules where they are
     assert _sqnr(h64, oc) > 18.0 and _sqnr(dx64, dxc) > 15.0
     assert all(_sqnr(d64, d) > 15.0 for d64, d in zip(dws64, dwc))
+
+
+def test_the_norm_kernels_compile_for_sm90_with_inductors_argument_types() -> None:
+    """Inductor launches the kernels from its own code and types a Python float argument fp64;
+    Triton 3.6 then failed to lower the forward kernel's fp64 square root (make_llir, on an H100,
+    2026-12-07), so ``eps`` is a constexpr. Compiled here for sm_90 on the CPU (Triton's NVIDIA
+    backend needs no GPU to build PTX), with 32- and 64-bit sizes as inductor may give them."""
+    pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
+
+    ch = _load()
+    _, kf, kb = ch._kernels()
+    for ity in ("i32", "i64"):
+        fwd_sig = {"y_ptr": "*bf16", "s_ptr": "*fp32", "q_ptr": "*fp8e4nv", "qt_ptr": "*fp8e4nv",
+                   "rstd_ptr": "*fp32", "amax_ptr": "*fp32", "x_ptr": "*bf16", "M": ity, "N": ity, "NB": ity,
+                   "EPS": "constexpr", "ACT": "constexpr", "OUT": "constexpr", "BR": "constexpr", "BLK": "constexpr"}
+        bwd_sig = {"g_ptr": "*bf16", "y_ptr": "*bf16", "rstd_ptr": "*fp32", "s_ptr": "*fp32", "q_ptr": "*fp8e4nv",
+                   "qt_ptr": "*fp8e4nv", "amax_ptr": "*fp32", "M": ity, "N": ity, "NB": ity,
+                   "ACT": "constexpr", "BR": "constexpr", "BLK": "constexpr"}
+        for out in (False, True):
+            consts = {"EPS": 0.0078125, "ACT": True, "OUT": out, "BR": 32, "BLK": ch.BLOCK}
+            k = compile(ASTSource(fn=kf, signature=fwd_sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                        options={"num_warps": 4})
+            assert "ptx" in k.asm
+        k = compile(ASTSource(fn=kb, signature=bwd_sig, constexprs={"ACT": True, "BR": 32, "BLK": ch.BLOCK}),
+                    target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+        assert "ptx" in k.asm
