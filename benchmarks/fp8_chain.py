@@ -128,7 +128,7 @@ def _kernels() -> Any:
             tl.store(q_ptr + at, q8, mask=m)
             # the transposed FP8 copy (N, M), three forms (QT, for the GPU A/B of 2026-12-07: the
             # first form's copy disagreed with the row-major one on an H100 in one call of two): 0 the fp32
-            # values transposed, then cast; 1 the FP8 values transposed; 2 as 0 with every element's mask;
+            # values transposed, then cast; 1 the FP8 values transposed; 2 as 0 with every element's mask; 4, 5 below;
             # 3 none (the launcher transposes the FP8 copy after the kernel)
             qt_at = cols[:, None].to(tl.int64) * M + rows[None, :]
             if QT == 1:
@@ -139,6 +139,12 @@ def _kernels() -> Any:
             elif QT == 0:
                 tl.store(qt_ptr + qt_at, tl.minimum(tl.maximum(tl.trans(x) * scale, -448.0), 448.0).to(tl.float8e4nv),
                          mask=rm[None, :])
+            elif QT == 4:  # no tl.trans: the row-major FP8 tile stored at the transposed addresses
+                tl.store(qt_ptr + cols[None, :].to(tl.int64) * M + rows[:, None], q8, mask=m)
+            elif QT == 5:  # as 0, clamped with tl.where in place of min / max (triton-lang/triton#11111)
+                vt = tl.trans(x) * scale
+                vt = tl.where(vt > 448.0, 448.0, tl.where(vt < -448.0, -448.0, vt))
+                tl.store(qt_ptr + qt_at, vt.to(tl.float8e4nv), mask=rm[None, :])
             tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
 
     @triton.jit
@@ -164,7 +170,7 @@ def _kernels() -> Any:
         tl.store(q_ptr + at, q8, mask=m)
         # the transposed FP8 copy (N, M), three forms (QT, for the GPU A/B of 2026-12-07: the
         # first form's copy disagreed with the row-major one on an H100 in one call of two): 0 the fp32
-        # values transposed, then cast; 1 the FP8 values transposed; 2 as 0 with every element's mask;
+        # values transposed, then cast; 1 the FP8 values transposed; 2 as 0 with every element's mask; 4, 5 below;
         # 3 none (the launcher transposes the FP8 copy after the kernel)
         qt_at = cols[:, None].to(tl.int64) * M + rows[None, :]
         if QT == 1:
@@ -175,12 +181,18 @@ def _kernels() -> Any:
         elif QT == 0:
             tl.store(qt_ptr + qt_at, tl.minimum(tl.maximum(tl.trans(dy) * scale, -448.0), 448.0).to(tl.float8e4nv),
                      mask=rm[None, :])
+        elif QT == 4:  # no tl.trans: the row-major FP8 tile stored at the transposed addresses
+            tl.store(qt_ptr + cols[None, :].to(tl.int64) * M + rows[:, None], q8, mask=m)
+        elif QT == 5:  # as 0, clamped with tl.where in place of min / max (triton-lang/triton#11111)
+            vt = tl.trans(dy) * scale
+            vt = tl.where(vt > 448.0, 448.0, tl.where(vt < -448.0, -448.0, vt))
+            tl.store(qt_ptr + qt_at, vt.to(tl.float8e4nv), mask=rm[None, :])
         tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(dy), axis=1), axis=0))
 
     return triton, _fp8cast_norm_fwd_kernel, _fp8cast_norm_bwd_kernel
 
 
-#: the transposed copy's form (0-3: see the kernels), the tile's rows and warps (environment LOKA_CHAIN_QT,
+#: the transposed copy's form (0-5: see the kernels), the tile's rows and warps (environment LOKA_CHAIN_QT,
 #: LOKA_CHAIN_BR, LOKA_CHAIN_WARPS, read at import: a GPU A/B, 2026-12-07)
 QT_FORM = int(os.environ.get("LOKA_CHAIN_QT", "0"))
 _BR = int(os.environ.get("LOKA_CHAIN_BR", "32"))  # rows a tile: 32 x 256 fp32 values, 32-byte runs in qt
