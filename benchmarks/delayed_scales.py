@@ -115,10 +115,15 @@ def _kernel() -> Any:
         else:
             xf = x.to(tl.float32)
         scale = tl.load(s_ptr)
-        q = tl.minimum(tl.maximum(xf * scale, -448.0), 448.0).to(tl.float8e4nv)
+        # saturated with tl.where, not tl.minimum / tl.maximum: clamped that way, a transposed FP8
+        # store wrote wrong bytes on an H100 under Triton 3.6 (fp8_chain's A/B, 2026-12-07;
+        # triton-lang/triton#11111); NaN stays NaN, as torch's clamp
+        v = xf * scale
+        q = tl.where(v > 448.0, 448.0, tl.where(v < -448.0, -448.0, v)).to(tl.float8e4nv)
         tl.store(y_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], q, mask=m)
         mt = (cols[:, None] < C) & (rows[None, :] < R)
-        qt = tl.minimum(tl.maximum(tl.trans(xf) * scale, -448.0), 448.0).to(tl.float8e4nv)
+        vt = tl.trans(xf) * scale
+        qt = tl.where(vt > 448.0, 448.0, tl.where(vt < -448.0, -448.0, vt)).to(tl.float8e4nv)
         tl.store(yt_ptr + cols[:, None].to(tl.int64) * R + rows[None, :], qt, mask=mt)
         tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(xf), axis=1), axis=0))  # |x| >= 0: float max is int max
 

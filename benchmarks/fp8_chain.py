@@ -193,8 +193,11 @@ def _kernels() -> Any:
 
 
 #: the transposed copy's form (0-5: see the kernels), the tile's rows and warps (environment LOKA_CHAIN_QT,
-#: LOKA_CHAIN_BR, LOKA_CHAIN_WARPS, read at import: a GPU A/B, 2026-12-07)
-QT_FORM = int(os.environ.get("LOKA_CHAIN_QT", "0"))
+#: LOKA_CHAIN_BR, LOKA_CHAIN_WARPS, read at import). Form 5 by default: on an H100 (Triton 3.6.0, 2026-12-07,
+#: benchmarks/results/chain_qt_ab_h100_s33d.json) every form that clamps with tl.minimum / tl.maximum
+#: before a transposed FP8 store wrote wrong bytes there (0, 1, 2, 4, at every tile and warp count
+#: tried), and form 5, clamped with tl.where, was right in all of them (triton-lang/triton#11111)
+QT_FORM = int(os.environ.get("LOKA_CHAIN_QT", "5"))
 _BR = int(os.environ.get("LOKA_CHAIN_BR", "32"))  # rows a tile: 32 x 256 fp32 values, 32-byte runs in qt
 _WARPS = int(os.environ.get("LOKA_CHAIN_WARPS", "4"))
 
