@@ -48,30 +48,24 @@ Benchmark code, not the product: the product's path is ``loka_tune.apply`` with 
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable, Iterable, Sequence
-from functools import lru_cache
 from typing import Any
 
 import torch
 from torch import nn
 
+# the constants and the dual-amax cast live in the product (loka_tune.kernels.chain), with the chain
+from loka_tune.kernels.chain import (  # noqa: F401  (re-exported for the tests and e2e.py)
+    E4M3,
+    FMAX,
+    MARGIN,
+    _multiplier,
+    cast_dual_amax,
+    cast_dual_amax_reference,
+)
+from loka_tune.kernels.chain import prepare_cast_kernel as prepare_kernel  # noqa: F401
+
 __all__ = ["DelayedScaleLinear", "swap_delayed", "calibrate", "cast_dual_amax", "cast_dual_amax_reference", "MARGIN"]
-
-E4M3 = torch.float8_e4m3fn
-FMAX = float(torch.finfo(E4M3).max)  # 448
-_TINY = FMAX / float(torch.finfo(torch.float32).max)
-#: headroom of a delayed scale over the amax it was taken from (an operand may grow by up to this
-#: factor from one step to the next before its largest values saturate)
-MARGIN = 2.0
-
-
-def _multiplier(amax: torch.Tensor, margin: float) -> torch.Tensor:
-    """``fmax / (margin * amax)`` (float32 ``()``), ``1`` for a zero amax (scalar ops, inlined
-    into the kernel that casts)."""
-    a = amax.to(torch.float32) * margin
-    return torch.where(a > 0, FMAX / a.clamp(min=_TINY), torch.ones_like(a))
-
 
 def _cast(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``t`` times ``scale``, saturated at +-448, in e4m3, K-contiguous (the layout of ``t`` when it
@@ -82,108 +76,6 @@ def _cast(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 def _own_amax(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to(torch.float32).abs().amax()  # ()
-
-
-# ------------------------------------------------------------------ both layouts and the amax, one pass
-def cast_dual_amax_reference(x: torch.Tensor, scale: torch.Tensor,
-                             via: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``x`` ``(R, C)`` rounded through ``via`` (None: not), times ``scale`` (float32, one element),
-    saturated at +-448 in e4m3: ``(data (R, C), data_t (C, R), amax (1,))``, both layouts contiguous,
-    ``amax`` the float32 max of ``|x|`` after the rounding (what the next step's scale is taken from)."""
-    xf = (x if via is None else x.to(via)).to(torch.float32)
-    q = (xf * scale.reshape(())).clamp(-FMAX, FMAX).to(E4M3)  # (R, C)
-    return q.contiguous(), q.t().contiguous(), xf.abs().amax().reshape(1)
-
-
-@lru_cache(maxsize=1)
-def _kernel() -> Any:
-    """The Triton kernel (``triton`` imported on first use only)."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def _fp8cast_dual_amax_kernel(x_ptr, s_ptr, y_ptr, yt_ptr, amax_ptr, R, C, sxr, sxc, VIA: tl.constexpr,
-                              BR: tl.constexpr, BC: tl.constexpr):
-        # one (BR, BC) tile of x (any strides): both e4m3 layouts and an atomic max of |x| (VIA 1: rounded
-        # through bfloat16 first, the compute dtype of an fp32 master weight)
-        rows = tl.program_id(0) * BR + tl.arange(0, BR)
-        cols = tl.program_id(1) * BC + tl.arange(0, BC)
-        m = (rows[:, None] < R) & (cols[None, :] < C)
-        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * sxr + cols[None, :].to(tl.int64) * sxc, mask=m, other=0.0)
-        if VIA == 1:
-            xf = x.to(tl.bfloat16).to(tl.float32)
-        else:
-            xf = x.to(tl.float32)
-        scale = tl.load(s_ptr)
-        # saturated with tl.where, not tl.minimum / tl.maximum: clamped that way, a transposed FP8
-        # store wrote wrong bytes on an H100 under Triton 3.6 (fp8_chain's A/B, 2026-12-07;
-        # triton-lang/triton#11111); NaN stays NaN, as torch's clamp
-        v = xf * scale
-        q = tl.where(v > 448.0, 448.0, tl.where(v < -448.0, -448.0, v)).to(tl.float8e4nv)
-        tl.store(y_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], q, mask=m)
-        mt = (cols[:, None] < C) & (rows[None, :] < R)
-        vt = tl.trans(xf) * scale
-        qt = tl.where(vt > 448.0, 448.0, tl.where(vt < -448.0, -448.0, vt)).to(tl.float8e4nv)
-        tl.store(yt_ptr + cols[:, None].to(tl.int64) * R + rows[None, :], qt, mask=mt)
-        tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(xf), axis=1), axis=0))  # |x| >= 0: float max is int max
-
-    return triton, _fp8cast_dual_amax_kernel
-
-
-def _launch(x: torch.Tensor, scale: torch.Tensor, via: str, wrap: Callable[[Any], Any] | None
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    triton, kernel = _kernel()
-    r, c = x.shape
-    y = torch.empty((r, c), device=x.device, dtype=E4M3)
-    yt = torch.empty((c, r), device=x.device, dtype=E4M3)
-    amax = torch.zeros(1, device=x.device, dtype=torch.float32)
-    if r and c:
-        bc = min(128, max(16, triton.next_power_of_2(c)))  # the product's dual_cast_tile
-        br = min(512, max(128, 16384 // bc))
-        k = kernel if wrap is None else wrap(kernel)
-        k[(triton.cdiv(r, br), triton.cdiv(c, bc))](x, scale.reshape(1).to(torch.float32), y, yt, amax, r, c,
-                                                    x.stride(0), x.stride(1), VIA=1 if via == "bfloat16" else 0,
-                                                    BR=br, BC=bc, num_warps=8)
-    return y, yt, amax
-
-
-def prepare_kernel() -> None:
-    """Register ``torch.ops.loka_bench.cast_dual_amax`` (the kernel as a ``torch.library.triton_op``,
-    which inductor launches from its own generated code, as the product's ``loka::cast_dual_inline``)
-    once per process, outside any trace; registering does not import triton (launching does)."""
-    try:
-        torch.ops.loka_bench.cast_dual_amax  # noqa: B018
-    except (AttributeError, RuntimeError):
-        def cast_dual_amax_op(x: torch.Tensor, scale: torch.Tensor, via: str
-                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-            return _launch(x, scale, via, torch.library.wrap_triton)
-
-        torch.library.triton_op("loka_bench::cast_dual_amax", cast_dual_amax_op, mutates_args=())
-
-
-def _kernel_op(x: torch.Tensor) -> Any:
-    """The kernel's op where it runs for ``x`` (CUDA; the CPU under ``TRITON_INTERPRET=1``, eagerly),
-    else None (the reference). Inside a trace only ``x.is_cuda`` is read: the op is registered
-    by :class:`DelayedScaleLinear`'s constructor before any trace."""
-    if not x.is_cuda and (torch.compiler.is_compiling() or os.environ.get("TRITON_INTERPRET") != "1"):
-        return None
-    if not torch.compiler.is_compiling():
-        prepare_kernel()
-    return torch.ops.loka_bench.cast_dual_amax
-
-
-def cast_dual_amax(x: torch.Tensor, scale: torch.Tensor,
-                   via: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`cast_dual_amax_reference` in one Triton kernel where it can run (CUDA; the CPU under
-    ``TRITON_INTERPRET=1``), the reference elsewhere. ``via``: None or ``torch.bfloat16``."""
-    if x.dim() != 2:
-        raise ValueError(f"cast_dual_amax takes a 2-D operand (rows, cols), got shape {tuple(x.shape)}")
-    if via not in (None, torch.bfloat16):
-        raise ValueError(f"cast_dual_amax rounds through bfloat16 or nothing, got via={via}")
-    op = _kernel_op(x)
-    if op is None:
-        return cast_dual_amax_reference(x, scale, via)
-    return op(x, scale, "bfloat16" if via is not None else "")
 
 
 class _DelayedFn(torch.autograd.Function):

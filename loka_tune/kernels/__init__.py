@@ -5,7 +5,9 @@ Importing this package is cheap (no torch import): the names below load their mo
 first access. Modules: :mod:`~loka_tune.kernels.quant` (reference quantization),
 :mod:`~loka_tune.kernels.registry` (backends), :mod:`~loka_tune.kernels.emulated` (the oracle
 backend), :mod:`~loka_tune.kernels.ops` (the custom op), :mod:`~loka_tune.kernels.linear`
-(the module). GPU backends live in :mod:`loka_tune.kernels.backends` and load lazily.
+(the module), :mod:`~loka_tune.kernels.chain` (FP8 chains: MLPs whose norms write the next GEMM's
+FP8 operands, with delayed scales; not yet wired into ``apply``). GPU backends live in
+:mod:`loka_tune.kernels.backends` and load lazily.
 """
 
 from __future__ import annotations

@@ -1,0 +1,649 @@
+"""FP8 chains: an MLP of ``linear -> BlockNorm(256) -> Hard Swish`` blocks (and the linear after
+it) run as one autograd Function whose norms write the next GEMM's FP8 operands themselves, with
+delayed scales (the last call's amax times a margin) and the amax for the next call taken in the
+same pass. Measured as a benchmark variant on an H100 (2026-12-07, BENCHMARKS.md, "The FP8 chain on
+an H100"): 1.0535x / 1.0544x torchao's tensorwise line on large Wukong at B = 8192, seeds 0 / 1.
+
+Why: with inductor's casts or the dual cast, every FP8 operand is first written in bf16 by its
+producer and read back to be cast. Inside a chain the operands between two FP8 GEMMs need no bf16
+copy: forward, the next linear's input ``x = hswish(blocknorm(y))`` is read only as FP8, in two
+layouts (``x`` for the forward GEMM, ``x^T`` for the wgrad); backward, the previous linear's output
+gradient ``dy`` likewise (``dy`` for the dgrad, ``dy^T`` for the wgrad). One Triton kernel does
+each: it reads the GEMM output ``y`` (and, backward, the gradient ``g``) once, takes the block
+statistics, and writes both FP8 layouts with a delayed scale and an atomic max for the next amax.
+The chain's input and the weights are cast by :func:`cast_dual_amax` (both layouts and the amax
+in one read). Each GEMM is e4m3 tensorwise through ``torch._scaled_mm`` (fast accumulation in the
+forward only, torchao's tensorwise recipe).
+
+The Triton kernels saturate with ``tl.where``: saturated with ``tl.minimum`` / ``tl.maximum``,
+values stored transposed in FP8 came out wrong on an H100 under Triton 3.6 in every tile tried
+(``benchmarks/chain_qt_ab.py``; triton-lang/triton#11111). The norm kernels' ``eps`` is a
+constexpr: inductor types a Python float argument fp64, whose square root Triton 3.6 failed to
+lower. ``triton`` is imported on the first launch only; the ops (``torch.ops.loka.chain_*``,
+``torch.library.triton_op`` s, which inductor launches from its own code) are registered outside
+any trace, by :class:`ChainMLP`'s constructor. Where no kernel can run (a CPU tensor, unless
+``TRITON_INTERPRET=1`` in eager mode) the torch references run instead.
+
+Not yet wired into :func:`loka_tune.apply` or the study's space; ``benchmarks/fp8_chain.py`` and
+``benchmarks/delayed_scales.py`` (e2e.py's ``chain_tensorwise_filter`` and
+``delayed_dualcast_tensorwise_filter``) use it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Sequence
+from functools import lru_cache
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["ChainMLP", "FP8Chain", "swap_chain", "calibrate", "cast_dual_amax", "cast_dual_amax_reference",
+           "norm_fwd_cast", "norm_bwd_cast", "norm_fwd_cast_reference", "norm_bwd_cast_reference",
+           "prepare_kernels", "BLOCK", "MARGIN", "E4M3", "FMAX"]
+
+E4M3 = torch.float8_e4m3fn
+FMAX = float(torch.finfo(E4M3).max)  # 448
+_TINY = FMAX / float(torch.finfo(torch.float32).max)
+#: headroom of a delayed scale over the amax it was taken from (an operand may grow by up to this
+#: factor from one step to the next before its largest values saturate)
+MARGIN = 2.0
+
+
+def _multiplier(amax: torch.Tensor, margin: float) -> torch.Tensor:
+    """``fmax / (margin * amax)`` (float32 ``()``), ``1`` for a zero amax (scalar ops, inlined
+    into the kernel that casts)."""
+    a = amax.to(torch.float32) * margin
+    return torch.where(a > 0, FMAX / a.clamp(min=_TINY), torch.ones_like(a))
+
+
+
+# ------------------------------------------------------------------ both layouts and the amax, one pass
+def cast_dual_amax_reference(x: torch.Tensor, scale: torch.Tensor,
+                             via: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x`` ``(R, C)`` rounded through ``via`` (None: not), times ``scale`` (float32, one element),
+    saturated at +-448 in e4m3: ``(data (R, C), data_t (C, R), amax (1,))``, both layouts contiguous,
+    ``amax`` the float32 max of ``|x|`` after the rounding (what the next step's scale is taken from)."""
+    xf = (x if via is None else x.to(via)).to(torch.float32)
+    q = (xf * scale.reshape(())).clamp(-FMAX, FMAX).to(E4M3)  # (R, C)
+    return q.contiguous(), q.t().contiguous(), xf.abs().amax().reshape(1)
+
+
+@lru_cache(maxsize=1)
+def _kernel() -> Any:
+    """The Triton kernel (``triton`` imported on first use only)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _fp8cast_dual_amax_kernel(x_ptr, s_ptr, y_ptr, yt_ptr, amax_ptr, R, C, sxr, sxc, VIA: tl.constexpr,
+                              BR: tl.constexpr, BC: tl.constexpr):
+        # one (BR, BC) tile of x (any strides): both e4m3 layouts and an atomic max of |x| (VIA 1: rounded
+        # through bfloat16 first, the compute dtype of an fp32 master weight)
+        rows = tl.program_id(0) * BR + tl.arange(0, BR)
+        cols = tl.program_id(1) * BC + tl.arange(0, BC)
+        m = (rows[:, None] < R) & (cols[None, :] < C)
+        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * sxr + cols[None, :].to(tl.int64) * sxc, mask=m, other=0.0)
+        if VIA == 1:
+            xf = x.to(tl.bfloat16).to(tl.float32)
+        else:
+            xf = x.to(tl.float32)
+        scale = tl.load(s_ptr)
+        # saturated with tl.where, not tl.minimum / tl.maximum: clamped that way, a transposed FP8
+        # store wrote wrong bytes on an H100 under Triton 3.6 (fp8_chain's A/B, 2026-12-07;
+        # triton-lang/triton#11111); NaN stays NaN, as torch's clamp
+        v = xf * scale
+        q = tl.where(v > 448.0, 448.0, tl.where(v < -448.0, -448.0, v)).to(tl.float8e4nv)
+        tl.store(y_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], q, mask=m)
+        mt = (cols[:, None] < C) & (rows[None, :] < R)
+        vt = tl.trans(xf) * scale
+        qt = tl.where(vt > 448.0, 448.0, tl.where(vt < -448.0, -448.0, vt)).to(tl.float8e4nv)
+        tl.store(yt_ptr + cols[:, None].to(tl.int64) * R + rows[None, :], qt, mask=mt)
+        tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(xf), axis=1), axis=0))  # |x| >= 0: float max is int max
+
+    return triton, _fp8cast_dual_amax_kernel
+
+
+def _launch(x: torch.Tensor, scale: torch.Tensor, via: str, wrap: Callable[[Any], Any] | None
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    triton, kernel = _kernel()
+    r, c = x.shape
+    y = torch.empty((r, c), device=x.device, dtype=E4M3)
+    yt = torch.empty((c, r), device=x.device, dtype=E4M3)
+    amax = torch.zeros(1, device=x.device, dtype=torch.float32)
+    if r and c:
+        bc = min(128, max(16, triton.next_power_of_2(c)))  # the product's dual_cast_tile
+        br = min(512, max(128, 16384 // bc))
+        k = kernel if wrap is None else wrap(kernel)
+        k[(triton.cdiv(r, br), triton.cdiv(c, bc))](x, scale.reshape(1).to(torch.float32), y, yt, amax, r, c,
+                                                    x.stride(0), x.stride(1), VIA=1 if via == "bfloat16" else 0,
+                                                    BR=br, BC=bc, num_warps=8)
+    return y, yt, amax
+
+
+def prepare_cast_kernel() -> None:
+    """Register ``torch.ops.loka.chain_cast_dual_amax`` (the kernel as a ``torch.library.triton_op``,
+    which inductor launches from its own generated code, as the product's ``loka::cast_dual_inline``)
+    once per process, outside any trace; registering does not import triton (launching does)."""
+    try:
+        torch.ops.loka.chain_cast_dual_amax  # noqa: B018
+    except (AttributeError, RuntimeError):
+        def cast_dual_amax_op(x: torch.Tensor, scale: torch.Tensor, via: str
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            return _launch(x, scale, via, torch.library.wrap_triton)
+
+        torch.library.triton_op("loka::chain_cast_dual_amax", cast_dual_amax_op, mutates_args=())
+
+
+def _kernel_op(x: torch.Tensor) -> Any:
+    """The kernel's op where it runs for ``x`` (CUDA; the CPU under ``TRITON_INTERPRET=1``, eagerly),
+    else None (the reference). Inside a trace only ``x.is_cuda`` is read: the op is registered
+    by :class:`ChainMLP`'s constructor (or :func:`prepare_cast_kernel`) before any trace."""
+    if not x.is_cuda and (torch.compiler.is_compiling() or os.environ.get("TRITON_INTERPRET") != "1"):
+        return None
+    if not torch.compiler.is_compiling():
+        prepare_cast_kernel()
+    return torch.ops.loka.chain_cast_dual_amax
+
+
+def cast_dual_amax(x: torch.Tensor, scale: torch.Tensor,
+                   via: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`cast_dual_amax_reference` in one Triton kernel where it can run (CUDA; the CPU under
+    ``TRITON_INTERPRET=1``), the reference elsewhere. ``via``: None or ``torch.bfloat16``."""
+    if x.dim() != 2:
+        raise ValueError(f"cast_dual_amax takes a 2-D operand (rows, cols), got shape {tuple(x.shape)}")
+    if via not in (None, torch.bfloat16):
+        raise ValueError(f"cast_dual_amax rounds through bfloat16 or nothing, got via={via}")
+    op = _kernel_op(x)
+    if op is None:
+        return cast_dual_amax_reference(x, scale, via)
+    return op(x, scale, "bfloat16" if via is not None else "")
+
+
+BLOCK = 256  #: the BlockNorm width this chain's kernels take (the Mods' ``blocknorm = 256``)
+
+
+# ------------------------------------------------------------------ references (torch, fp32 math)
+def _hswish(z: torch.Tensor) -> torch.Tensor:
+    return z * (z + 3.0).clamp(0.0, 6.0) / 6.0
+
+
+def _hswish_grad(z: torch.Tensor) -> torch.Tensor:
+    """d hardswish / dz as aten's backward: 0 below -3, z / 3 + 1/2 up to 3 (inclusive), 1 above."""
+    return torch.where(z < -3.0, torch.zeros_like(z), torch.where(z <= 3.0, z / 3.0 + 0.5, torch.ones_like(z)))
+
+
+def _q(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return (t * scale.reshape(())).clamp(-FMAX, FMAX).to(E4M3)
+
+
+def norm_fwd_cast_reference(y: torch.Tensor, scale: torch.Tensor | None, eps: float, act: bool = True, out_bf16: bool = False
+                            ) -> tuple[torch.Tensor, ...]:
+    """``x = hswish(blocknorm(y))`` (blocks of 256 along the last dim; ``act`` False: the norm only)
+    of ``y`` ``(M, N)``, in fp32 math: ``(qx (M, N), qx_t (N, M), rstd (M, N / 256), amax (1,))``;
+    with ``out_bf16`` (the chain's last output, which leaves it in bf16) ``(rstd, x)``, ``x`` in
+    ``y``'s dtype, and ``scale`` unused (None allowed)."""
+    m, n = y.shape
+    yf = y.float().view(m, n // BLOCK, BLOCK)
+    rstd = torch.rsqrt(yf.square().mean(-1) + eps)  # (M, N / 256)
+    z = yf * rstd[..., None]
+    x = (_hswish(z) if act else z).reshape(m, n)
+    if out_bf16:
+        return rstd, x.to(y.dtype)
+    assert scale is not None, "an FP8 output needs its scale"
+    q = _q(x, scale)
+    return q, q.t().contiguous(), rstd, x.abs().amax().reshape(1)
+
+
+def norm_bwd_cast_reference(g: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, scale: torch.Tensor, act: bool = True
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradient at ``y`` of ``hswish(blocknorm(y))`` given ``g`` at its output, both ``(M, N)``:
+    ``dy = rstd * (gz - z * mean(gz * z))`` per block, ``z = y * rstd``, ``gz = g * hswish'(z)``;
+    returns ``(qdy (M, N), qdy_t (N, M), amax (1,))``."""
+    m, n = y.shape
+    z = y.float().view(m, n // BLOCK, BLOCK) * rstd[..., None]
+    gz = g.float().view(m, n // BLOCK, BLOCK)
+    if act:
+        gz = gz * _hswish_grad(z)
+    dy = (rstd[..., None] * (gz - z * (gz * z).mean(-1, keepdim=True))).reshape(m, n)
+    q = _q(dy, scale)
+    return q, q.t().contiguous(), dy.abs().amax().reshape(1)
+
+
+# ------------------------------------------------------------------ Triton kernels (imported on first use)
+@lru_cache(maxsize=1)
+def _kernels() -> Any:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _fp8cast_norm_fwd_kernel(y_ptr, s_ptr, q_ptr, qt_ptr, rstd_ptr, amax_ptr, x_ptr, M, N, NB, EPS: tl.constexpr,
+                        ACT: tl.constexpr, OUT: tl.constexpr, BR: tl.constexpr, BLK: tl.constexpr, QT: tl.constexpr):
+        # one (BR, BLK) tile: BR rows of one norm block of BLK features
+        rows = tl.program_id(0) * BR + tl.arange(0, BR)
+        blk = tl.program_id(1)
+        cols = blk * BLK + tl.arange(0, BLK)
+        rm = rows < M
+        m = rm[:, None]
+        at = rows[:, None].to(tl.int64) * N + cols[None, :]
+        yf = tl.load(y_ptr + at, mask=m, other=0.0).to(tl.float32)
+        # EPS a constexpr: as a runtime argument inductor types a Python float fp64, and Triton
+        # 3.6 fails to lower the fp64 square root (make_llir's PassManager, 2026-12-07, H100)
+        r = 1.0 / tl.sqrt(tl.sum(yf * yf, axis=1) / BLK + EPS)  # (BR,)
+        tl.store(rstd_ptr + rows.to(tl.int64) * NB + blk, r, mask=rm)
+        x = yf * r[:, None]
+        if ACT:  # Hard Swish
+            x = x * tl.minimum(tl.maximum(x + 3.0, 0.0), 6.0) / 6.0
+        if OUT:  # the chain's output: bf16 only
+            tl.store(x_ptr + at, x.to(x_ptr.dtype.element_ty), mask=m)
+        else:
+            scale = tl.load(s_ptr)
+            q8 = tl.minimum(tl.maximum(x * scale, -448.0), 448.0).to(tl.float8e4nv)
+            tl.store(q_ptr + at, q8, mask=m)
+            # the transposed FP8 copy (N, M), three forms (QT, for the GPU A/B of 2026-12-07: the
+            # first form's copy disagreed with the row-major one on an H100 in one call of two): 0 the fp32
+            # values transposed, then cast; 1 the FP8 values transposed; 2 as 0 with every element's mask; 4, 5 below;
+            # 3 none (the launcher transposes the FP8 copy after the kernel)
+            qt_at = cols[:, None].to(tl.int64) * M + rows[None, :]
+            if QT == 1:
+                tl.store(qt_ptr + qt_at, tl.trans(q8), mask=rm[None, :])
+            elif QT == 2:
+                mt = (cols[:, None] < N) & rm[None, :]
+                tl.store(qt_ptr + qt_at, tl.minimum(tl.maximum(tl.trans(x) * scale, -448.0), 448.0).to(tl.float8e4nv), mask=mt)
+            elif QT == 0:
+                tl.store(qt_ptr + qt_at, tl.minimum(tl.maximum(tl.trans(x) * scale, -448.0), 448.0).to(tl.float8e4nv),
+                         mask=rm[None, :])
+            elif QT == 4:  # no tl.trans: the row-major FP8 tile stored at the transposed addresses
+                tl.store(qt_ptr + cols[None, :].to(tl.int64) * M + rows[:, None], q8, mask=m)
+            elif QT == 5:  # as 0, clamped with tl.where in place of min / max (triton-lang/triton#11111)
+                vt = tl.trans(x) * scale
+                vt = tl.where(vt > 448.0, 448.0, tl.where(vt < -448.0, -448.0, vt))
+                tl.store(qt_ptr + qt_at, vt.to(tl.float8e4nv), mask=rm[None, :])
+            tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
+
+    @triton.jit
+    def _fp8cast_norm_bwd_kernel(g_ptr, y_ptr, rstd_ptr, s_ptr, q_ptr, qt_ptr, amax_ptr, M, N, NB,
+                        ACT: tl.constexpr, BR: tl.constexpr, BLK: tl.constexpr, QT: tl.constexpr):
+        rows = tl.program_id(0) * BR + tl.arange(0, BR)
+        blk = tl.program_id(1)
+        cols = blk * BLK + tl.arange(0, BLK)
+        rm = rows < M
+        m = rm[:, None]
+        at = rows[:, None].to(tl.int64) * N + cols[None, :]
+        yf = tl.load(y_ptr + at, mask=m, other=0.0).to(tl.float32)
+        gz = tl.load(g_ptr + at, mask=m, other=0.0).to(tl.float32)
+        r = tl.load(rstd_ptr + rows.to(tl.int64) * NB + blk, mask=rm, other=0.0)  # (BR,)
+        z = yf * r[:, None]
+        if ACT:
+            d = tl.where(z < -3.0, 0.0, tl.where(z <= 3.0, z / 3.0 + 0.5, 1.0))
+            gz = gz * d
+        mean = tl.sum(gz * z, axis=1) / BLK  # (BR,)
+        dy = r[:, None] * (gz - z * mean[:, None])
+        scale = tl.load(s_ptr)
+        q8 = tl.minimum(tl.maximum(dy * scale, -448.0), 448.0).to(tl.float8e4nv)
+        tl.store(q_ptr + at, q8, mask=m)
+        # the transposed FP8 copy (N, M), three forms (QT, for the GPU A/B of 2026-12-07: the
+        # first form's copy disagreed with the row-major one on an H100 in one call of two): 0 the fp32
+        # values transposed, then cast; 1 the FP8 values transposed; 2 as 0 with every element's mask; 4, 5 below;
+        # 3 none (the launcher transposes the FP8 copy after the kernel)
+        qt_at = cols[:, None].to(tl.int64) * M + rows[None, :]
+        if QT == 1:
+            tl.store(qt_ptr + qt_at, tl.trans(q8), mask=rm[None, :])
+        elif QT == 2:
+            mt = (cols[:, None] < N) & rm[None, :]
+            tl.store(qt_ptr + qt_at, tl.minimum(tl.maximum(tl.trans(dy) * scale, -448.0), 448.0).to(tl.float8e4nv), mask=mt)
+        elif QT == 0:
+            tl.store(qt_ptr + qt_at, tl.minimum(tl.maximum(tl.trans(dy) * scale, -448.0), 448.0).to(tl.float8e4nv),
+                     mask=rm[None, :])
+        elif QT == 4:  # no tl.trans: the row-major FP8 tile stored at the transposed addresses
+            tl.store(qt_ptr + cols[None, :].to(tl.int64) * M + rows[:, None], q8, mask=m)
+        elif QT == 5:  # as 0, clamped with tl.where in place of min / max (triton-lang/triton#11111)
+            vt = tl.trans(dy) * scale
+            vt = tl.where(vt > 448.0, 448.0, tl.where(vt < -448.0, -448.0, vt))
+            tl.store(qt_ptr + qt_at, vt.to(tl.float8e4nv), mask=rm[None, :])
+        tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(dy), axis=1), axis=0))
+
+    return triton, _fp8cast_norm_fwd_kernel, _fp8cast_norm_bwd_kernel
+
+
+#: the transposed copy's form (0-5: see the kernels), the tile's rows and warps (environment LOKA_CHAIN_QT,
+#: LOKA_CHAIN_BR, LOKA_CHAIN_WARPS, read at import). Form 5 by default: on an H100 (Triton 3.6.0, 2026-12-07,
+#: benchmarks/results/chain_qt_ab_h100_s33d.json) every form that clamps with tl.minimum / tl.maximum
+#: before a transposed FP8 store wrote wrong bytes there (0, 1, 2, 4, at every tile and warp count
+#: tried), and form 5, clamped with tl.where, was right in all of them (triton-lang/triton#11111)
+QT_FORM = int(os.environ.get("LOKA_CHAIN_QT", "5"))
+_BR = int(os.environ.get("LOKA_CHAIN_BR", "32"))  # rows a tile: 32 x 256 fp32 values, 32-byte runs in qt
+_WARPS = int(os.environ.get("LOKA_CHAIN_WARPS", "4"))
+
+
+def _fwd_launch(y: torch.Tensor, scale: torch.Tensor, eps: float, act: bool, out_bf16: bool,
+                wrap: Callable[[Any], Any] | None) -> tuple[torch.Tensor, ...]:
+    triton, kf, _ = _kernels()
+    m, n = y.shape
+    nb = n // BLOCK
+    fp8 = (1, 1) if out_bf16 else (m, n)  # placeholders where the kernel writes no FP8
+    q = torch.empty(fp8, device=y.device, dtype=E4M3)
+    qt = torch.empty((1, 1) if QT_FORM == 3 else fp8[::-1], device=y.device, dtype=E4M3)
+    rstd = torch.empty((m, nb), device=y.device, dtype=torch.float32)
+    amax = torch.zeros(1, device=y.device, dtype=torch.float32)
+    x = torch.empty((m, n) if out_bf16 else (1,), device=y.device, dtype=y.dtype)
+    if m and n:
+        k = kf if wrap is None else wrap(kf)
+        k[(triton.cdiv(m, _BR), nb)](y, scale.reshape(1).to(torch.float32), q, qt, rstd, amax, x, m, n, nb, EPS=float(eps),
+                                     ACT=act, OUT=out_bf16, BR=_BR, BLK=BLOCK, QT=QT_FORM,
+                                     num_warps=_WARPS)
+    if QT_FORM == 3 and not out_bf16:
+        qt = q.t().contiguous()
+    return (rstd, x) if out_bf16 else (q, qt, rstd, amax)
+
+
+def _bwd_launch(g: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, scale: torch.Tensor, act: bool,
+                wrap: Callable[[Any], Any] | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    triton, _, kb = _kernels()
+    m, n = y.shape
+    nb = n // BLOCK
+    q = torch.empty((m, n), device=y.device, dtype=E4M3)
+    qt = torch.empty((1, 1) if QT_FORM == 3 else (n, m), device=y.device, dtype=E4M3)
+    amax = torch.zeros(1, device=y.device, dtype=torch.float32)
+    if m and n:
+        k = kb if wrap is None else wrap(kb)
+        k[(triton.cdiv(m, _BR), nb)](g.contiguous(), y, rstd, scale.reshape(1).to(torch.float32), q, qt, amax, m, n, nb,
+                                     ACT=act, BR=_BR, BLK=BLOCK, QT=QT_FORM, num_warps=_WARPS)
+    if QT_FORM == 3:
+        qt = q.t().contiguous()
+    return q, qt, amax
+
+
+def prepare_kernels() -> None:
+    """Register the kernels as ``torch.library.triton_op`` s (inductor launches them from its own
+    code) once per process, outside any trace; registering does not import triton."""
+    try:
+        torch.ops.loka.chain_norm_bwd_cast  # noqa: B018
+    except (AttributeError, RuntimeError):
+        def fwd(y: torch.Tensor, scale: torch.Tensor, eps: float, act: bool
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+            q, qt, rstd, amax = _fwd_launch(y, scale, eps, act, False, torch.library.wrap_triton)
+            return q, qt, rstd, amax
+
+        def fwd_out(y: torch.Tensor, eps: float, act: bool) -> tuple[torch.Tensor, torch.Tensor]:
+            rstd, x = _fwd_launch(y, torch.ones(1, device=y.device), eps, act, True, torch.library.wrap_triton)
+            return rstd, x
+
+        def bwd(g: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, scale: torch.Tensor, act: bool
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            return _bwd_launch(g, y, rstd, scale, act, torch.library.wrap_triton)
+
+        torch.library.triton_op("loka::chain_norm_fwd_cast", fwd, mutates_args=())
+        torch.library.triton_op("loka::chain_norm_fwd_out", fwd_out, mutates_args=())
+        torch.library.triton_op("loka::chain_norm_bwd_cast", bwd, mutates_args=())
+
+
+def _kernel_ops(t: torch.Tensor) -> Any:
+    """(fwd, fwd_out, bwd) ops where the kernels run for ``t`` (CUDA; the CPU under
+    ``TRITON_INTERPRET=1``, eagerly), else None (the references)."""
+    if not t.is_cuda and (torch.compiler.is_compiling() or os.environ.get("TRITON_INTERPRET") != "1"):
+        return None
+    if not torch.compiler.is_compiling():
+        prepare_kernels()
+    ops = torch.ops.loka
+    return ops.chain_norm_fwd_cast, ops.chain_norm_fwd_out, ops.chain_norm_bwd_cast
+
+
+def _check(y: torch.Tensor, what: str) -> None:
+    if y.dim() != 2 or y.shape[1] % BLOCK:
+        raise ValueError(f"{what} takes (rows, features) with features a multiple of {BLOCK}, got {tuple(y.shape)}")
+
+
+def norm_fwd_cast(y: torch.Tensor, scale: torch.Tensor | None, eps: float, act: bool = True, out_bf16: bool = False
+                  ) -> tuple[torch.Tensor, ...]:
+    """:func:`norm_fwd_cast_reference` in one Triton kernel where it can run (CUDA; the CPU under
+    ``TRITON_INTERPRET=1``), the reference elsewhere."""
+    _check(y, "norm_fwd_cast")
+    y = y.contiguous()
+    ops = _kernel_ops(y)
+    if ops is None:
+        return norm_fwd_cast_reference(y, scale, eps, act, out_bf16)
+    if out_bf16:
+        return tuple(ops[1](y, float(eps), act))
+    assert scale is not None, "an FP8 output needs its scale"
+    return tuple(ops[0](y, scale, float(eps), act))
+
+
+def norm_bwd_cast(g: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, scale: torch.Tensor, act: bool = True
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`norm_bwd_cast_reference` in one Triton kernel where it can run, the reference elsewhere."""
+    _check(y, "norm_bwd_cast")
+    ops = _kernel_ops(y)
+    if ops is None:
+        return norm_bwd_cast_reference(g, y, rstd, scale, act)
+    q, qt, amax = ops[2](g.contiguous(), y.contiguous(), rstd, scale, act)
+    return q, qt, amax
+
+
+# ------------------------------------------------------------------ the chain's autograd
+def _own(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().float().abs().amax()
+
+
+class FP8Chain(torch.autograd.Function):
+    """``x0 -> [GEMM_i -> BlockNorm -> Hard Swish] * n (-> GEMM_tail)`` with FP8 operands throughout.
+
+    ``amax``: float32 ``(3 L,)`` buffer for ``L`` GEMMs, the delayed amaxes: ``[x_0, w_0 .. w_{L-1},
+    x_1 .. x_{L-1}, dy_0 .. dy_{L-1}]`` (``x_i`` the input of GEMM ``i``, ``dy_i`` the gradient at
+    its output), rewritten by every call with this call's values. ``own``: every scale from the operand's own amax
+    instead (calibration, eagerly)."""
+
+    @staticmethod
+    def forward(ctx: Any, x0: torch.Tensor, amax: torch.Tensor, eps: float, margin: float, tail: bool, own: bool,
+                *weights: torch.Tensor) -> torch.Tensor:
+        L = len(weights)
+        dtype = x0.dtype
+        iw, ix = 1, 1 + L  # offsets into amax: w_i, then x_{i+1} (the norms' outputs)
+
+        def scale(i: int, now: torch.Tensor | None) -> torch.Tensor:
+            return _multiplier(now, 1.0) if own and now is not None else _multiplier(amax[i], margin)
+
+        new = []
+        s0 = scale(0, _own(x0) if own else None)
+        qx, qxt, a0 = cast_dual_amax(x0, s0)
+        new.append((0, a0))
+        inv_x = [s0.reciprocal()]
+        saved_xt, saved_wt, inv_w, ys, rstds = [qxt], [], [], [], []
+        out = x0
+        for i, w in enumerate(weights):
+            sw = scale(iw + i, _own(w.to(dtype)) if own else None)
+            qw, qwt, aw = cast_dual_amax(w, sw, via=dtype if w.dtype != dtype else None)  # (N, K), (K, N)
+            new.append((iw + i, aw))
+            inv_w.append(sw.reciprocal())
+            saved_wt.append(qwt)
+            y = torch._scaled_mm(qx, qw.t(), scale_a=inv_x[-1], scale_b=inv_w[-1], out_dtype=dtype, use_fast_accum=True)
+            last = i == L - 1
+            if last and tail:
+                out = y  # the tail linear's output: no norm after it
+                break
+            ys.append(y)
+            if last:  # the chain's output: the norm and Hard Swish in bf16 (no FP8 needed)
+                rstd, out = norm_fwd_cast(y, None, eps, True, True)
+                rstds.append(rstd)
+                break
+            if own:
+                _, _, _, a_now = norm_fwd_cast(y, torch.ones((), device=y.device), eps)
+                sx = _multiplier(a_now.reshape(()), 1.0)
+            else:
+                sx = _multiplier(amax[ix + i], margin)
+            qx, qxt, rstd, ax = norm_fwd_cast(y, sx, eps)  # the next GEMM's input, both layouts
+            new.append((ix + i, ax))
+            rstds.append(rstd)
+            inv_x.append(sx.reciprocal())
+            saved_xt.append(qxt)
+        for i, a in new:
+            amax[i].copy_(a.reshape(()))
+        ctx.save_for_backward(*saved_xt, *saved_wt, *ys, *rstds, *inv_x, *inv_w)
+        ctx.meta = (L, tail, own, margin, [w.dtype for w in weights], dtype)
+        ctx.amax = amax
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        L, tail, own, margin, w_dtypes, dtype = ctx.meta
+        amax = ctx.amax
+        idy = 2 * L  # offset of dy_i in amax
+        sv = list(ctx.saved_tensors)
+        n_norm = L - 1 if tail else L
+        xt, wt = sv[:L], sv[L:2 * L]
+        ys = sv[2 * L:2 * L + n_norm]
+        rstds = sv[2 * L + n_norm:2 * L + 2 * n_norm]
+        inv_x = sv[2 * L + 2 * n_norm:3 * L + 2 * n_norm]
+        inv_w = sv[3 * L + 2 * n_norm:]
+        g = g.to(dtype)
+        dws: list[torch.Tensor] = [torch.empty(0)] * L
+        new = []
+        for i in reversed(range(L)):
+            if i == L - 1 and tail:  # the tail's output gradient arrives in bf16: one kernel, both layouts
+                sg = _multiplier(_own(g), 1.0) if own else _multiplier(amax[idy + i], margin)
+                qg, qgt, ag = cast_dual_amax(g, sg)
+            else:
+                if own:
+                    _, _, a_now = norm_bwd_cast(g, ys[i], rstds[i], torch.ones((), device=g.device))
+                    sg = _multiplier(a_now.reshape(()), 1.0)
+                else:
+                    sg = _multiplier(amax[idy + i], margin)
+                qg, qgt, ag = norm_bwd_cast(g, ys[i], rstds[i], sg)  # dy_i from g (the gradient at x_{i+1})
+            new.append((idy + i, ag))
+            g_inv = sg.reciprocal()
+            dws[i] = torch._scaled_mm(qgt, xt[i].t(), scale_a=g_inv, scale_b=inv_x[i], out_dtype=torch.float32).to(w_dtypes[i])
+            g = torch._scaled_mm(qg, wt[i].t(), scale_a=g_inv, scale_b=inv_w[i], out_dtype=dtype)  # (M, K_i)
+        for i, a in new:
+            amax[i].copy_(a.reshape(()))
+        return (g, None, None, None, None, None, *dws)
+
+
+class ChainMLP(nn.Module):
+    """An MLP of ``linear -> BlockNorm(256) -> Hard Swish`` blocks (and optionally the linear that
+    follows it, ``tail``) run as one :class:`FP8Chain`; the original modules stay its children
+    (``blocks``, ``tail``), their weights shared. ``amax``: the chain's delayed amaxes (buffer)."""
+
+    def __init__(self, blocks: Sequence[nn.Module], tail: nn.Linear | None = None, *, margin: float = MARGIN) -> None:
+        super().__init__()
+        if not blocks:
+            raise ValueError("a chain needs at least one linear -> BlockNorm -> Hard Swish block")
+        if not (math.isfinite(margin) and margin >= 1.0):
+            raise ValueError(f"margin={margin!r}: a delayed scale's margin is a factor >= 1.0")
+        eps = None
+        for j, b in enumerate(blocks):
+            lin, norm, act = getattr(b, "linear", None), getattr(b, "norm", None), getattr(b, "act", None)
+            why = _why_not(lin, norm, act)
+            if why:
+                raise ValueError(f"block {j} cannot join an FP8 chain: {why}")
+            e = norm.eps  # type: ignore[union-attr]
+            if eps is not None and e != eps:
+                raise ValueError(f"block {j}: BlockNorm eps {e!r} differs from the chain's {eps!r}")
+            eps = e
+        if tail is not None and (type(tail) is not nn.Linear or tail.bias is not None or tail.in_features % 16
+                                 or tail.out_features % 16):
+            raise ValueError(f"the tail must be a bias-free nn.Linear with both dims multiples of 16, got {tail!r}")
+        self.blocks = nn.ModuleList(blocks)
+        self.tail = tail
+        self.eps = float(torch.finfo(torch.bfloat16).eps if eps is None else eps)
+        self.margin = float(margin)
+        self.own_scales = False
+        prepare_kernels()
+        prepare_cast_kernel()
+        n = len(blocks) + (tail is not None)
+        dev = next(blocks[0].parameters()).device
+        self.amax: torch.Tensor
+        self.register_buffer("amax", torch.zeros(3 * n, device=dev))  # see FP8Chain
+
+    @property
+    def weights(self) -> list[nn.Parameter]:
+        ws: list[nn.Parameter] = [b.get_submodule("linear").weight for b in self.blocks]  # type: ignore[misc]
+        return ws + ([self.tail.weight] if self.tail is not None else [])
+
+    @property
+    def calibrated(self) -> bool:
+        return bool((self.amax > 0).all())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., K0) -> (..., N_last)
+        dev = x.device.type
+        dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+        lead = x.shape[:-1]
+        with torch.autocast(dev, enabled=False):
+            out = FP8Chain.apply(x.reshape(-1, x.shape[-1]).to(dtype), self.amax, self.eps, self.margin,
+                                 self.tail is not None, self.own_scales, *self.weights)
+        return out.reshape(*lead, out.shape[-1])
+
+
+def _why_not(lin: Any, norm: Any, act: Any) -> str:
+    from loka_tune.layers import BlockNorm
+
+    if type(lin) is not nn.Linear or lin.bias is not None:
+        return "its linear is not a bias-free nn.Linear (apply the No Bias Mod first)"
+    if lin.in_features % 16 or lin.out_features % 16:
+        return f"FP8 GEMMs take dims that are multiples of 16, got {lin.in_features} x {lin.out_features}"
+    if not isinstance(norm, BlockNorm) or norm.block != BLOCK or norm.weight is not None:
+        return f"its norm is not a parameter-free BlockNorm({BLOCK}) (got {type(norm).__name__})"
+    if lin.out_features % BLOCK:
+        return f"its width {lin.out_features} is not a multiple of the norm block {BLOCK}"
+    if not isinstance(act, nn.Hardswish):
+        return f"its activation is not Hard Swish (got {type(act).__name__})"
+    return ""
+
+
+def swap_chain(model: nn.Module, mlp: str, tail: str | None = None, *, margin: float = MARGIN) -> list[str]:
+    """Replace the MLP (an ``nn.Sequential`` of blocks) named ``mlp`` by a :class:`ChainMLP` over its
+    blocks from the first that can join a chain (those before it stay as they are, in front),
+    with ``tail`` (a linear that takes the MLP's output, replaced by ``nn.Identity``) as its last
+    GEMM; returns the linears' names now in the chain."""
+    seq = model.get_submodule(mlp)
+    if not isinstance(seq, nn.Sequential) or len(seq) == 0:
+        raise ValueError(f"{mlp!r} is not a non-empty nn.Sequential of MLP blocks")
+    blocks = list(seq)
+    start = next((j for j, b in enumerate(blocks) if not _why_not(getattr(b, "linear", None), getattr(b, "norm", None),
+                                                                    getattr(b, "act", None))), None)
+    if start is None:
+        raise ValueError(f"no block of {mlp!r} can join an FP8 chain: {_why_not(blocks[0].linear, blocks[0].norm, blocks[0].act)}")
+    tail_mod = model.get_submodule(tail) if tail else None
+    chain = ChainMLP(blocks[start:], tail_mod, margin=margin)  # type: ignore[arg-type]
+    new: nn.Module = chain if start == 0 else nn.Sequential(*blocks[:start], chain)
+    parent_name, _, child = mlp.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+    if tail:
+        tp, _, tc = tail.rpartition(".")
+        setattr(model.get_submodule(tp) if tp else model, tc, nn.Identity())
+    names = [f"{mlp}.{j}.linear" for j in range(start, len(blocks))]
+    return names + ([tail] if tail else [])
+
+
+def calibrate(model: nn.Module, batches: Sequence[tuple[Any, ...]], loss_fn: Callable[[Any, int], torch.Tensor], *,
+              autocast: torch.dtype | None = torch.bfloat16) -> dict[str, list[float]]:
+    """Fill every :class:`ChainMLP`'s delayed amaxes from real batches (forward and backward with
+    each operand cast by its own amax; the largest seen kept); the gradients are cleared. Returns
+    ``{name: amaxes}``."""
+    chains: dict[str, ChainMLP] = {n: m for n, m in model.named_modules() if isinstance(m, ChainMLP)}
+    if not chains:
+        return {}
+    if not batches:
+        raise ValueError("calibrate needs at least one batch")
+    dev = next(iter(chains.values())).amax.device
+    seen = {n: torch.zeros_like(m.amax) for n, m in chains.items()}
+    try:
+        for m in chains.values():
+            m.own_scales = True
+        for i, b in enumerate(batches):
+            with torch.autocast(dev.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+                out = model(*b)
+            loss_fn(out, i).backward()
+            for n, m in chains.items():
+                seen[n] = torch.maximum(seen[n], m.amax)
+    finally:
+        for m in chains.values():
+            m.own_scales = False
+        model.zero_grad(set_to_none=True)
+    for n, m in chains.items():
+        if not (torch.isfinite(seen[n]).all() and (seen[n] > 0).all()):
+            raise ValueError(f"{n}: amaxes {seen[n].tolist()} after calibration; calibrate on batches whose "
+                             "operands in this chain are finite and not all zero")
+        m.amax.copy_(seen[n])
+    return {n: v.tolist() for n, v in seen.items()}
