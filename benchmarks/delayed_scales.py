@@ -39,8 +39,10 @@ the product's dual cast, but their amax reductions leave the producers' kernels.
 Measured (one H100, 2026-12-07, third session; BENCHMARKS.md, "Delayed scales in the compiled
 step"): the first form ran 1.0054x / 1.0060x torchao's line at B = 8192 (seeds 0 / 1) and 0.998x
 at 32768. Inductor did not write the FP8 copies from the norm's pass: it recomputed the norm and
-Hard Swish from the GEMM's bf16 output in two cast kernels, one a layout. The ``dual`` form has
-not run on a GPU yet.
+Hard Swish from the GEMM's bf16 output in two cast kernels, one a layout. The ``dual`` form ran
+1.0305x / 1.0308x torchao's line at B = 8192 (seeds 0 / 1; H100, 2026-12-07, fourth session,
+"The FP8 chain on an H100"); its kernel now saturates with ``tl.where`` (see
+:mod:`loka_tune.kernels.chain`, where it lives), a form not yet run on a GPU.
 
 Benchmark code, not the product: the product's path is ``loka_tune.apply`` with a config.
 """
@@ -66,6 +68,7 @@ from loka_tune.kernels.chain import (  # noqa: F401  (re-exported for the tests 
 from loka_tune.kernels.chain import prepare_cast_kernel as prepare_kernel  # noqa: F401
 
 __all__ = ["DelayedScaleLinear", "swap_delayed", "calibrate", "cast_dual_amax", "cast_dual_amax_reference", "MARGIN"]
+
 
 def _cast(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``t`` times ``scale``, saturated at +-448, in e4m3, K-contiguous (the layout of ``t`` when it

@@ -114,7 +114,7 @@ def _launch(x: torch.Tensor, scale: torch.Tensor, via: str, wrap: Callable[[Any]
     yt = torch.empty((c, r), device=x.device, dtype=E4M3)
     amax = torch.zeros(1, device=x.device, dtype=torch.float32)
     if r and c:
-        bc = min(128, max(16, triton.next_power_of_2(c)))  # the product's dual_cast_tile
+        bc = min(128, max(16, triton.next_power_of_2(c)))  # the tile of the dual cast (kernels/dualcast.py)
         br = min(512, max(128, 16384 // bc))
         k = kernel if wrap is None else wrap(kernel)
         k[(triton.cdiv(r, br), triton.cdiv(c, bc))](x, scale.reshape(1).to(torch.float32), y, yt, amax, r, c,
@@ -125,7 +125,7 @@ def _launch(x: torch.Tensor, scale: torch.Tensor, via: str, wrap: Callable[[Any]
 
 def prepare_cast_kernel() -> None:
     """Register ``torch.ops.loka.chain_cast_dual_amax`` (the kernel as a ``torch.library.triton_op``,
-    which inductor launches from its own generated code, as the product's ``loka::cast_dual_inline``)
+    which inductor launches from its own generated code, as ``loka::cast_dual_inline``)
     once per process, outside any trace; registering does not import triton (launching does)."""
     try:
         torch.ops.loka.chain_cast_dual_amax  # noqa: B018
