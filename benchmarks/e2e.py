@@ -51,6 +51,10 @@ Variants (``--variants``, comma list, in this order by default; each name is one
   next GEMM's FP8 operands, and the previous GEMM's FP8 gradients, themselves (delayed scales; no
   bf16 copy of either: ``benchmarks/fp8_chain.py``); any other site as in
   ``delayed_dualcast_tensorwise_filter``.
+- ``scaled_mm_tensorwise_chain_filter`` / ``scaled_mm_tensorwise_dualcast_chain_filter``: the
+  product's form of the chains: ``scaled_mm_tensorwise_filter`` / ``..._dualcast_filter`` with
+  the ``fp8_chain`` Mod on (``loka_tune.apply`` makes the chains; every other site a LokaLinear
+  with dynamic scales; the trainer fills the chains' delayed amaxes from its first batch).
 - ``dualcast_tensorwise_filter``: the same sites, dynamic scales, each operand (``x``, ``w``,
   ``dy``) cast by one kernel that writes both of its FP8 layouts (``benchmarks/cast_dual.py``):
   do inductor's separate transposing casts cost more than the fusion an opaque cast gives up?
@@ -110,8 +114,8 @@ VARIANTS = ("bf16", "bf16_mods", "config", "torchao_tensorwise", "torchao_rowwis
             "scaled_mm_rowwise_filter", "scaled_mm_tensorwise_filter", "scaled_mm_tensorwise_fa_filter",
             "static_tensorwise_filter", "dualcast_tensorwise_filter", "scaled_mm_tensorwise_dualcast_filter",
             "config_dualcast", "delayed_tensorwise_filter", "delayed_dualcast_tensorwise_filter",
-            "chain_tensorwise_filter")
-_DUAL = {"scaled_mm_tensorwise_dualcast_filter", "config_dualcast"}  # run with the dual-cast mode "auto"
+            "chain_tensorwise_filter", "scaled_mm_tensorwise_chain_filter", "scaled_mm_tensorwise_dualcast_chain_filter")
+_DUAL = {"scaled_mm_tensorwise_dualcast_filter", "config_dualcast", "scaled_mm_tensorwise_dualcast_chain_filter"}  # run with the dual-cast mode "auto"
 _UNIFORM = {"fbgemm_rowwise": "e4m3.row.fa.fbgemm", "scaled_mm_rowwise": "e4m3.row.fa.torch_scaled_mm",
             "triton_rowwise": "e4m3.row.fa.triton", "scaled_mm_rowwise_filter": "e4m3.row.fa.torch_scaled_mm",
             # LokaLinear's tensorwise path (operands quantized once when compiled) on torchao's tensorwise sites
@@ -119,7 +123,11 @@ _UNIFORM = {"fbgemm_rowwise": "e4m3.row.fa.fbgemm", "scaled_mm_rowwise": "e4m3.r
             # the same with loka::cast_dual instead of inductor's casts (dual-cast mode "auto": the A/B)
             "scaled_mm_tensorwise_dualcast_filter": "e4m3.tensor.torch_scaled_mm",
             # the same with fast accumulation in all three GEMMs (the tensorwise_fa recipe)
-            "scaled_mm_tensorwise_fa_filter": "e4m3.tensor.fa.torch_scaled_mm"}
+            "scaled_mm_tensorwise_fa_filter": "e4m3.tensor.fa.torch_scaled_mm",
+            # the product's FP8 chains (the fp8_chain Mod) on those sites, the other sites as
+            # scaled_mm_tensorwise_filter's / _dualcast_filter's
+            "scaled_mm_tensorwise_chain_filter": "e4m3.tensor.torch_scaled_mm",
+            "scaled_mm_tensorwise_dualcast_chain_filter": "e4m3.tensor.torch_scaled_mm"}
 _GPU_ONLY = {"torchao_tensorwise", "torchao_rowwise", "torchao_tensorwise_filter", "torchao_rowwise_filter",
              "static_tensorwise_filter", "dualcast_tensorwise_filter", "delayed_tensorwise_filter",
              "delayed_dualcast_tensorwise_filter", "chain_tensorwise_filter", *_UNIFORM}  # (CPU torch._scaled_mm: a reference loop, ~1 GFLOP/s)
@@ -170,8 +178,11 @@ def prepare(name: str, model: nn.Module, config: PrecisionConfig, *, source: Any
         recipe = "tensorwise" if "tensorwise" in name else "rowwise"
         only = _torchao_filtered(model, recipe) if name.endswith("_filter") else None
         cfg, kept_bf16 = uniform_config(model, _UNIFORM[name], source, batch_size, device, only=only)
-        s = apply(model, replace(cfg, mods=mods), strict=False)
-        return {"fp8_sites": len(s.replaced), "fallbacks": len(s.fallbacks) + kept_bf16, "mods": mods.short_str()}
+        run_mods = replace(mods, fp8_chain=True) if name.endswith("_chain_filter") else mods
+        s = apply(model, replace(cfg, mods=run_mods), strict=False)
+        return {"fp8_sites": len(s.replaced) + len(s.chained), "fallbacks": len(s.fallbacks) + kept_bf16,
+                "mods": run_mods.short_str(), **({"chains": s.chains, "chain_skipped": s.chain_skipped}
+                                                 if run_mods.fp8_chain else {})}
     if name == "static_tensorwise_filter":
         return _static_tensorwise(model, mods, source, batch_size, device)
     if name == "dualcast_tensorwise_filter":

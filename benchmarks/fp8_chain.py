@@ -41,6 +41,7 @@ from loka_tune.kernels.chain import (  # noqa: F401  (re-exported: e2e.py, chain
     MARGIN,
     QT_FORM,
     ChainMLP,
+    FoldedTail,
     FP8Chain,
     _bwd_launch,
     _fwd_launch,
@@ -52,7 +53,8 @@ from loka_tune.kernels.chain import (  # noqa: F401  (re-exported: e2e.py, chain
     norm_fwd_cast_reference,
     prepare_kernels,
     swap_chain,
+    unchain,
 )
 
-__all__ = ["ChainMLP", "FP8Chain", "swap_chain", "calibrate", "norm_fwd_cast", "norm_bwd_cast",
+__all__ = ["ChainMLP", "FP8Chain", "FoldedTail", "swap_chain", "unchain", "calibrate", "norm_fwd_cast", "norm_bwd_cast",
            "norm_fwd_cast_reference", "norm_bwd_cast_reference", "prepare_kernels", "BLOCK", "MARGIN", "QT_FORM"]

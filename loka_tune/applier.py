@@ -20,7 +20,12 @@ names and the state dict do not change. Other chains (a bf16 site, an unsupporte
 ``nn.Sequential`` run, hooks) stay unfused and the summary says why: fusion is the same
 arithmetic in one kernel, so it is never an error, ``strict`` or not. A model applied before
 is first unfused (step 0), so applying again with another config just updates precisions
-(and fusion): ``apply`` is idempotent.
+(and fusion): ``apply`` is idempotent. With ``mods.fp8_chain`` on, between (4) and (5): each MLP
+the model names (``mlp_chains()``) whose blocks, from the first that can join, are all e4m3
+tensorwise sites on ``torch_scaled_mm`` becomes a :class:`~loka_tune.kernels.chain.ChainMLP`
+(with the model's tail linear after it where that site is tensorwise too, folded into it); its
+linears stay plain ``nn.Linear`` inside it, the state dict keeps its keys, and other MLPs stay
+as they are with the reason in the summary. A model applied before is unchained first.
 
 All or nothing: on any error the model is restored to what it was before the call (its
 module tree, parameters, buffers and attributes, the Mods mark included), so a corrected config
@@ -64,7 +69,7 @@ from loka_tune.applying import (
     snapshot_modules,
     to_plain_linear,
 )
-from loka_tune.config import BF16, ROLES, PrecisionConfig, SitePrecision
+from loka_tune.config import BF16, ROLES, Format, Granularity, PrecisionConfig, SitePrecision
 from loka_tune.errors import BackendError, ConfigError, UnsupportedChoiceError
 
 __all__ = ["ApplySummary", "apply", "export", "load_config", "as_config"]
@@ -162,16 +167,82 @@ def apply(
         raise
 
 
+def _tensorwise(prec: SitePrecision) -> bool:
+    """Whether all three GEMMs of ``prec`` are e4m3 tensorwise on ``torch_scaled_mm`` (what an FP8
+    chain runs: torchao's tensorwise recipe, fast accumulation in the forward GEMM)."""
+    return all(prec[r].a_format == prec[r].b_format == Format.E4M3 and prec[r].granularity == Granularity.TENSOR
+               and prec[r].backend == "torch_scaled_mm" for r in ROLES)
+
+
+def _chain_mlps(model: nn.Module, requested: dict[str, SitePrecision], plan: dict[str, SitePrecision],
+                linears: dict[str, nn.Linear], summary: ApplySummary) -> None:
+    """The ``fp8_chain`` Mod: each MLP the model names (``mlp_chains()``; without that method, every
+    ``nn.Sequential`` named ``*mlp``) whose blocks from the first that can join are all e4m3
+    tensorwise sites becomes a :class:`~loka_tune.kernels.chain.ChainMLP`, with its tail where the
+    tail's site is tensorwise too; the rest is reported in ``summary.chain_skipped``. A site counts
+    where the config asks it (``requested``) and its backend runs here (``plan``, after the
+    backend checks), or, on a CPU, where only the config asks it: the chain's CPU path is the
+    torch reference, which runs anywhere (its fallback note is then dropped)."""
+    from loka_tune.kernels.chain import chain_start, swap_chain
+    from loka_tune.kernels.linear import LokaLinear
+
+    declared = getattr(model, "mlp_chains", None)
+    if callable(declared):
+        pairs: list[tuple[str, str | None]] = list(declared())
+    else:
+        pairs = [(n, None) for n, m in model.named_modules() if isinstance(m, nn.Sequential) and n.endswith("mlp")]
+    for mlp, tail in pairs:
+        seq = model.get_submodule(mlp)
+        if not isinstance(seq, nn.Sequential) or len(seq) == 0:
+            continue
+        for j, block in enumerate(seq):  # a LokaLinear from an earlier apply: plain again (shared weights)
+            lin = getattr(block, "linear", None)
+            if isinstance(lin, LokaLinear):
+                block.linear = linears[f"{mlp}.{j}.linear"] = to_plain_linear(lin)
+        start, why = chain_start(seq)
+        if start is None:
+            summary.chain_skipped[mlp] = why
+            continue
+        sites = [f"{mlp}.{j}.linear" for j in range(start, len(seq))]
+        on_cpu = all(not p.is_cuda for p in seq.parameters())
+
+        def ok(site: str) -> bool:
+            return _tensorwise(requested[site]) and (on_cpu or _tensorwise(plan[site]))
+
+        bad = [s for s in sites if not ok(s)]
+        if bad:
+            summary.chain_skipped[mlp] = (f"{bad[0]} is {plan[bad[0]].short_str()} here (asked:"
+                                          f" {requested[bad[0]].short_str()}), not e4m3 tensorwise on torch_scaled_mm"
+                                          " in all three GEMMs")
+            continue
+        if tail is not None and isinstance(linears.get(tail), LokaLinear):
+            plain = linears[tail] = to_plain_linear(linears[tail])
+            parent_name, _, child = tail.rpartition(".")
+            setattr(model.get_submodule(parent_name) if parent_name else model, child, plain)
+        if tail is not None and not (tail in plan and ok(tail)
+                                     and type(linears.get(tail)) is nn.Linear and linears[tail].bias is None):
+            tail = None  # the MLP chains without it
+        names = swap_chain(model, mlp, tail)
+        summary.chains[mlp] = names
+        for site in names:
+            plan[site] = requested[site]
+            summary.chained[site] = requested[site].short_str()
+            summary.fallbacks.pop(site, None)
+
+
 def _apply(model: nn.Module, cfg: PrecisionConfig, strict: bool) -> ApplySummary:
+    from loka_tune.kernels.chain import ChainMLP, FoldedTail, unchain
     from loka_tune.kernels.fused import FusedLinearBlockNormHardswish
     from loka_tune.kernels.linear import LokaLinear, find_linears
     from loka_tune.mods.fuse import fuse_epilogues, unfuse_epilogues
     from loka_tune.serving import refuse_served
 
     refuse_served(model, serving=False)
-    summary = ApplySummary(config_key=cfg.key(), fuse_epilogue=cfg.mods.fuse_epilogue)
+    summary = ApplySummary(config_key=cfg.key(), fuse_epilogue=cfg.mods.fuse_epilogue, fp8_chain=cfg.mods.fp8_chain)
     if any(isinstance(m, FusedLinearBlockNormHardswish) for m in model.modules()):
         unfuse_epilogues(model)  # a model applied before: back to plain chains, fused again below if asked
+    if any(isinstance(m, (ChainMLP, FoldedTail)) for m in model.modules()):
+        unchain(model)  # the same for FP8 chains: back to the model's MLPs, chained again below if asked
     summary.mods, summary.mods_note = run_mods(model, cfg)
 
     linears = find_linears(model)
@@ -183,6 +254,8 @@ def _apply(model: nn.Module, cfg: PrecisionConfig, strict: bool) -> ApplySummary
         plan[site] = prec
         if fb:
             summary.fallbacks[site] = fb
+    if cfg.mods.fp8_chain:
+        _chain_mlps(model, {site: cfg.resolve(site) for site in linears}, plan, linears, summary)
 
     parents = module_parents(model)
     counts: Counter[str] = Counter()
@@ -191,6 +264,8 @@ def _apply(model: nn.Module, cfg: PrecisionConfig, strict: bool) -> ApplySummary
         summary.shapes[site] = (lin.in_features, lin.out_features)
         for r in ROLES:
             counts[prec[r].short_str()] += 1
+        if site in summary.chained:
+            continue  # a plain nn.Linear inside (or folded into) an FP8 chain
         plain = all(prec[r] == BF16 for r in ROLES)
         if plain:
             new: nn.Module = to_plain_linear(lin) if isinstance(lin, LokaLinear) else lin

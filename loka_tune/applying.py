@@ -44,7 +44,10 @@ class ApplySummary:
     layer and were skipped (``strict=False`` only). ``serving``: the model was applied for
     serving (``replaced`` then lists the sites serving a static FP8 weight, by fwd choice;
     ``fallbacks`` the fwd GEMMs ``strict=False`` serves in bf16); ``bucket``: the serving plan's
-    bucket used (``None``: the config's own fwd choices).
+    bucket used (``None``: the config's own fwd choices). ``fp8_chain``: whether the config asked for
+    FP8 chains; then ``chained``: site -> precision id of every linear now run by an FP8 chain
+    (:class:`loka_tune.kernels.chain.ChainMLP`, plain ``nn.Linear`` modules inside it), ``chains``:
+    MLP -> its sites in the chain, ``chain_skipped``: MLP -> why it is not one.
     """
 
     replaced: dict[str, str] = field(default_factory=dict)
@@ -62,10 +65,14 @@ class ApplySummary:
     unmatched: list[str] = field(default_factory=list)
     serving: bool = False
     bucket: int | None = None
+    fp8_chain: bool = False
+    chained: dict[str, str] = field(default_factory=dict)
+    chains: dict[str, list[str]] = field(default_factory=dict)
+    chain_skipped: dict[str, str] = field(default_factory=dict)
 
     @property
     def n_sites(self) -> int:
-        return len(self.replaced) + len(self.unchanged)
+        return len(self.replaced) + len(self.unchanged) + len(self.chained)
 
     def to_dict(self) -> dict[str, Any]:
         mods = self.mods.to_dict() if hasattr(self.mods, "to_dict") else (None if self.mods is None else str(self.mods))
@@ -84,6 +91,10 @@ class ApplySummary:
             "unmatched": list(self.unmatched),
             "serving": self.serving,
             "bucket": self.bucket,
+            "fp8_chain": self.fp8_chain,
+            "chained": dict(self.chained),
+            "chains": {k: list(v) for k, v in self.chains.items()},
+            "chain_skipped": dict(self.chain_skipped),
         }
 
     def _serving_lines(self) -> list[str]:
@@ -117,8 +128,9 @@ class ApplySummary:
                 lines.append(f"skipped {len(self.unmatched)} rule(s) / plan site(s) that match no linear layer"
                              " (strict=False): " + ", ".join(repr(r) for r in self.unmatched))
             return "\n".join(lines + self._mods_and_fuse_lines(list_fused=False))
-        rows = [(s, self.replaced.get(s)) for s in self.shapes]
+        rows = [(s, self.replaced.get(s, self.chained.get(s))) for s in self.shapes]
         fused_sites = {f"{c}.linear" for c in self.fused}
+        chain_of = {site: mlp for mlp, sites in self.chains.items() for site in sites}
         head = ("site", "K x N", "fwd", "dgrad", "wgrad", "note")
         table: list[tuple[str, ...]] = [head]
         for site, pid in rows:
@@ -130,11 +142,14 @@ class ApplySummary:
                 note = "fallback to bf16: " + ", ".join(sorted(fb))
             if site in fused_sites:
                 note = "; ".join(x for x in (note, "fused epilogue") if x)
+            if site in chain_of:
+                note = f"FP8 chain {chain_of[site]}"
             table.append((site, f"{k} x {n}", *(prec[r].short_str() for r in ROLES), note))
         widths = [max(len(r[i]) for r in table) for i in range(len(head))]
         lines = [
             f"apply: {len(self.replaced)} of {self.n_sites} linear site(s) replaced by LokaLinear,"
-            f" {len(self.unchanged)} unchanged (bf16)"
+            + (f" {len(self.chained)} in FP8 chains," if self.chained else "")
+            + f" {len(self.unchanged)} unchanged (bf16)"
         ]
         for i, r in enumerate(table):
             lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
@@ -160,6 +175,11 @@ class ApplySummary:
             if list_fused:
                 lines += [f"  fused   {c}" for c in self.fused]
             lines += [f"  skipped {c}: {r}" for c, r in self.fuse_skipped.items()]
+        if self.fp8_chain:
+            lines.append(f"FP8 chains (MLPs whose norms write the FP8 operands, delayed scales): {len(self.chains)}"
+                         f" chain(s), {len(self.chain_skipped)} MLP(s) skipped")
+            lines += [f"  chained {c}: {len(v)} linear(s)" for c, v in self.chains.items()]
+            lines += [f"  skipped {c}: {r}" for c, r in self.chain_skipped.items()]
         return lines
 
 

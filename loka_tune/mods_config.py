@@ -28,9 +28,15 @@ class ModsConfig:
     site's own fwd / dgrad / wgrad choices, where the fused kernel runs that fwd choice
     (rowwise e4m3/e5m2 ``.triton`` on CUDA, any ``.emulated`` choice); other chains stay
     unfused and :func:`loka_tune.apply` reports why. It changes no numerics of an ``.emulated``
-    site and only makes sense with ``blocknorm`` and Hard Swish on. In JSON the key is written
-    only when on, so configs without it stay readable by earlier versions (and old files, which
-    lack it, load with it off).
+    site and only makes sense with ``blocknorm`` and Hard Swish on. ``fp8_chain``: run each
+    MLP of bias-free (Linear, BlockNorm(256), Hard Swish) blocks whose sites are all e4m3
+    tensorwise on ``torch_scaled_mm`` (and the linear the model names after it, e.g. a Wukong
+    FMB's ``out``) as one FP8 chain (:class:`loka_tune.kernels.chain.ChainMLP`): its norms write
+    the next GEMM's FP8 operands with delayed scales; other MLPs stay as they are and
+    :func:`loka_tune.apply` reports why. It needs ``no_bias``, ``blocknorm = 256`` and Hard
+    Swish, and excludes ``fuse_epilogue`` (both take the same blocks). In JSON the keys
+    ``fuse_epilogue`` and ``fp8_chain`` are written only when on, so configs without them stay
+    readable by earlier versions (and old files, which lack them, load with them off).
     """
 
     no_bias: bool = False
@@ -39,6 +45,7 @@ class ModsConfig:
     hardswish: bool = False
     pad: int | None = None
     fuse_epilogue: bool = False
+    fp8_chain: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "keep_bias", tuple(self.keep_bias))
@@ -46,25 +53,32 @@ class ModsConfig:
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
                 raise ConfigError(f"got {v!r}; expected a positive integer or null (off)", key=f"mods.{name}")
-        for name in ("no_bias", "hardswish", "fuse_epilogue"):
+        for name in ("no_bias", "hardswish", "fuse_epilogue", "fp8_chain"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"got {getattr(self, name)!r}; expected true or false", key=f"mods.{name}")
+        if self.fp8_chain and self.fuse_epilogue:
+            raise ConfigError("fp8_chain and fuse_epilogue both take the (Linear, BlockNorm, Hard Swish) blocks;"
+                              " turn one of them off", key="mods.fp8_chain")
+        if self.fp8_chain and not (self.no_bias and self.blocknorm == 256 and self.hardswish):
+            raise ConfigError("fp8_chain runs MLPs of bias-free Linear -> BlockNorm(256) -> Hard Swish blocks; turn on"
+                              " no_bias, blocknorm = 256 and hardswish with it (or fp8_chain off)", key="mods.fp8_chain")
 
     @property
     def any(self) -> bool:
-        """Whether any Mod is on (``fuse_epilogue`` included)."""
-        return self.any_pass or self.fuse_epilogue
+        """Whether any Mod is on (``fuse_epilogue`` and ``fp8_chain`` included)."""
+        return self.any_pass or self.fuse_epilogue or self.fp8_chain
 
     @property
     def any_pass(self) -> bool:
-        """Whether any model pass of :func:`loka_tune.mods.apply_mods` is on (all but ``fuse_epilogue``)."""
+        """Whether any model pass of :func:`loka_tune.mods.apply_mods` is on (all but ``fuse_epilogue``
+        and ``fp8_chain``)."""
         return self.no_bias or self.blocknorm is not None or self.hardswish or self.pad is not None
 
     @property
     def passes(self) -> "ModsConfig":
-        """These Mods without ``fuse_epilogue``: what :func:`loka_tune.mods.apply_mods` changes
-        (fusion runs in :func:`loka_tune.apply`, after the precision swap)."""
-        return replace(self, fuse_epilogue=False) if self.fuse_epilogue else self
+        """These Mods without ``fuse_epilogue`` and ``fp8_chain``: what :func:`loka_tune.mods.apply_mods`
+        changes (fusion and chains run in :func:`loka_tune.apply`, around the precision swap)."""
+        return replace(self, fuse_epilogue=False, fp8_chain=False) if self.fuse_epilogue or self.fp8_chain else self
 
     def short_str(self) -> str:
         parts = []
@@ -78,15 +92,18 @@ class ModsConfig:
             parts.append(f"pad{self.pad}")
         if self.fuse_epilogue:
             parts.append("fused")
+        if self.fp8_chain:
+            parts.append("chain")
         return "+".join(parts) or "none"
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-able form; ``fuse_epilogue`` appears only when on (older readers reject the key,
-        and the trial cache keys of unfused configs stay what they were)."""
+        """JSON-able form; ``fuse_epilogue`` and ``fp8_chain`` appear only when on (older readers
+        reject the keys, and the trial cache keys of configs without them stay what they were)."""
         d = asdict(self)
         d["keep_bias"] = list(self.keep_bias)
-        if not self.fuse_epilogue:
-            del d["fuse_epilogue"]
+        for name in ("fuse_epilogue", "fp8_chain"):
+            if not d[name]:
+                del d[name]
         return d
 
     @classmethod

@@ -81,11 +81,13 @@ def shared_copy(model: nn.Module) -> nn.Module:
 def _applied_sites(model: nn.Module) -> tuple[list[str], list[str]]:
     """Names of the modules that a training ``apply`` made (LokaLinear, fused chains) and of the
     served ones (ServingLinear)."""
+    from loka_tune.kernels.chain import ChainMLP
     from loka_tune.kernels.fused import FusedLinearBlockNormHardswish
     from loka_tune.kernels.linear import LokaLinear
     from loka_tune.kernels.serving import ServingLinear
 
-    trained = [n for n, m in model.named_modules() if isinstance(m, (LokaLinear, FusedLinearBlockNormHardswish))]
+    trained = [n for n, m in model.named_modules()
+               if isinstance(m, (LokaLinear, FusedLinearBlockNormHardswish, ChainMLP))]
     served = [n for n, m in model.named_modules() if isinstance(m, ServingLinear)]
     return trained, served
 
@@ -100,7 +102,7 @@ def refuse_served(model: nn.Module, *, serving: bool) -> None:
             " checkpoint (model.load_state_dict) and apply to that")
     if serving and trained:
         raise ServingError(
-            f"the model was applied for training ({len(trained)} LokaLinear / fused site(s), e.g. {trained[0]!r});"
+            f"the model was applied for training ({len(trained)} LokaLinear / fused / FP8 chain site(s), e.g. {trained[0]!r});"
             " apply(serving=True) takes a model whose linears are still plain nn.Linear. Apply it to a fresh model"
             " (the same model class, with its checkpoint loaded), or take loka_tune.serving.serving_form(model)"
             " for a serving copy of this one")

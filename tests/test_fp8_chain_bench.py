@@ -55,7 +55,8 @@ def _eager_then_compiled(chain, x: torch.Tensor, g: torch.Tensor):  # noqa: ANN0
     res = []
     for fn in (chain, torch.compile(chain, fullgraph=True)):
         chain.amax.copy_(calibrated)
-        chain.zero_grad(set_to_none=True)
+        for w in chain.weights:  # the tail's too: the chain holds it unregistered
+            w.grad = None
         xg = x.clone().requires_grad_(True)
         with torch.autocast(x.device.type, dtype=torch.bfloat16):
             out = fn(xg)
@@ -133,7 +134,7 @@ def test_the_chain_compiled_whole_matches_eager_and_keeps_its_amaxes_one_call_be
     assert float(chain.amax[0]) == pytest.approx(4.0 * float(calibrated[0]), rel=1e-2)
 
 
-def test_swap_chain_folds_the_tail_and_keeps_blocks_that_cannot_join_in_front() -> None:
+def test_swap_chain_folds_the_tail_keeps_the_state_dict_keys_and_unchains() -> None:
     ch = _load()
     mlp = nn.Sequential(_block(13, 256), _block(256, 256), _block(256, 256))
 
@@ -146,14 +147,22 @@ def test_swap_chain_folds_the_tail_and_keeps_blocks_that_cannot_join_in_front() 
             return self.out(self.mlp(x))
 
     host = Host()
+    keys, out_lin = list(host.state_dict()), host.out
     names = ch.swap_chain(host, "mlp", "out")
     assert names == ["mlp.1.linear", "mlp.2.linear", "out"]
-    assert isinstance(host.out, nn.Identity) and isinstance(host.mlp, nn.Sequential)
-    assert isinstance(host.mlp[0], MLPBlock) and isinstance(host.mlp[1], ch.ChainMLP)
-    assert host.mlp[1].tail is not None and host.mlp[1].weights[-1] is host.mlp[1].tail.weight
+    chain = host.mlp
+    assert isinstance(chain, ch.ChainMLP) and chain.start == 1 and isinstance(chain[0], MLPBlock)
+    assert isinstance(host.out, ch.FoldedTail) and host.out.weight is out_lin.weight
+    assert chain.tail is out_lin and chain.weights[-1] is out_lin.weight
+    assert list(host.state_dict()) == keys  # the same keys: blocks where they were, the tail's weight at out
+    assert sum(p is out_lin.weight for p in host.parameters()) == 1
+    with pytest.raises(ValueError, match="is an FP8 chain already"):
+        ch.swap_chain(host, "mlp")
     ch.calibrate(host, [(torch.randn(8, 13),)], lambda out, i: out.float().square().sum())
     assert host(torch.randn(8, 13)).shape == (8, 32)
     assert host(torch.randn(2, 4, 13)).shape == (2, 4, 32)  # leading dims flattened and restored
+    assert ch.unchain(host) == ["mlp"] and host.mlp is mlp and host.out is out_lin
+    assert list(host.state_dict()) == keys
     relu = nn.Sequential(MLPBlock(256, 256, norm="none", activation="relu", bias=False))
     with pytest.raises(ValueError, match="no block of 'm' can join an FP8 chain: its norm is not a parameter-free BlockNorm"):
         ch.swap_chain(nn.ModuleDict({"m": relu}), "m")

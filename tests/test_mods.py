@@ -556,6 +556,7 @@ def test_mod_choices_and_params_round_trip() -> None:
         "hardswish": [False, True],
         "pad": [None, 16],
         "fuse_epilogue": [False, True],
+        "fp8_chain": [False, True],
     }
     assert mod_choices(include=("pad",), pad=(16, 32)) == {"pad": [None, 16, 32]}
     with pytest.raises(ConfigError, match="unknown Mod"):

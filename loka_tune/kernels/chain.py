@@ -40,9 +40,9 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["ChainMLP", "FP8Chain", "swap_chain", "calibrate", "cast_dual_amax", "cast_dual_amax_reference",
+__all__ = ["ChainMLP", "FP8Chain", "FoldedTail", "swap_chain", "unchain", "calibrate", "cast_dual_amax", "cast_dual_amax_reference",
            "norm_fwd_cast", "norm_bwd_cast", "norm_fwd_cast_reference", "norm_bwd_cast_reference",
-           "prepare_kernels", "BLOCK", "MARGIN", "E4M3", "FMAX"]
+           "prepare_kernels", "chain_start", "BLOCK", "MARGIN", "E4M3", "FMAX"]
 
 E4M3 = torch.float8_e4m3fn
 FMAX = float(torch.finfo(E4M3).max)  # 448
@@ -520,19 +520,29 @@ class FP8Chain(torch.autograd.Function):
         return (g, None, None, None, None, None, *dws)
 
 
-class ChainMLP(nn.Module):
+class ChainMLP(nn.Sequential):
     """An MLP of ``linear -> BlockNorm(256) -> Hard Swish`` blocks (and optionally the linear that
-    follows it, ``tail``) run as one :class:`FP8Chain`; the original modules stay its children
-    (``blocks``, ``tail``), their weights shared. ``amax``: the chain's delayed amaxes (buffer)."""
+    follows it, ``tail``) run as one :class:`FP8Chain`.
 
-    def __init__(self, blocks: Sequence[nn.Module], tail: nn.Linear | None = None, *, margin: float = MARGIN) -> None:
-        super().__init__()
+    It is an ``nn.Sequential`` over the same block modules at the same indices, so a model's state
+    dict keeps its keys (``mlp.0.linear.weight``, ...); the ``start`` leading blocks that cannot join
+    the chain (e.g. a first linear whose K is not a multiple of 16) run as they are, in front of
+    it. ``tail`` is not registered here: its owner keeps its weight under its own name, through a
+    :class:`FoldedTail` (see :func:`swap_chain`). ``amax``: the chain's delayed amaxes (a buffer
+    left out of state dicts). Until it is calibrated (:func:`calibrate`, or its own first call in
+    training) each operand is cast with its own amax, which fills ``amax``; from then on with the
+    last call's."""
+
+    def __init__(self, blocks: Sequence[nn.Module], tail: nn.Linear | None = None, *, margin: float = MARGIN,
+                 start: int = 0) -> None:
         if not blocks:
             raise ValueError("a chain needs at least one linear -> BlockNorm -> Hard Swish block")
         if not (math.isfinite(margin) and margin >= 1.0):
             raise ValueError(f"margin={margin!r}: a delayed scale's margin is a factor >= 1.0")
+        if not 0 <= start < len(blocks):
+            raise ValueError(f"start={start}: the chain needs at least one of the {len(blocks)} block(s)")
         eps = None
-        for j, b in enumerate(blocks):
+        for j, b in enumerate(blocks[start:], start):
             lin, norm, act = getattr(b, "linear", None), getattr(b, "norm", None), getattr(b, "act", None)
             why = _why_not(lin, norm, act)
             if why:
@@ -544,35 +554,74 @@ class ChainMLP(nn.Module):
         if tail is not None and (type(tail) is not nn.Linear or tail.bias is not None or tail.in_features % 16
                                  or tail.out_features % 16):
             raise ValueError(f"the tail must be a bias-free nn.Linear with both dims multiples of 16, got {tail!r}")
-        self.blocks = nn.ModuleList(blocks)
-        self.tail = tail
+        super().__init__(*blocks)
+        self.start = start
+        self._tail: list[nn.Linear] = [tail] if tail is not None else []  # a list: not registered as a submodule
         self.eps = float(torch.finfo(torch.bfloat16).eps if eps is None else eps)
         self.margin = float(margin)
         self.own_scales = False
+        self._calibrated = False
         prepare_kernels()
         prepare_cast_kernel()
-        n = len(blocks) + (tail is not None)
-        dev = next(blocks[0].parameters()).device
+        n = len(blocks) - start + (tail is not None)
+        dev = next(blocks[start].parameters()).device
         self.amax: torch.Tensor
-        self.register_buffer("amax", torch.zeros(3 * n, device=dev))  # see FP8Chain
+        self.register_buffer("amax", torch.zeros(3 * n, device=dev), persistent=False)  # see FP8Chain
 
     @property
-    def weights(self) -> list[nn.Parameter]:
-        ws: list[nn.Parameter] = [b.get_submodule("linear").weight for b in self.blocks]  # type: ignore[misc]
-        return ws + ([self.tail.weight] if self.tail is not None else [])
+    def blocks(self) -> list[nn.Module]:
+        """The blocks in the chain (after the ``start`` leading ones)."""
+        return list(self)[self.start:]
+
+    @property
+    def tail(self) -> nn.Linear | None:
+        return self._tail[0] if self._tail else None
+
+    @property
+    def weights(self) -> list[torch.Tensor]:
+        ws: list[torch.Tensor] = [b.get_submodule("linear").weight for b in self.blocks]  # type: ignore[misc]
+        tail = self.tail
+        return ws + ([tail.weight] if tail is not None else [])
 
     @property
     def calibrated(self) -> bool:
-        return bool((self.amax > 0).all())
+        return self._calibrated
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., K0) -> (..., N_last)
+        for b in list(self)[:self.start]:
+            x = b(x)
         dev = x.device.type
         dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
         lead = x.shape[:-1]
+        own = self.own_scales or not self._calibrated
         with torch.autocast(dev, enabled=False):
             out = FP8Chain.apply(x.reshape(-1, x.shape[-1]).to(dtype), self.amax, self.eps, self.margin,
-                                 self.tail is not None, self.own_scales, *self.weights)
+                                 self.tail is not None, own, *self.weights)
+        if not self._calibrated and torch.is_grad_enabled() and out.requires_grad:
+            self._calibrated = True  # this call's backward fills the gradients' amaxes
         return out.reshape(*lead, out.shape[-1])
+
+
+class FoldedTail(nn.Module):
+    """Where a chain's tail linear was: the same ``weight`` parameter under the same name (state
+    dicts and optimizers see it as before), and the identity in forward (the chain ran the GEMM).
+    :func:`unchain` puts the linear back."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.weight = linear.weight
+        self._linear = [linear]  # not registered
+
+    @property
+    def linear(self) -> nn.Linear:
+        return self._linear[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def extra_repr(self) -> str:
+        lin = self.linear
+        return f"in_features={lin.in_features}, out_features={lin.out_features}, folded into the chain before it"
 
 
 def _why_not(lin: Any, norm: Any, act: Any) -> str:
@@ -591,29 +640,67 @@ def _why_not(lin: Any, norm: Any, act: Any) -> str:
     return ""
 
 
+def chain_start(seq: nn.Sequential) -> tuple[int | None, str]:
+    """The index of the first block of ``seq`` that can join an FP8 chain (those after it must
+    too), or ``(None, why)``."""
+    blocks = list(seq)
+    whys = [_why_not(getattr(b, "linear", None), getattr(b, "norm", None), getattr(b, "act", None)) for b in blocks]
+    start = next((j for j, w in enumerate(whys) if not w), None)
+    if start is None:
+        return None, f"no block can join an FP8 chain: {whys[0]}"
+    late = next((j for j in range(start, len(blocks)) if whys[j]), None)
+    if late is not None:
+        return None, f"block {late} cannot join the chain after block {start}: {whys[late]}"
+    return start, ""
+
+
 def swap_chain(model: nn.Module, mlp: str, tail: str | None = None, *, margin: float = MARGIN) -> list[str]:
-    """Replace the MLP (an ``nn.Sequential`` of blocks) named ``mlp`` by a :class:`ChainMLP` over its
-    blocks from the first that can join a chain (those before it stay as they are, in front),
-    with ``tail`` (a linear that takes the MLP's output, replaced by ``nn.Identity``) as its last
-    GEMM; returns the linears' names now in the chain."""
+    """Replace the MLP (an ``nn.Sequential`` of blocks) named ``mlp`` by a :class:`ChainMLP` over the
+    same blocks, chained from the first that can join (those before it run in front, as they
+    are), with ``tail`` (a linear that takes the MLP's output, replaced by a :class:`FoldedTail`)
+    as its last GEMM; returns the linears' names now in the chain. :func:`unchain` undoes it."""
     seq = model.get_submodule(mlp)
+    if isinstance(seq, ChainMLP):
+        raise ValueError(f"{mlp!r} is an FP8 chain already (unchain the model first)")
     if not isinstance(seq, nn.Sequential) or len(seq) == 0:
         raise ValueError(f"{mlp!r} is not a non-empty nn.Sequential of MLP blocks")
     blocks = list(seq)
     start = next((j for j, b in enumerate(blocks) if not _why_not(getattr(b, "linear", None), getattr(b, "norm", None),
                                                                     getattr(b, "act", None))), None)
     if start is None:
-        raise ValueError(f"no block of {mlp!r} can join an FP8 chain: {_why_not(blocks[0].linear, blocks[0].norm, blocks[0].act)}")
+        b0 = blocks[0]
+        why = _why_not(getattr(b0, "linear", None), getattr(b0, "norm", None), getattr(b0, "act", None))
+        raise ValueError(f"no block of {mlp!r} can join an FP8 chain: {why}")
     tail_mod = model.get_submodule(tail) if tail else None
-    chain = ChainMLP(blocks[start:], tail_mod, margin=margin)  # type: ignore[arg-type]
-    new: nn.Module = chain if start == 0 else nn.Sequential(*blocks[:start], chain)
-    parent_name, _, child = mlp.rpartition(".")
-    setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+    chain = ChainMLP(blocks, tail_mod, margin=margin, start=start)  # type: ignore[arg-type]
+    chain._orig = [seq]  # type: ignore[assignment]  # for unchain (a list: not registered)
+    for attr in ("out_dim",):  # what the model's MLP class carries beside its blocks
+        if hasattr(seq, attr):
+            setattr(chain, attr, getattr(seq, attr))
+    _set(model, mlp, chain)
     if tail:
-        tp, _, tc = tail.rpartition(".")
-        setattr(model.get_submodule(tp) if tp else model, tc, nn.Identity())
+        _set(model, tail, FoldedTail(tail_mod))  # type: ignore[arg-type]
     names = [f"{mlp}.{j}.linear" for j in range(start, len(blocks))]
     return names + ([tail] if tail else [])
+
+
+def _set(model: nn.Module, name: str, mod: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, mod)
+
+
+def unchain(model: nn.Module) -> list[str]:
+    """Undo :func:`swap_chain` everywhere in ``model``: each :class:`ChainMLP` becomes the module it
+    replaced and each :class:`FoldedTail` its linear again (weights shared all along); returns the
+    MLPs' names."""
+    done = []
+    for name, mod in list(model.named_modules()):
+        if isinstance(mod, ChainMLP):
+            _set(model, name, getattr(mod, "_orig", [nn.Sequential(*mod)])[0])
+            done.append(name)
+        elif isinstance(mod, FoldedTail):
+            _set(model, name, mod.linear)
+    return done
 
 
 def calibrate(model: nn.Module, batches: Sequence[tuple[Any, ...]], loss_fn: Callable[[Any, int], torch.Tensor], *,
@@ -640,10 +727,13 @@ def calibrate(model: nn.Module, batches: Sequence[tuple[Any, ...]], loss_fn: Cal
     finally:
         for m in chains.values():
             m.own_scales = False
+            for w in m.weights:  # a tail's weight too, which the model may hold elsewhere
+                w.grad = None
         model.zero_grad(set_to_none=True)
     for n, m in chains.items():
         if not (torch.isfinite(seen[n]).all() and (seen[n] > 0).all()):
             raise ValueError(f"{n}: amaxes {seen[n].tolist()} after calibration; calibrate on batches whose "
                              "operands in this chain are finite and not all zero")
         m.amax.copy_(seen[n])
+        m._calibrated = True
     return {n: v.tolist() for n, v in seen.items()}

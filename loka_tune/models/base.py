@@ -125,6 +125,12 @@ class RecModel(nn.Module):
         with torch.no_grad():
             head.bias.fill_(math.log(p / (1.0 - p)))
 
+    def mlp_chains(self) -> list[tuple[str, str | None]]:
+        """The MLPs that may run as FP8 chains (the ``fp8_chain`` Mod), each with the linear that
+        takes its output where that linear may join the chain as its last GEMM (``None``: none).
+        Here every :class:`MLP` of the model, without a tail; models name their tails."""
+        return [(n, None) for n, m in self.named_modules() if isinstance(m, MLP)]
+
     def forward_batch(self, batch: Any) -> torch.Tensor:
         """Logits (B,) for a :class:`loka_tune.data.base.Batch`, called as :func:`model_inputs` says."""
         from loka_tune.data.base import model_inputs

@@ -158,6 +158,14 @@ class Wukong(RecModel):
         self.head_mlp = MLP(n_in * d, head_hidden, **opts)
         self.head = nn.Linear(self.head_mlp.out_dim, 1, bias=True)  # prediction head keeps its bias
 
+    def mlp_chains(self) -> list[tuple[str, str | None]]:
+        """Every MLP; an FMB's MLP with the FMB's ``out`` as its tail (it takes the MLP's output only)."""
+        chains: list[tuple[str, str | None]] = []
+        for name, parent_name, tail in ((n, n.rpartition(".")[0], None) for n, _ in super().mlp_chains()):
+            parent = self.get_submodule(parent_name) if parent_name else self
+            chains.append((name, f"{parent_name}.out" if isinstance(parent, FactorizationMachineBlock) else tail))
+        return chains
+
     def forward(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
         self.check_inputs(dense, sparse)
         x = self.embeddings(sparse)  # (B, n, d)

@@ -15,7 +15,7 @@ from loka_tune.errors import ConfigError
 
 __all__ = ["MOD_NAMES", "PARAM_PREFIX", "mod_choices", "mods_from_params", "mods_to_params"]
 
-MOD_NAMES: tuple[str, ...] = ("no_bias", "blocknorm", "hardswish", "pad", "fuse_epilogue")
+MOD_NAMES: tuple[str, ...] = ("no_bias", "blocknorm", "hardswish", "pad", "fuse_epilogue", "fp8_chain")
 PARAM_PREFIX = "mods."
 
 
@@ -32,7 +32,9 @@ def mod_choices(
     ``include`` restricts the Mods searched (the others stay off: :func:`mods_from_params`
     defaults them). ``fuse_epilogue`` (run Linear -> BlockNorm -> Hard Swish as one fused FP8
     GEMM epilogue, see :class:`~loka_tune.config.ModsConfig`) changes something only when
-    ``blocknorm`` and ``hardswish`` are on too.
+    ``blocknorm`` and ``hardswish`` are on too; ``fp8_chain`` (MLPs of tensorwise FP8 sites as one
+    chain whose norms write the FP8 operands) only with ``no_bias``, ``blocknorm = 256`` and
+    ``hardswish`` (:func:`mods_from_params` turns it off otherwise).
     """
     unknown = [n for n in include if n not in MOD_NAMES]
     if unknown:
@@ -47,6 +49,7 @@ def mod_choices(
         "hardswish": [False, True],
         "pad": [None, *dict.fromkeys(pad)],
         "fuse_epilogue": [False, True],
+        "fp8_chain": [False, True],
     }
     return {n: full[n] for n in MOD_NAMES if n in include}
 
@@ -76,7 +79,7 @@ def _as_size(v: Any, key: str) -> int | None:
 def mods_from_params(params: Mapping[str, Any], *, keep_bias: Sequence[str] = ()) -> ModsConfig:
     """The :class:`ModsConfig` encoded in a trial's parameters.
 
-    Reads ``no_bias`` / ``blocknorm`` / ``hardswish`` / ``pad`` / ``fuse_epilogue`` either bare or prefixed with
+    Reads ``no_bias`` / ``blocknorm`` / ``hardswish`` / ``pad`` / ``fuse_epilogue`` / ``fp8_chain`` either bare or prefixed with
     ``"mods."``; other keys (the sites' choices) are ignored; a Mod absent from ``params`` is
     off. Values may also be the strings MLflow stores (``"True"``, ``"None"``, ``"128"``).
     An unknown ``"mods.*"`` key raises :class:`ConfigError`.
@@ -94,13 +97,22 @@ def mods_from_params(params: Mapping[str, Any], *, keep_bias: Sequence[str] = ()
             found[name] = value
         elif key.startswith(PARAM_PREFIX):
             raise ConfigError(f"unknown Mod {name!r}; the Mods are {list(MOD_NAMES)}", key=key)
+    no_bias = _as_bool(found.get("no_bias", False), "mods.no_bias")
+    blocknorm = _as_size(found.get("blocknorm"), "mods.blocknorm")
+    hardswish = _as_bool(found.get("hardswish", False), "mods.hardswish")
+    fuse = _as_bool(found.get("fuse_epilogue", False), "mods.fuse_epilogue")
+    # fp8_chain only where its blocks exist (bias-free Linear -> BlockNorm(256) -> Hard Swish), and
+    # then in place of fuse_epilogue (both take those blocks): a sampled combination that has no
+    # chain decodes to the same config (and trial cache key) as the trial without it
+    chain = _as_bool(found.get("fp8_chain", False), "mods.fp8_chain") and no_bias and blocknorm == 256 and hardswish
     return ModsConfig(
-        no_bias=_as_bool(found.get("no_bias", False), "mods.no_bias"),
+        no_bias=no_bias,
         keep_bias=tuple(keep_bias),
-        blocknorm=_as_size(found.get("blocknorm"), "mods.blocknorm"),
-        hardswish=_as_bool(found.get("hardswish", False), "mods.hardswish"),
+        blocknorm=blocknorm,
+        hardswish=hardswish,
         pad=_as_size(found.get("pad"), "mods.pad"),
-        fuse_epilogue=_as_bool(found.get("fuse_epilogue", False), "mods.fuse_epilogue"),
+        fuse_epilogue=fuse and not chain,
+        fp8_chain=chain,
     )
 
 
@@ -112,4 +124,5 @@ def mods_to_params(mods: ModsConfig, *, prefix: str = PARAM_PREFIX) -> dict[str,
         f"{prefix}hardswish": mods.hardswish,
         f"{prefix}pad": mods.pad,
         f"{prefix}fuse_epilogue": mods.fuse_epilogue,
+        f"{prefix}fp8_chain": mods.fp8_chain,
     }

@@ -160,9 +160,27 @@ class TrainStep:
                 else:
                     g["lr"] = base * f
 
+    def _calibrate_chains(self, batch: Any) -> None:
+        """Before the first step: the FP8 chains that have no delayed amaxes yet (the ``fp8_chain``
+        Mod) take them from one eager forward and backward of this batch, each operand cast with
+        its own amax; no weight moves. Left to their own first call, a compiled model would
+        compile twice (that call's graph, then the delayed one)."""
+        from loka_tune.kernels.chain import ChainMLP, calibrate
+
+        if not any(isinstance(m, ChainMLP) and not m.calibrated for m in self.model.modules()):
+            return
+        *inputs, labels = self._tensors(batch)
+
+        def loss(logits: torch.Tensor, i: int) -> torch.Tensor:
+            return F.binary_cross_entropy_with_logits(logits.float().reshape(-1), labels.float().reshape(-1))
+
+        calibrate(self.model, [tuple(inputs)], loss, autocast=self.dtype)
+
     def __call__(self, batch: Any) -> torch.Tensor:
         if self._scheduled:
             self._set_lrs()
+        if self.steps_done == 0:
+            self._calibrate_chains(batch)
         self.steps_done += 1
         if not self.cuda_graphs:
             return self._run(*self._tensors(batch))

@@ -29,7 +29,7 @@ __all__ = ["StudySection", "ModelSection", "DataSection", "TrainingSection", "Ob
            "ProbeSection", "TrialsSection", "StorageSection", "TrackingSection", "ConfirmSection",
            "MOD_NAMES", "SHORT_RUN"]
 
-MOD_NAMES = ("no_bias", "blocknorm", "hardswish", "pad", "fuse_epilogue")  # the Mods the sampler may switch on
+MOD_NAMES = ("no_bias", "blocknorm", "hardswish", "pad", "fuse_epilogue", "fp8_chain")  # the Mods the sampler may switch on
 OBJECTIVES = ("train_step", "inference")
 SPEED_SOURCES = ("auto", "measured", "modeled")
 PRUNERS = ("hopeless", "median", "none")
@@ -323,7 +323,8 @@ class SpaceSection:
     roundings: tuple[str, ...] = field(default=("exact",), metadata=_doc("scale rounding: exact and/or to a power of 2",
         choices=ROUNDINGS))
     mods: tuple[str, ...] = field(default=(), metadata=_doc("the Mods the sampler may switch on (`\"fuse_epilogue\"`"
-        " needs `\"blocknorm\"` and `\"hardswish\"`)", choices=MOD_NAMES))
+        " needs `\"blocknorm\"` and `\"hardswish\"`; `\"fp8_chain\"` needs `\"no_bias\"`, `\"blocknorm\"` with 256"
+        " among `blocknorm_sizes`, and `\"hardswish\"`, and excludes `\"fuse_epilogue\"`)", choices=MOD_NAMES))
     per_role: bool = field(default=True, metadata=_doc("`per_gemm = true` only: choose fwd / dgrad / wgrad separately"
         " (true) or tie them (false); a file that sets `per_role` but not `per_gemm` (written before the recipe space)"
         " gets the per-GEMM space it had, and `per_gemm = false` with `per_role` set is an error"))
@@ -351,12 +352,22 @@ class SpaceSection:
             raise ConfigError(f"got {list(mods)!r}: 'fuse_epilogue' fuses Linear -> BlockNorm -> Hard Swish chains,"
                               " which exist only with the blocknorm and hardswish Mods on; add 'blocknorm' and"
                               " 'hardswish' to space.mods (or drop 'fuse_epilogue')", key="space.mods")
+        if "fp8_chain" in mods and not {"no_bias", "blocknorm", "hardswish"} <= set(mods):
+            raise ConfigError(f"got {list(mods)!r}: 'fp8_chain' runs MLPs of bias-free Linear -> BlockNorm(256) ->"
+                              " Hard Swish blocks as FP8 chains, which exist only with the no_bias, blocknorm and"
+                              " hardswish Mods on; add them to space.mods (or drop 'fp8_chain')", key="space.mods")
+        if {"fp8_chain", "fuse_epilogue"} <= set(mods):
+            raise ConfigError(f"got {list(mods)!r}: 'fp8_chain' and 'fuse_epilogue' both take the Linear ->"
+                              " BlockNorm -> Hard Swish blocks; keep one of them in space.mods", key="space.mods")
         bn = t.get("blocknorm_sizes", list(d.blocknorm_sizes))
         pm = t.get("pad_multiples", list(d.pad_multiples))
         for k, v in (("blocknorm_sizes", bn), ("pad_multiples", pm)):
             if (not isinstance(v, list) or not v
                     or not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in v)):
                 raise ConfigError(f"got {v!r}; expected a non-empty list of positive integers", key=f"space.{k}")
+        if "fp8_chain" in mods and 256 not in bn:
+            raise ConfigError(f"got blocknorm_sizes = {bn!r} with 'fp8_chain' in space.mods: the chains' norms are"
+                              " BlockNorm(256); add 256 to blocknorm_sizes (or drop 'fp8_chain')", key="space.blocknorm_sizes")
         per_role = t.boolean("per_role", d.per_role)
         if t.has("per_role") and t.has("per_gemm") and not t.boolean("per_gemm", d.per_gemm):
             raise ConfigError(f"got per_gemm = false with per_role = {str(per_role).lower()}: per_role chooses how"
