@@ -8,7 +8,8 @@ one per site x role with more than one surviving choice
 (``"<site>@<role>"``, values are choice ids such as ``"e4m3.row.emulated"``), or per site
 (``"<site>@all"``) when the space ties the three GEMMs together. In both, one per Mods dimension
 (``"mods.<field>"``, e.g. ``"mods.fuse_epilogue"``: False / True, kept only with
-``blocknorm`` and ``hardswish`` on). Sites (site x roles) with bf16 as their only choice
+``blocknorm`` and ``hardswish`` on; ``"mods.fp8_chain"``, kept only with ``no_bias``,
+``blocknorm = 256`` and ``hardswish`` on). Sites (site x roles) with bf16 as their only choice
 get no parameter: they are bf16 in every trial. Decoding is deterministic, so a config's
 :meth:`PrecisionConfig.key` identifies a trial across workers and restarts.
 """
@@ -180,7 +181,7 @@ def params_from_config(space: SearchSpace, config: PrecisionConfig) -> tuple[dic
         else:
             params[name] = choices[0]
             notes.append(f"{name}: {v!r} not among {list(choices)} -> {choices[0]!r}")
-    for field_ in ("no_bias", "blocknorm", "hardswish", "pad", "fuse_epilogue"):
+    for field_ in ("no_bias", "blocknorm", "hardswish", "pad", "fuse_epilogue", "fp8_chain"):
         if f"mods.{field_}" not in dims and mods.get(field_) not in (None, False):
             notes.append(f"mods.{field_}: {mods[field_]!r} not searched -> off")
     if config.mods.fuse_epilogue and "mods.fuse_epilogue" in dims and not fusable(mods_from_params(params)):
