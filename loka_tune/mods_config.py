@@ -8,11 +8,11 @@ live in :mod:`loka_tune.mods`.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from loka_tune.errors import ConfigError
 
-__all__ = ["ModsConfig"]
+__all__ = ["ModsConfig", "check_chain_space"]
 
 
 @dataclass(frozen=True)
@@ -130,3 +130,22 @@ class ModsConfig:
         if isinstance(kb, str) or not isinstance(kb, (list, tuple)) or not all(isinstance(x, str) for x in kb):
             raise ConfigError(f"got {kb!r}; expected a list of module names", key=f"{key}.keep_bias")
         return cls(**{**obj, "keep_bias": tuple(kb)})
+
+
+def check_chain_space(mods: Sequence[str], blocknorm_sizes: Sequence[int]) -> None:
+    """Raise :class:`ConfigError` where a study's ``[space] mods`` lists ``fp8_chain`` without what
+    its chains need (``no_bias``, ``blocknorm`` with 256 among ``blocknorm_sizes``, ``hardswish``)
+    or beside ``fuse_epilogue`` (both take the same blocks)."""
+    if "fp8_chain" not in mods:
+        return
+    if not {"no_bias", "blocknorm", "hardswish"} <= set(mods):
+        raise ConfigError(f"got {list(mods)!r}: 'fp8_chain' runs MLPs of bias-free Linear -> BlockNorm(256) -> Hard Swish"
+                          " blocks as FP8 chains, which exist only with the no_bias, blocknorm and hardswish Mods on;"
+                          " add them to space.mods (or drop 'fp8_chain')", key="space.mods")
+    if "fuse_epilogue" in mods:
+        raise ConfigError(f"got {list(mods)!r}: 'fp8_chain' and 'fuse_epilogue' both take the Linear -> BlockNorm ->"
+                          " Hard Swish blocks; keep one of them in space.mods", key="space.mods")
+    if 256 not in blocknorm_sizes:
+        raise ConfigError(f"got blocknorm_sizes = {list(blocknorm_sizes)!r} with 'fp8_chain' in space.mods: the chains'"
+                          " norms are BlockNorm(256); add 256 to blocknorm_sizes (or drop 'fp8_chain')",
+                          key="space.blocknorm_sizes")

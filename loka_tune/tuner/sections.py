@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from loka_tune._toml import Table, json_scalar_tree, plain_fields, read_plain, rekeyed
 from loka_tune.config import Format, Granularity
 from loka_tune.errors import ConfigError
+from loka_tune.mods_config import check_chain_space
 from loka_tune.tuner.storage import check_url_form
 
 if TYPE_CHECKING:
@@ -352,22 +353,13 @@ class SpaceSection:
             raise ConfigError(f"got {list(mods)!r}: 'fuse_epilogue' fuses Linear -> BlockNorm -> Hard Swish chains,"
                               " which exist only with the blocknorm and hardswish Mods on; add 'blocknorm' and"
                               " 'hardswish' to space.mods (or drop 'fuse_epilogue')", key="space.mods")
-        if "fp8_chain" in mods and not {"no_bias", "blocknorm", "hardswish"} <= set(mods):
-            raise ConfigError(f"got {list(mods)!r}: 'fp8_chain' runs MLPs of bias-free Linear -> BlockNorm(256) ->"
-                              " Hard Swish blocks as FP8 chains, which exist only with the no_bias, blocknorm and"
-                              " hardswish Mods on; add them to space.mods (or drop 'fp8_chain')", key="space.mods")
-        if {"fp8_chain", "fuse_epilogue"} <= set(mods):
-            raise ConfigError(f"got {list(mods)!r}: 'fp8_chain' and 'fuse_epilogue' both take the Linear ->"
-                              " BlockNorm -> Hard Swish blocks; keep one of them in space.mods", key="space.mods")
         bn = t.get("blocknorm_sizes", list(d.blocknorm_sizes))
         pm = t.get("pad_multiples", list(d.pad_multiples))
         for k, v in (("blocknorm_sizes", bn), ("pad_multiples", pm)):
             if (not isinstance(v, list) or not v
                     or not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in v)):
                 raise ConfigError(f"got {v!r}; expected a non-empty list of positive integers", key=f"space.{k}")
-        if "fp8_chain" in mods and 256 not in bn:
-            raise ConfigError(f"got blocknorm_sizes = {bn!r} with 'fp8_chain' in space.mods: the chains' norms are"
-                              " BlockNorm(256); add 256 to blocknorm_sizes (or drop 'fp8_chain')", key="space.blocknorm_sizes")
+        check_chain_space(mods, bn)
         per_role = t.boolean("per_role", d.per_role)
         if t.has("per_role") and t.has("per_gemm") and not t.boolean("per_gemm", d.per_gemm):
             raise ConfigError(f"got per_gemm = false with per_role = {str(per_role).lower()}: per_role chooses how"
