@@ -204,3 +204,36 @@ def test_the_trainer_calibrates_the_chains_before_its_first_compiled_step() -> N
         losses = [float(step(batch)) for _ in range(2)]
     assert all(c.calibrated for c in m.modules() if isinstance(c, ch.ChainMLP))
     assert report["unique_graphs"] == 1 and all(torch.isfinite(torch.tensor(losses)))  # no recompile
+
+
+@pytest.mark.gpu
+def test_the_fp8_chain_mod_trains_compiled_on_a_gpu_within_fp8_error_of_the_unchained_config() -> None:
+    """The product's path on a GPU: apply makes the chains (the Triton kernels), the trainer
+    calibrates them and compiles one graph; the chained model's output is within FP8 error of the
+    same config without chains (LokaLinear, dynamic scales), on the same weights."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from loka_tune import apply
+    from loka_tune.data.base import Batch
+    from loka_tune.kernels import chain as ch
+    from loka_tune.kernels.quant import sqnr_db
+    from loka_tune.objectives.compiled import strict_compile
+    from loka_tune.objectives.step import TrainStep
+
+    dev = torch.device("cuda")
+    plain, m = _wukong().to(dev), _wukong().to(dev)
+    apply(plain, _config(False), strict=False)
+    s = apply(m, _config(True), strict=False)
+    m.load_state_dict(plain.state_dict())
+    assert set(s.chains) == {"layers.0.fmb.mlp", "layers.1.fmb.mlp", "head_mlp"}, (s.chains, s.chain_skipped)
+    x, sp = (t.to(dev) for t in _batch(1024))
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        ref, out = plain(x, sp).float(), m(x, sp).float()
+    assert sqnr_db(ref, out) > 15.0
+    opt = torch.optim.SGD([p for p in m.parameters() if p.requires_grad and not p.is_sparse], lr=1e-3)
+    step = TrainStep(m, [opt], device=dev, dtype=torch.bfloat16, compile=True)
+    batch = Batch(dense=x, sparse=sp, labels=(torch.rand(1024, device=dev) < 0.3).float())
+    with strict_compile() as report:
+        losses = torch.stack([step(batch) for _ in range(3)]).float().cpu()
+    assert torch.isfinite(losses).all() and report["unique_graphs"] == 1
+    assert all(c.calibrated and bool((c.amax > 0).all()) for c in m.modules() if isinstance(c, ch.ChainMLP))
