@@ -166,7 +166,8 @@ def prepare(name: str, model: nn.Module, config: PrecisionConfig, *, source: Any
         return {"fp8_sites": 0, "mods": mods.short_str()}
     if name in ("config", "config_dualcast"):
         s = apply(model, config, strict=False)
-        return {"fp8_sites": len(s.replaced), "fallbacks": len(s.fallbacks), "mods": mods.short_str()}
+        return {"fp8_sites": len(s.replaced) + len(s.chained), "fallbacks": len(s.fallbacks), "mods": mods.short_str(),
+                **({"chains": s.chains, "chain_skipped": s.chain_skipped} if s.fp8_chain else {})}
     if name.startswith("torchao_"):
         if mods.any:
             apply(model, PrecisionConfig(mods=mods))
