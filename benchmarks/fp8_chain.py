@@ -34,12 +34,9 @@ names the benchmarks and their tests use.
 
 from __future__ import annotations
 
-from loka_tune.kernels.chain import (  # noqa: F401  (re-exported: e2e.py, chain_qt_ab.py, the tests)
-    _BR,
-    _WARPS,
+from loka_tune.kernels.chain import (  # noqa: F401  (re-exported: e2e.py, the tests)
     BLOCK,
     MARGIN,
-    QT_FORM,
     ChainMLP,
     FoldedTail,
     FP8Chain,
@@ -57,4 +54,4 @@ from loka_tune.kernels.chain import (  # noqa: F401  (re-exported: e2e.py, chain
 )
 
 __all__ = ["ChainMLP", "FP8Chain", "FoldedTail", "swap_chain", "unchain", "calibrate", "norm_fwd_cast", "norm_bwd_cast",
-           "norm_fwd_cast_reference", "norm_bwd_cast_reference", "prepare_kernels", "BLOCK", "MARGIN", "QT_FORM"]
+           "norm_fwd_cast_reference", "norm_bwd_cast_reference", "prepare_kernels", "BLOCK", "MARGIN"]

@@ -17,7 +17,8 @@ forward only, torchao's tensorwise recipe).
 
 The Triton kernels saturate with ``tl.where``: saturated with ``tl.minimum`` / ``tl.maximum``,
 values stored transposed in FP8 came out wrong on an H100 under Triton 3.6 in every tile tried
-(``benchmarks/chain_qt_ab.py``; triton-lang/triton#11111). The norm kernels' ``eps`` is a
+(``benchmarks/results/chain_qt_ab_h100_s33d.json``, by ``benchmarks/chain_qt_ab.py`` at commit 9068faf;
+triton-lang/triton#11111). The norm kernels' ``eps`` is a
 constexpr: inductor types a Python float argument fp64, whose square root Triton 3.6 failed to
 lower. ``triton`` is imported on the first launch only; the ops (``torch.ops.loka.chain_*``,
 ``torch.library.triton_op`` s, which inductor launches from its own code) are registered outside
@@ -220,7 +221,7 @@ def _kernels() -> Any:
 
     @triton.jit
     def _fp8cast_norm_fwd_kernel(y_ptr, s_ptr, q_ptr, qt_ptr, rstd_ptr, amax_ptr, x_ptr, M, N, NB, EPS: tl.constexpr,
-                        ACT: tl.constexpr, OUT: tl.constexpr, BR: tl.constexpr, BLK: tl.constexpr, QT: tl.constexpr):
+                        ACT: tl.constexpr, OUT: tl.constexpr, BR: tl.constexpr, BLK: tl.constexpr):
         # one (BR, BLK) tile: BR rows of one norm block of BLK features
         rows = tl.program_id(0) * BR + tl.arange(0, BR)
         blk = tl.program_id(1)
@@ -242,30 +243,17 @@ def _kernels() -> Any:
             scale = tl.load(s_ptr)
             q8 = tl.minimum(tl.maximum(x * scale, -448.0), 448.0).to(tl.float8e4nv)
             tl.store(q_ptr + at, q8, mask=m)
-            # the transposed FP8 copy (N, M), three forms (QT, for the GPU A/B of 2026-12-07: the
-            # first form's copy disagreed with the row-major one on an H100 in one call of two): 0 the fp32
-            # values transposed, then cast; 1 the FP8 values transposed; 2 as 0 with every element's mask; 4, 5 below;
-            # 3 none (the launcher transposes the FP8 copy after the kernel)
-            qt_at = cols[:, None].to(tl.int64) * M + rows[None, :]
-            if QT == 1:
-                tl.store(qt_ptr + qt_at, tl.trans(q8), mask=rm[None, :])
-            elif QT == 2:
-                mt = (cols[:, None] < N) & rm[None, :]
-                tl.store(qt_ptr + qt_at, tl.minimum(tl.maximum(tl.trans(x) * scale, -448.0), 448.0).to(tl.float8e4nv), mask=mt)
-            elif QT == 0:
-                tl.store(qt_ptr + qt_at, tl.minimum(tl.maximum(tl.trans(x) * scale, -448.0), 448.0).to(tl.float8e4nv),
-                         mask=rm[None, :])
-            elif QT == 4:  # no tl.trans: the row-major FP8 tile stored at the transposed addresses
-                tl.store(qt_ptr + cols[None, :].to(tl.int64) * M + rows[:, None], q8, mask=m)
-            elif QT == 5:  # as 0, clamped with tl.where in place of min / max (triton-lang/triton#11111)
-                vt = tl.trans(x) * scale
-                vt = tl.where(vt > 448.0, 448.0, tl.where(vt < -448.0, -448.0, vt))
-                tl.store(qt_ptr + qt_at, vt.to(tl.float8e4nv), mask=rm[None, :])
+            # the transposed copy (N, M), saturated with tl.where: saturated with tl.minimum /
+            # tl.maximum, it came out wrong on an H100 (Triton 3.6.0) in every tile tried (2026-12-07,
+            # benchmarks/results/chain_qt_ab_h100_s33d.json; triton-lang/triton#11111)
+            vt = tl.trans(x) * scale
+            vt = tl.where(vt > 448.0, 448.0, tl.where(vt < -448.0, -448.0, vt))
+            tl.store(qt_ptr + cols[:, None].to(tl.int64) * M + rows[None, :], vt.to(tl.float8e4nv), mask=rm[None, :])
             tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
 
     @triton.jit
     def _fp8cast_norm_bwd_kernel(g_ptr, y_ptr, rstd_ptr, s_ptr, q_ptr, qt_ptr, amax_ptr, M, N, NB,
-                        ACT: tl.constexpr, BR: tl.constexpr, BLK: tl.constexpr, QT: tl.constexpr):
+                        ACT: tl.constexpr, BR: tl.constexpr, BLK: tl.constexpr):
         rows = tl.program_id(0) * BR + tl.arange(0, BR)
         blk = tl.program_id(1)
         cols = blk * BLK + tl.arange(0, BLK)
@@ -284,38 +272,19 @@ def _kernels() -> Any:
         scale = tl.load(s_ptr)
         q8 = tl.minimum(tl.maximum(dy * scale, -448.0), 448.0).to(tl.float8e4nv)
         tl.store(q_ptr + at, q8, mask=m)
-        # the transposed FP8 copy (N, M), three forms (QT, for the GPU A/B of 2026-12-07: the
-        # first form's copy disagreed with the row-major one on an H100 in one call of two): 0 the fp32
-        # values transposed, then cast; 1 the FP8 values transposed; 2 as 0 with every element's mask; 4, 5 below;
-        # 3 none (the launcher transposes the FP8 copy after the kernel)
-        qt_at = cols[:, None].to(tl.int64) * M + rows[None, :]
-        if QT == 1:
-            tl.store(qt_ptr + qt_at, tl.trans(q8), mask=rm[None, :])
-        elif QT == 2:
-            mt = (cols[:, None] < N) & rm[None, :]
-            tl.store(qt_ptr + qt_at, tl.minimum(tl.maximum(tl.trans(dy) * scale, -448.0), 448.0).to(tl.float8e4nv), mask=mt)
-        elif QT == 0:
-            tl.store(qt_ptr + qt_at, tl.minimum(tl.maximum(tl.trans(dy) * scale, -448.0), 448.0).to(tl.float8e4nv),
-                     mask=rm[None, :])
-        elif QT == 4:  # no tl.trans: the row-major FP8 tile stored at the transposed addresses
-            tl.store(qt_ptr + cols[None, :].to(tl.int64) * M + rows[:, None], q8, mask=m)
-        elif QT == 5:  # as 0, clamped with tl.where in place of min / max (triton-lang/triton#11111)
-            vt = tl.trans(dy) * scale
-            vt = tl.where(vt > 448.0, 448.0, tl.where(vt < -448.0, -448.0, vt))
-            tl.store(qt_ptr + qt_at, vt.to(tl.float8e4nv), mask=rm[None, :])
+        # the transposed copy (N, M), saturated with tl.where: saturated with tl.minimum /
+        # tl.maximum, it came out wrong on an H100 (Triton 3.6.0) in every tile tried (2026-12-07,
+        # benchmarks/results/chain_qt_ab_h100_s33d.json; triton-lang/triton#11111)
+        vt = tl.trans(dy) * scale
+        vt = tl.where(vt > 448.0, 448.0, tl.where(vt < -448.0, -448.0, vt))
+        tl.store(qt_ptr + cols[:, None].to(tl.int64) * M + rows[None, :], vt.to(tl.float8e4nv), mask=rm[None, :])
         tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(dy), axis=1), axis=0))
 
     return triton, _fp8cast_norm_fwd_kernel, _fp8cast_norm_bwd_kernel
 
 
-#: the transposed copy's form (0-5: see the kernels), the tile's rows and warps (environment LOKA_CHAIN_QT,
-#: LOKA_CHAIN_BR, LOKA_CHAIN_WARPS, read at import). Form 5 by default: on an H100 (Triton 3.6.0, 2026-12-07,
-#: benchmarks/results/chain_qt_ab_h100_s33d.json) every form that clamps with tl.minimum / tl.maximum
-#: before a transposed FP8 store wrote wrong bytes there (0, 1, 2, 4, at every tile and warp count
-#: tried), and form 5, clamped with tl.where, was right in all of them (triton-lang/triton#11111)
-QT_FORM = int(os.environ.get("LOKA_CHAIN_QT", "5"))
-_BR = int(os.environ.get("LOKA_CHAIN_BR", "32"))  # rows a tile: 32 x 256 fp32 values, 32-byte runs in qt
-_WARPS = int(os.environ.get("LOKA_CHAIN_WARPS", "4"))
+_BR = 32  # rows a tile: 32 x 256 fp32 values, 32-byte runs in the transposed stores
+_WARPS = 4
 
 
 def _fwd_launch(y: torch.Tensor, scale: torch.Tensor, eps: float, act: bool, out_bf16: bool,
@@ -325,17 +294,14 @@ def _fwd_launch(y: torch.Tensor, scale: torch.Tensor, eps: float, act: bool, out
     nb = n // BLOCK
     fp8 = (1, 1) if out_bf16 else (m, n)  # placeholders where the kernel writes no FP8
     q = torch.empty(fp8, device=y.device, dtype=E4M3)
-    qt = torch.empty((1, 1) if QT_FORM == 3 else fp8[::-1], device=y.device, dtype=E4M3)
+    qt = torch.empty(fp8[::-1], device=y.device, dtype=E4M3)
     rstd = torch.empty((m, nb), device=y.device, dtype=torch.float32)
     amax = torch.zeros(1, device=y.device, dtype=torch.float32)
     x = torch.empty((m, n) if out_bf16 else (1,), device=y.device, dtype=y.dtype)
     if m and n:
         k = kf if wrap is None else wrap(kf)
         k[(triton.cdiv(m, _BR), nb)](y, scale.reshape(1).to(torch.float32), q, qt, rstd, amax, x, m, n, nb, EPS=float(eps),
-                                     ACT=act, OUT=out_bf16, BR=_BR, BLK=BLOCK, QT=QT_FORM,
-                                     num_warps=_WARPS)
-    if QT_FORM == 3 and not out_bf16:
-        qt = q.t().contiguous()
+                                     ACT=act, OUT=out_bf16, BR=_BR, BLK=BLOCK, num_warps=_WARPS)
     return (rstd, x) if out_bf16 else (q, qt, rstd, amax)
 
 
@@ -345,14 +311,12 @@ def _bwd_launch(g: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, scale: tor
     m, n = y.shape
     nb = n // BLOCK
     q = torch.empty((m, n), device=y.device, dtype=E4M3)
-    qt = torch.empty((1, 1) if QT_FORM == 3 else (n, m), device=y.device, dtype=E4M3)
+    qt = torch.empty((n, m), device=y.device, dtype=E4M3)
     amax = torch.zeros(1, device=y.device, dtype=torch.float32)
     if m and n:
         k = kb if wrap is None else wrap(kb)
         k[(triton.cdiv(m, _BR), nb)](g.contiguous(), y, rstd, scale.reshape(1).to(torch.float32), q, qt, amax, m, n, nb,
-                                     ACT=act, BR=_BR, BLK=BLOCK, QT=QT_FORM, num_warps=_WARPS)
-    if QT_FORM == 3:
-        qt = q.t().contiguous()
+                                     ACT=act, BR=_BR, BLK=BLOCK, num_warps=_WARPS)
     return q, qt, amax
 
 
