@@ -304,7 +304,8 @@ def test_the_norm_kernels_compile_for_sm90_with_inductors_argument_types() -> No
     """Inductor launches the kernels from its own code and types a Python float argument fp64;
     Triton 3.6 then failed to lower the forward kernel's fp64 square root (make_llir, on an H100,
     2026-12-07), so ``eps`` is a constexpr. Compiled here for sm_90 on the CPU (Triton's NVIDIA
-    backend needs no GPU to build PTX), with 32- and 64-bit sizes as inductor may give them."""
+    backend needs no GPU to build PTX), with 32- and 64-bit sizes as inductor may give them; and the
+    dual-amax cast's kernel, which no GPU has run since it saturates with ``tl.where``."""
     pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile
@@ -326,3 +327,16 @@ def test_the_norm_kernels_compile_for_sm90_with_inductors_argument_types() -> No
         k = compile(ASTSource(fn=kb, signature=bwd_sig, constexprs={"ACT": True, "BR": 32, "BLK": ch.BLOCK}),
                     target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
         assert "ptx" in k.asm
+    # the dual-amax cast (delayed scales' operands: cast_dual_amax) at its launch's tiles, from a bf16
+    # activation and (VIA 1) an fp32 master weight rounded through bf16 as it is read
+    from loka_tune.kernels.chain import _kernel
+
+    _, kd = _kernel()
+    for xty, via in (("*bf16", 0), ("*fp32", 1)):
+        sig = {"x_ptr": xty, "s_ptr": "*fp32", "y_ptr": "*fp8e4nv", "yt_ptr": "*fp8e4nv", "amax_ptr": "*fp32",
+               "R": "i32", "C": "i32", "sxr": "i32", "sxc": "i32", "VIA": "constexpr", "BR": "constexpr",
+               "BC": "constexpr"}
+        for br, bc in ((512, 16), (128, 128)):
+            k = compile(ASTSource(fn=kd, signature=sig, constexprs={"VIA": via, "BR": br, "BC": bc}),
+                        target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+            assert "ptx" in k.asm
