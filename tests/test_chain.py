@@ -41,6 +41,29 @@ TW = "e4m3.tensor.torch_scaled_mm"
 MODS = {"no_bias": True, "blocknorm": 256, "hardswish": True}
 
 
+def test_to_moves_a_chains_unregistered_tail_alone_and_inside_a_model() -> None:
+    """A chain built alone keeps its tail unregistered: ``.to()`` must still convert it (on an
+    H100 a chain moved with ``.cuda()`` left its tail on the CPU, 2026-12-07). Inside a model the
+    tail's weight stays the FoldedTail's parameter, one object, converted once."""
+    from loka_tune import apply
+    from loka_tune.kernels import chain as ch
+
+    b = MLPBlock(64, 256, norm="none", activation="relu", bias=False)
+    b.norm, b.act = BlockNorm(256), nn.Hardswish()
+    m = ch.ChainMLP([b], nn.Linear(256, 64, bias=False)).to(torch.float64)
+    assert m.tail is not None and m.tail.weight.dtype == torch.float64
+    assert all(w.dtype == torch.float64 for w in m.weights) and m.amax.dtype == torch.float32
+    model = _wukong()
+    apply(model, _config(True), strict=False)
+    model.to(torch.float64)
+    folded = model.get_submodule("layers.1.fmb.out")
+    chain = model.get_submodule("layers.1.fmb.mlp")
+    assert isinstance(folded, ch.FoldedTail) and isinstance(chain, ch.ChainMLP) and chain.tail is not None
+    assert chain.tail.weight is folded.weight and folded.weight.dtype == torch.float64
+    assert [n for n, _ in model.named_parameters()].count("layers.1.fmb.out.weight") == 1
+    assert chain.amax.dtype == torch.float32 and "amax" in dict(chain.named_buffers())
+
+
 def _wukong() -> nn.Module:
     from loka_tune.models.registry import build_model
 

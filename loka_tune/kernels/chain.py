@@ -551,6 +551,20 @@ class ChainMLP(nn.Sequential):
     def calibrated(self) -> bool:
         return self._calibrated
 
+    def _apply(self, fn: Any, recurse: bool = True) -> "ChainMLP":
+        # .to() / .cuda() / .half() reach the unregistered tail too: built alone, a chain would
+        # otherwise leave its tail's weight behind (on the GPU, _scaled_mm then refused its CPU
+        # operand, 2026-12-07). Inside a model the tail's weight is its FoldedTail's parameter,
+        # converted in place there first; converting it again here is a no-op. The amaxes stay
+        # float32 whatever the weights' dtype (the kernels take fp32 amaxes and scales).
+        super()._apply(fn, recurse)
+        if self.amax.dtype != torch.float32:
+            self.amax = self.amax.float()
+        tail = self.tail
+        if tail is not None and recurse:
+            tail._apply(fn)
+        return self
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., K0) -> (..., N_last)
         for b in list(self)[:self.start]:
             x = b(x)
