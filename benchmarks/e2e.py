@@ -573,6 +573,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--infer-reps", type=int, default=30)
     ap.add_argument("--eval-batches", type=int, default=8)
     ap.add_argument("--budget", type=float, default=float("inf"), help="seconds: start no new run after this")
+    ap.add_argument("--chain-margin", type=float, default=None,
+                    help="the FP8 chains' delayed-scale margin for this run (an A/B; default: the product's, 2)")
+    ap.add_argument("--no-chain-trace", action="store_true",
+                    help="do not record the chains' amaxes each step (by default a run with FP8 chains keeps one "
+                         "on-device copy a chain a step and reports, per chain, the largest step-to-step growth of "
+                         "its operands and the steps where one outgrew its margin, i.e. saturated: key chain_amax)")
     ap.add_argument("--nproc", type=int, default=1,
                     help="data-parallel training over N processes, one GPU each (torchrun, DDP; --batch stays the"
                          " global batch); inference is then skipped. Scaling: benchmarks/scaling.py")
@@ -629,7 +635,8 @@ def main(argv: list[str] | None = None) -> int:
             "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu",
             "torch": torch.__version__, "python": platform.python_version(), "date": time.strftime("%Y-%m-%d"),
             "config": str(args.config) if args.config else None, "config_mods": config.mods.short_str(),
-            "argv": sys.argv[1:] if argv is None else argv, "nproc": env.world_size if env is not None else 1}
+            "argv": sys.argv[1:] if argv is None else argv, "nproc": env.world_size if env is not None else 1,
+            "chain_margin": args.chain_margin, "chain_trace": not args.no_chain_trace}
     args.out.mkdir(parents=True, exist_ok=True)
     runs: list[dict[str, Any]] = []
     failed: list[str] = []
@@ -639,7 +646,20 @@ def main(argv: list[str] | None = None) -> int:
         model = make_model(cfg, source, seed=seed)
         model.to(dev)
         rec.update(prepare(name, model, config, source=source, batch_size=tcfg.batch_size, device=dev))
-        res = train(model, source, replace(tcfg, seed=seed), progress=False)
+        trace = None
+        if any(type(m).__name__ == "ChainMLP" for m in model.modules()):
+            here = str(Path(__file__).resolve().parent)
+            if here not in sys.path:
+                sys.path.insert(0, here)  # benchmarks/fp8_chain.py (when this file is imported)
+            import fp8_chain
+
+            if args.chain_margin is not None:
+                rec["chain_margin"] = args.chain_margin
+                fp8_chain.set_margin(model, args.chain_margin)
+            trace = None if args.no_chain_trace else fp8_chain.AmaxTrace(model)
+        res = train(model, source, replace(tcfg, seed=seed), progress=False, after_step=trace)
+        if trace is not None:
+            rec["chain_amax"] = trace.summary()
         rec.update(status=res.status, step_time_s=res.step_time_s, eval_logloss=res.eval_logloss,
                    eval_ne=res.eval_ne, eval_auc=res.eval_auc, wall_s=res.wall_s, gpu_time_s=res.gpu_time_s,
                    profile=res.profile)

@@ -4,6 +4,7 @@ e2e's site split; the Triton kernels under the interpreter (where triton is inst
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -340,3 +341,59 @@ def test_the_norm_kernels_compile_for_sm90_with_inductors_argument_types() -> No
             k = compile(ASTSource(fn=kd, signature=sig, constexprs={"VIA": via, "BR": br, "BC": bc}),
                         target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
             assert "ptx" in k.asm
+
+
+def test_the_amax_trace_names_the_operand_that_outgrew_its_margin() -> None:
+    """AmaxTrace reads growth between consecutive steps' amaxes: an operand whose amax grew past
+    the margin saturated that step. Amaxes set by hand: dy0 triples at step 3, w1 grows 1.5x
+    (within the margin of 2), and nothing else moves."""
+    ch = _load()
+    chain = ch.ChainMLP([_block(64, 256), _block(256, 256)], nn.Linear(256, 64, bias=False))
+    names = ch.slot_names(3)
+    assert names == ["x0", "w0", "w1", "w2", "x1", "x2", "dy0", "dy1", "dy2"] and chain.amax.numel() == 9
+    trace = ch.AmaxTrace(nn.Sequential(chain))
+    base = torch.arange(1.0, 10.0)
+    for step, (slot, factor) in enumerate([(None, 1.0), ("w1", 1.5), ("dy0", 3.0), (None, 1.0)], start=1):
+        if slot is not None:
+            base[names.index(slot)] *= factor
+        chain.amax.copy_(base)
+        trace(step)
+    s = trace.summary()["0"]
+    assert s["steps"] == 4 and s["margin"] == ch.MARGIN and s["over_margin"] == 1
+    assert s["dy"] == {"max_growth": 3.0, "at_step": 3, "operand": "dy0", "steps_over_margin": 1}
+    assert s["w"]["max_growth"] == 1.5 and s["w"]["operand"] == "w1" and s["w"]["steps_over_margin"] == 0
+    assert s["x"]["max_growth"] == 1.0 and s["first"]["dy0"] == 7.0 and s["last"]["dy0"] == 21.0
+    assert ch.set_margin(nn.Sequential(chain), 4.0) == 1 and chain.margin == 4.0
+    with pytest.raises(ValueError, match="margin=0.5"):
+        ch.set_margin(chain, 0.5)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU path (the GPU runs it in the e2e calls)")
+def test_e2e_reports_the_chains_amax_growth_and_takes_a_margin(tmp_path: Path) -> None:
+    """e2e.py's ``config`` variant of a config with the fp8_chain Mod, on the CPU (the chains' torch
+    references): the run's record holds the margin it was given and each chain's amax summary."""
+    from loka_tune.config import ModsConfig, PrecisionConfig, SitePrecision
+
+    e2e = load_bench("e2e.py", "e2e_bench")
+    text = (REPO / "studies" / "quickstart.toml").read_text()
+    text = text.replace('name = "dlrm"', 'name = "wukong"')
+    start = text.index("[model.overrides]")
+    end = text.index("[data]")
+    text = text[:start] + ("[model.overrides]\nfmb_mlp = [256, 256]\nhead_mlp = [256, 256]\ndense_mlp = [256]\n"
+                           'activation = "silu"\n\n') + text[end:]
+    study = tmp_path / "w.toml"
+    study.write_text(text)
+    tw = SitePrecision.parse("e4m3.tensor.torch_scaled_mm")
+    cfg = PrecisionConfig(mods=ModsConfig(no_bias=True, blocknorm=256, hardswish=True, fp8_chain=True),
+                          sites={r"re:.*mlp\.\d+\.linear": tw, r"re:.*fmb\.out": tw})
+    (tmp_path / "best.json").write_text(cfg.to_json())
+    rc = e2e.main(["--study", str(study), "--steps", "3", "--warmup", "1", "--seeds", "0", "--variants", "config",
+                   "--config", str(tmp_path / "best.json"), "--chain-margin", "3", "--out", str(tmp_path / "out")])
+    assert rc == 0
+    res = json.loads((tmp_path / "out" / "results.json").read_text())
+    (run,) = res["runs"]
+    assert run["status"] == "ok" and run["chain_margin"] == 3.0 and res["meta"]["chain_trace"] is True
+    assert set(run["chain_amax"]) == set(run["chains"]) and run["chains"]
+    for s in run["chain_amax"].values():
+        assert s["margin"] == 3.0 and s["steps"] == 3 and set(s) >= {"x", "w", "dy", "over_margin", "first", "last"}
+        assert all(v > 0 for v in s["last"].values())

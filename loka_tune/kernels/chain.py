@@ -25,9 +25,10 @@ lower. ``triton`` is imported on the first launch only; the ops (``torch.ops.lok
 any trace, by :class:`ChainMLP`'s constructor. Where no kernel can run (a CPU tensor, unless
 ``TRITON_INTERPRET=1`` in eager mode) the torch references run instead.
 
-Not yet wired into :func:`loka_tune.apply` or the study's space; ``benchmarks/fp8_chain.py`` and
-``benchmarks/delayed_scales.py`` (e2e.py's ``chain_tensorwise_filter`` and
-``delayed_dualcast_tensorwise_filter``) use it.
+:func:`loka_tune.apply` makes the chains under the ``fp8_chain`` Mod (:func:`swap_chain` on each
+MLP a model names); ``TrainStep`` calibrates them before its first step. ``benchmarks/fp8_chain.py``
+and ``benchmarks/delayed_scales.py`` (e2e.py's ``chain_tensorwise_filter`` and
+``delayed_dualcast_tensorwise_filter``) use it too.
 """
 
 from __future__ import annotations
