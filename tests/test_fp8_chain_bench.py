@@ -368,6 +368,18 @@ def test_the_amax_trace_names_the_operand_that_outgrew_its_margin() -> None:
         ch.set_margin(chain, 0.5)
 
 
+def _wukong_study(tmp_path: Path, width: int = 256) -> Path:
+    """The quickstart study with a Wukong whose MLPs are ``width`` wide (chains need BlockNorm(256))."""
+    text = (REPO / "studies" / "quickstart.toml").read_text()
+    text = text.replace('name = "dlrm"', 'name = "wukong"')
+    start, end = text.index("[model.overrides]"), text.index("[data]")
+    text = text[:start] + (f"[model.overrides]\nfmb_mlp = [{width}, {width}]\nhead_mlp = [{width}, {width}]\n"
+                           'dense_mlp = [256]\nactivation = "silu"\n\n') + text[end:]
+    study = tmp_path / f"wukong_{width}.toml"
+    study.write_text(text)
+    return study
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU path (the GPU runs it in the e2e calls)")
 def test_e2e_reports_the_chains_amax_growth_and_takes_a_margin(tmp_path: Path) -> None:
     """e2e.py's ``config`` variant of a config with the fp8_chain Mod, on the CPU (the chains' torch
@@ -375,14 +387,7 @@ def test_e2e_reports_the_chains_amax_growth_and_takes_a_margin(tmp_path: Path) -
     from loka_tune.config import ModsConfig, PrecisionConfig, SitePrecision
 
     e2e = load_bench("e2e.py", "e2e_bench")
-    text = (REPO / "studies" / "quickstart.toml").read_text()
-    text = text.replace('name = "dlrm"', 'name = "wukong"')
-    start = text.index("[model.overrides]")
-    end = text.index("[data]")
-    text = text[:start] + ("[model.overrides]\nfmb_mlp = [256, 256]\nhead_mlp = [256, 256]\ndense_mlp = [256]\n"
-                           'activation = "silu"\n\n') + text[end:]
-    study = tmp_path / "w.toml"
-    study.write_text(text)
+    study = _wukong_study(tmp_path)
     tw = SitePrecision.parse("e4m3.tensor.torch_scaled_mm")
     cfg = PrecisionConfig(mods=ModsConfig(no_bias=True, blocknorm=256, hardswish=True, fp8_chain=True),
                           sites={r"re:.*mlp\.\d+\.linear": tw, r"re:.*fmb\.out": tw})
@@ -397,3 +402,39 @@ def test_e2e_reports_the_chains_amax_growth_and_takes_a_margin(tmp_path: Path) -
     for s in run["chain_amax"].values():
         assert s["margin"] == 3.0 and s["steps"] == 3 and set(s) >= {"x", "w", "dy", "over_margin", "first", "last"}
         assert all(v > 0 for v in s["last"].values())
+
+
+def test_e2e_runs_the_chain_only_where_the_variant_names_it(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """An export with the fp8_chain Mod (the study's e2e passes it to every variant) chains in
+    ``config`` and ``*_chain_filter`` only: ``scaled_mm_tensorwise_filter``, the reference issue
+    21's bar compares the export with, stays the plain recipe, and bf16 + Mods has no chain Mod."""
+    from loka_tune.config import ModsConfig, PrecisionConfig, SitePrecision
+    from loka_tune.kernels.chain import ChainMLP
+    from loka_tune.recipes import SIZE_FILTERS
+    from loka_tune.tuner.build import make_model, make_source
+    from loka_tune.tuner.study import load_study
+
+    e2e = load_bench("e2e.py", "e2e_bench")
+    keep = SIZE_FILTERS["tensorwise"]
+    monkeypatch.setattr(e2e, "_torchao_filtered", lambda model, recipe: {  # torchao's filter, restated
+        n for n, m in model.named_modules() if type(m) is nn.Linear and keep.keeps(m.in_features, m.out_features)})
+    tw = SitePrecision.parse("e4m3.tensor.torch_scaled_mm")
+    cfg = PrecisionConfig(mods=ModsConfig(no_bias=True, blocknorm=256, hardswish=True, fp8_chain=True),
+                          sites={r"re:.*mlp\.\d+\.linear": tw, r"re:.*fmb\.out": tw})
+    # the recipe on those sites (torch_scaled_mm declines CPU tensors: uniform_config would keep bf16)
+    monkeypatch.setattr(e2e, "uniform_config", lambda model, choice, source, batch, device, only=None: (
+        PrecisionConfig(sites={n: SitePrecision.parse(choice) for n in sorted(only or ())}), 0))
+    study = load_study(_wukong_study(tmp_path, 2048))  # out = 2048: kept by the tensorwise filter
+    src = make_source(study)
+    runs = {}
+    for name in ("bf16_mods", "scaled_mm_tensorwise_filter", "scaled_mm_tensorwise_chain_filter", "config"):
+        m = make_model(study, src)
+        rec = e2e.prepare(name, m, cfg, source=src, batch_size=64)
+        runs[name] = (rec, sum(isinstance(c, ChainMLP) for c in m.modules()))
+    assert runs["bf16_mods"] == ({"fp8_sites": 0, "mods": "nobias+bn256+hswish"}, 0)
+    plain, n_plain = runs["scaled_mm_tensorwise_filter"]
+    assert n_plain == 0 and plain["mods"] == "nobias+bn256+hswish" and "chains" not in plain
+    assert plain["fp8_sites"] + plain["fallbacks"] == 5  # the filter's sites, unchained (on the CPU: fallbacks)
+    for name in ("scaled_mm_tensorwise_chain_filter", "config"):
+        rec, n = runs[name]
+        assert n > 0 and rec["mods"].endswith("+chain") and rec["chains"], name
