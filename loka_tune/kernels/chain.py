@@ -556,7 +556,7 @@ class ChainMLP(nn.Sequential):
         # .to() / .cuda() / .half() reach the unregistered tail too: built alone, a chain would
         # otherwise leave its tail's weight behind (on the GPU, _scaled_mm then refused its CPU
         # operand, 2026-12-07). Inside a model the tail's weight is its FoldedTail's parameter,
-        # converted in place there first; converting it again here is a no-op. The amaxes stay
+        # which the model's conversion converts in place; converting it twice is a no-op. The amaxes stay
         # float32 whatever the weights' dtype (the kernels take fp32 amaxes and scales).
         super()._apply(fn, recurse)
         if self.amax.dtype != torch.float32:
