@@ -62,7 +62,7 @@ from loka_tune.kernels.chain import (  # noqa: F401  (re-exported: e2e.py, the t
 
 __all__ = ["ChainMLP", "FP8Chain", "FoldedTail", "swap_chain", "unchain", "calibrate", "norm_fwd_cast", "norm_bwd_cast",
            "norm_fwd_cast_reference", "norm_bwd_cast_reference", "prepare_kernels", "BLOCK", "MARGIN", "AmaxTrace",
-           "slot_names", "set_margin"]
+           "slot_names", "set_margin", "set_grad_format"]
 
 
 def slot_names(n_gemms: int) -> list[str]:
@@ -80,6 +80,19 @@ def set_margin(model: nn.Module, margin: float) -> int:
     chains = [m for m in model.modules() if isinstance(m, ChainMLP)]
     for m in chains:
         m.margin = float(margin)
+    return len(chains)
+
+
+def set_grad_format(model: nn.Module, grad_format: str) -> int:
+    """Every :class:`ChainMLP` of ``model`` casts its gradients to ``grad_format`` (``"e4m3"`` or
+    ``"e5m2"``) from now on; returns how many chains were changed (an A/B, not a product setting)."""
+    from loka_tune.kernels.chain import GRAD_FORMATS
+
+    if grad_format not in GRAD_FORMATS:
+        raise ValueError(f"grad_format={grad_format!r}: a chain casts its gradients to one of {sorted(GRAD_FORMATS)}")
+    chains = [m for m in model.modules() if isinstance(m, ChainMLP)]
+    for m in chains:
+        m.grad_format = grad_format
     return len(chains)
 
 
@@ -123,7 +136,8 @@ class AmaxTrace:
                 t, j = divmod(flat, len(cols))
                 kinds[kind] = {"max_growth": round(float(g.max()), 4), "at_step": self.steps[t + 1],
                                "operand": names[cols[j]], "steps_over_margin": int(over[:, cols].any(dim=1).sum())}
-            out[n] = {"margin": m.margin, "steps": len(vals), "over_margin": int(over.sum()), **kinds,
+            out[n] = {"margin": m.margin, "grad_format": m.grad_format, "steps": len(vals),
+                      "over_margin": int(over.sum()), **kinds,
                       "first": _rounded(a[0], names), "last": _rounded(a[-1], names)}
         return out
 

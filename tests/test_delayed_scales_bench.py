@@ -312,11 +312,12 @@ def test_the_dual_amax_kernel_is_the_reference_bit_for_bit_on_a_gpu(shape: tuple
     s = torch.tensor(1e-3, device="cuda")
     for xx, via in ((base.to(torch.bfloat16), None), (base.to(torch.bfloat16).t().contiguous().t(), None),
                     (base, torch.bfloat16), (const, None)):
-        y, yt, a = ds.cast_dual_amax(xx, s, via)
-        ry, ryt, ra = ds.cast_dual_amax_reference(xx, s, via)
-        assert torch.equal(y.view(torch.uint8), ry.view(torch.uint8))
-        assert torch.equal(yt.view(torch.uint8), ryt.view(torch.uint8))
-        assert torch.equal(a, ra)
+        for out in (torch.float8_e4m3fn, torch.float8_e5m2):  # e5m2: an FP8 chain's gradients (grad_format)
+            y, yt, a = ds.cast_dual_amax(xx, s, via, out=out)
+            ry, ryt, ra = ds.cast_dual_amax_reference(xx, s, via, out=out)
+            assert y.dtype == out and torch.equal(y.view(torch.uint8), ry.view(torch.uint8))
+            assert torch.equal(yt.view(torch.uint8), ryt.view(torch.uint8))
+            assert torch.equal(a, ra)
 
 
 @pytest.mark.gpu

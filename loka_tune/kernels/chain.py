@@ -44,32 +44,42 @@ from torch import nn
 
 __all__ = ["ChainMLP", "FP8Chain", "FoldedTail", "swap_chain", "unchain", "calibrate", "cast_dual_amax", "cast_dual_amax_reference",
            "norm_fwd_cast", "norm_bwd_cast", "norm_fwd_cast_reference", "norm_bwd_cast_reference",
-           "prepare_kernels", "chain_start", "BLOCK", "MARGIN", "E4M3", "FMAX"]
+           "prepare_kernels", "chain_start", "BLOCK", "MARGIN", "E4M3", "E5M2", "FMAX", "GRAD_FORMATS"]
 
 E4M3 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
 FMAX = float(torch.finfo(E4M3).max)  # 448
+#: the formats a chain may cast its gradients (``dy``) to: e4m3 (the default, as this package's
+#: ``tensorwise`` recipe) or e5m2 (torchao's tensorwise recipe casts grad_output to e5m2: 14 more
+#: binades of range below the scale's amax, one mantissa bit less)
+GRAD_FORMATS: dict[str, torch.dtype] = {"e4m3": E4M3, "e5m2": E5M2}
 _TINY = FMAX / float(torch.finfo(torch.float32).max)
 #: headroom of a delayed scale over the amax it was taken from (an operand may grow by up to this
 #: factor from one step to the next before its largest values saturate)
 MARGIN = 2.0
 
 
-def _multiplier(amax: torch.Tensor, margin: float) -> torch.Tensor:
-    """``fmax / (margin * amax)`` (float32 ``()``), ``1`` for a zero amax (scalar ops, inlined
-    into the kernel that casts)."""
+def _fmax(dtype: torch.dtype) -> float:
+    return float(torch.finfo(dtype).max)  # e4m3 448, e5m2 57344
+
+
+def _multiplier(amax: torch.Tensor, margin: float, dtype: torch.dtype = E4M3) -> torch.Tensor:
+    """``fmax / (margin * amax)`` (float32 ``()``; ``fmax`` of ``dtype``), ``1`` for a zero amax
+    (scalar ops, inlined into the kernel that casts)."""
     a = amax.to(torch.float32) * margin
-    return torch.where(a > 0, FMAX / a.clamp(min=_TINY), torch.ones_like(a))
+    return torch.where(a > 0, _fmax(dtype) / a.clamp(min=_TINY), torch.ones_like(a))
 
 
 
 # ------------------------------------------------------------------ both layouts and the amax, one pass
-def cast_dual_amax_reference(x: torch.Tensor, scale: torch.Tensor,
-                             via: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def cast_dual_amax_reference(x: torch.Tensor, scale: torch.Tensor, via: torch.dtype | None = None,
+                             out: torch.dtype = E4M3) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``x`` ``(R, C)`` rounded through ``via`` (None: not), times ``scale`` (float32, one element),
-    saturated at +-448 in e4m3: ``(data (R, C), data_t (C, R), amax (1,))``, both layouts contiguous,
-    ``amax`` the float32 max of ``|x|`` after the rounding (what the next step's scale is taken from)."""
+    saturated at ``out``'s largest value (e4m3 +-448, e5m2 +-57344) in ``out``: ``(data (R, C),
+    data_t (C, R), amax (1,))``, both layouts contiguous, ``amax`` the float32 max of ``|x|``
+    after the rounding (what the next step's scale is taken from)."""
     xf = (x if via is None else x.to(via)).to(torch.float32)
-    q = (xf * scale.reshape(())).clamp(-FMAX, FMAX).to(E4M3)  # (R, C)
+    q = (xf * scale.reshape(())).clamp(-_fmax(out), _fmax(out)).to(out)  # (R, C)
     return q.contiguous(), q.t().contiguous(), xf.abs().amax().reshape(1)
 
 
@@ -81,9 +91,9 @@ def _kernel() -> Any:
 
     @triton.jit
     def _fp8cast_dual_amax_kernel(x_ptr, s_ptr, y_ptr, yt_ptr, amax_ptr, R, C, sxr, sxc, VIA: tl.constexpr,
-                              BR: tl.constexpr, BC: tl.constexpr):
-        # one (BR, BC) tile of x (any strides): both e4m3 layouts and an atomic max of |x| (VIA 1: rounded
-        # through bfloat16 first, the compute dtype of an fp32 master weight)
+                              BR: tl.constexpr, BC: tl.constexpr, E5: tl.constexpr = False):
+        # one (BR, BC) tile of x (any strides): both FP8 layouts (e4m3; E5: e5m2) and an atomic max of
+        # |x| (VIA 1: rounded through bfloat16 first, the compute dtype of an fp32 master weight)
         rows = tl.program_id(0) * BR + tl.arange(0, BR)
         cols = tl.program_id(1) * BC + tl.arange(0, BC)
         m = (rows[:, None] < R) & (cols[None, :] < C)
@@ -96,24 +106,34 @@ def _kernel() -> Any:
         # saturated with tl.where, not tl.minimum / tl.maximum: clamped that way, a transposed FP8
         # store wrote wrong bytes on an H100 under Triton 3.6 (fp8_chain's A/B, 2026-12-07;
         # triton-lang/triton#11111); NaN stays NaN, as torch's clamp
+        if E5:
+            fm = 57344.0
+        else:
+            fm = 448.0
         v = xf * scale
-        q = tl.where(v > 448.0, 448.0, tl.where(v < -448.0, -448.0, v)).to(tl.float8e4nv)
+        v = tl.where(v > fm, fm, tl.where(v < -fm, -fm, v))
+        vt = tl.trans(xf) * scale
+        vt = tl.where(vt > fm, fm, tl.where(vt < -fm, -fm, vt))
+        if E5:
+            # fp32 -> e5m2 takes an explicit rounding in Triton (round to nearest even, as torch's cast)
+            q, qt = v.to(tl.float8e5, fp_downcast_rounding="rtne"), vt.to(tl.float8e5, fp_downcast_rounding="rtne")
+        else:
+            q, qt = v.to(tl.float8e4nv), vt.to(tl.float8e4nv)
         tl.store(y_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], q, mask=m)
         mt = (cols[:, None] < C) & (rows[None, :] < R)
-        vt = tl.trans(xf) * scale
-        qt = tl.where(vt > 448.0, 448.0, tl.where(vt < -448.0, -448.0, vt)).to(tl.float8e4nv)
         tl.store(yt_ptr + cols[:, None].to(tl.int64) * R + rows[None, :], qt, mask=mt)
         tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(xf), axis=1), axis=0))  # |x| >= 0: float max is int max
 
     return triton, _fp8cast_dual_amax_kernel
 
 
-def _launch(x: torch.Tensor, scale: torch.Tensor, via: str, wrap: Callable[[Any], Any] | None
+def _launch(x: torch.Tensor, scale: torch.Tensor, via: str, wrap: Callable[[Any], Any] | None, e5m2: bool = False
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     triton, kernel = _kernel()
     r, c = x.shape
-    y = torch.empty((r, c), device=x.device, dtype=E4M3)
-    yt = torch.empty((c, r), device=x.device, dtype=E4M3)
+    out = E5M2 if e5m2 else E4M3
+    y = torch.empty((r, c), device=x.device, dtype=out)
+    yt = torch.empty((c, r), device=x.device, dtype=out)
     amax = torch.zeros(1, device=x.device, dtype=torch.float32)
     if r and c:
         bc = min(128, max(16, triton.next_power_of_2(c)))  # the tile of the dual cast (kernels/dualcast.py)
@@ -121,7 +141,7 @@ def _launch(x: torch.Tensor, scale: torch.Tensor, via: str, wrap: Callable[[Any]
         k = kernel if wrap is None else wrap(kernel)
         k[(triton.cdiv(r, br), triton.cdiv(c, bc))](x, scale.reshape(1).to(torch.float32), y, yt, amax, r, c,
                                                     x.stride(0), x.stride(1), VIA=1 if via == "bfloat16" else 0,
-                                                    BR=br, BC=bc, num_warps=8)
+                                                    BR=br, BC=bc, E5=e5m2, num_warps=8)
     return y, yt, amax
 
 
@@ -132,9 +152,9 @@ def prepare_cast_kernel() -> None:
     try:
         torch.ops.loka.chain_cast_dual_amax  # noqa: B018
     except (AttributeError, RuntimeError):
-        def cast_dual_amax_op(x: torch.Tensor, scale: torch.Tensor, via: str
+        def cast_dual_amax_op(x: torch.Tensor, scale: torch.Tensor, via: str, e5m2: bool
                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-            return _launch(x, scale, via, torch.library.wrap_triton)
+            return _launch(x, scale, via, torch.library.wrap_triton, e5m2)
 
         torch.library.triton_op("loka::chain_cast_dual_amax", cast_dual_amax_op, mutates_args=())
 
@@ -150,18 +170,21 @@ def _kernel_op(x: torch.Tensor) -> Any:
     return torch.ops.loka.chain_cast_dual_amax
 
 
-def cast_dual_amax(x: torch.Tensor, scale: torch.Tensor,
-                   via: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def cast_dual_amax(x: torch.Tensor, scale: torch.Tensor, via: torch.dtype | None = None,
+                   out: torch.dtype = E4M3) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`cast_dual_amax_reference` in one Triton kernel where it can run (CUDA; the CPU under
-    ``TRITON_INTERPRET=1``), the reference elsewhere. ``via``: None or ``torch.bfloat16``."""
+    ``TRITON_INTERPRET=1``), the reference elsewhere. ``via``: None or ``torch.bfloat16``; ``out``:
+    ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``."""
     if x.dim() != 2:
         raise ValueError(f"cast_dual_amax takes a 2-D operand (rows, cols), got shape {tuple(x.shape)}")
     if via not in (None, torch.bfloat16):
         raise ValueError(f"cast_dual_amax rounds through bfloat16 or nothing, got via={via}")
+    if out not in (E4M3, E5M2):
+        raise ValueError(f"cast_dual_amax writes float8_e4m3fn or float8_e5m2, got out={out}")
     op = _kernel_op(x)
     if op is None:
-        return cast_dual_amax_reference(x, scale, via)
-    return op(x, scale, "bfloat16" if via is not None else "")
+        return cast_dual_amax_reference(x, scale, via, out)
+    return op(x, scale, "bfloat16" if via is not None else "", out == E5M2)
 
 
 BLOCK = 256  #: the BlockNorm width this chain's kernels take (the Mods' ``blocknorm = 256``)
@@ -177,8 +200,8 @@ def _hswish_grad(z: torch.Tensor) -> torch.Tensor:
     return torch.where(z < -3.0, torch.zeros_like(z), torch.where(z <= 3.0, z / 3.0 + 0.5, torch.ones_like(z)))
 
 
-def _q(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return (t * scale.reshape(())).clamp(-FMAX, FMAX).to(E4M3)
+def _q(t: torch.Tensor, scale: torch.Tensor, out: torch.dtype = E4M3) -> torch.Tensor:
+    return (t * scale.reshape(())).clamp(-_fmax(out), _fmax(out)).to(out)
 
 
 def norm_fwd_cast_reference(y: torch.Tensor, scale: torch.Tensor | None, eps: float, act: bool = True, out_bf16: bool = False
@@ -199,18 +222,18 @@ def norm_fwd_cast_reference(y: torch.Tensor, scale: torch.Tensor | None, eps: fl
     return q, q.t().contiguous(), rstd, x.abs().amax().reshape(1)
 
 
-def norm_bwd_cast_reference(g: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, scale: torch.Tensor, act: bool = True
-                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def norm_bwd_cast_reference(g: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, scale: torch.Tensor, act: bool = True,
+                            out: torch.dtype = E4M3) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradient at ``y`` of ``hswish(blocknorm(y))`` given ``g`` at its output, both ``(M, N)``:
     ``dy = rstd * (gz - z * mean(gz * z))`` per block, ``z = y * rstd``, ``gz = g * hswish'(z)``;
-    returns ``(qdy (M, N), qdy_t (N, M), amax (1,))``."""
+    returns ``(qdy (M, N), qdy_t (N, M), amax (1,))``, ``qdy`` in ``out`` (e4m3 or e5m2)."""
     m, n = y.shape
     z = y.float().view(m, n // BLOCK, BLOCK) * rstd[..., None]
     gz = g.float().view(m, n // BLOCK, BLOCK)
     if act:
         gz = gz * _hswish_grad(z)
     dy = (rstd[..., None] * (gz - z * (gz * z).mean(-1, keepdim=True))).reshape(m, n)
-    q = _q(dy, scale)
+    q = _q(dy, scale, out)
     return q, q.t().contiguous(), dy.abs().amax().reshape(1)
 
 
@@ -254,7 +277,8 @@ def _kernels() -> Any:
 
     @triton.jit
     def _fp8cast_norm_bwd_kernel(g_ptr, y_ptr, rstd_ptr, s_ptr, q_ptr, qt_ptr, amax_ptr, M, N, NB,
-                        ACT: tl.constexpr, BR: tl.constexpr, BLK: tl.constexpr):
+                        ACT: tl.constexpr, BR: tl.constexpr, BLK: tl.constexpr, E5: tl.constexpr = False):
+        # E5: dy in e5m2 (saturated at +-57344), else e4m3
         rows = tl.program_id(0) * BR + tl.arange(0, BR)
         blk = tl.program_id(1)
         cols = blk * BLK + tl.arange(0, BLK)
@@ -271,14 +295,23 @@ def _kernels() -> Any:
         mean = tl.sum(gz * z, axis=1) / BLK  # (BR,)
         dy = r[:, None] * (gz - z * mean[:, None])
         scale = tl.load(s_ptr)
-        q8 = tl.minimum(tl.maximum(dy * scale, -448.0), 448.0).to(tl.float8e4nv)
-        tl.store(q_ptr + at, q8, mask=m)
+        if E5:
+            fm = 57344.0
+        else:
+            fm = 448.0
+        v = tl.minimum(tl.maximum(dy * scale, -fm), fm)
         # the transposed copy (N, M), saturated with tl.where: saturated with tl.minimum /
         # tl.maximum, it came out wrong on an H100 (Triton 3.6.0) in every tile tried (2026-12-07,
         # benchmarks/results/chain_qt_ab_h100_s33d.json; triton-lang/triton#11111)
         vt = tl.trans(dy) * scale
-        vt = tl.where(vt > 448.0, 448.0, tl.where(vt < -448.0, -448.0, vt))
-        tl.store(qt_ptr + cols[:, None].to(tl.int64) * M + rows[None, :], vt.to(tl.float8e4nv), mask=rm[None, :])
+        vt = tl.where(vt > fm, fm, tl.where(vt < -fm, -fm, vt))
+        if E5:
+            # fp32 -> e5m2 takes an explicit rounding in Triton (round to nearest even, as torch's cast)
+            q8, qt8 = v.to(tl.float8e5, fp_downcast_rounding="rtne"), vt.to(tl.float8e5, fp_downcast_rounding="rtne")
+        else:
+            q8, qt8 = v.to(tl.float8e4nv), vt.to(tl.float8e4nv)
+        tl.store(q_ptr + at, q8, mask=m)
+        tl.store(qt_ptr + cols[:, None].to(tl.int64) * M + rows[None, :], qt8, mask=rm[None, :])
         tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(dy), axis=1), axis=0))
 
     return triton, _fp8cast_norm_fwd_kernel, _fp8cast_norm_bwd_kernel
@@ -307,17 +340,18 @@ def _fwd_launch(y: torch.Tensor, scale: torch.Tensor, eps: float, act: bool, out
 
 
 def _bwd_launch(g: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, scale: torch.Tensor, act: bool,
-                wrap: Callable[[Any], Any] | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                wrap: Callable[[Any], Any] | None, e5m2: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     triton, _, kb = _kernels()
     m, n = y.shape
     nb = n // BLOCK
-    q = torch.empty((m, n), device=y.device, dtype=E4M3)
-    qt = torch.empty((n, m), device=y.device, dtype=E4M3)
+    out = E5M2 if e5m2 else E4M3
+    q = torch.empty((m, n), device=y.device, dtype=out)
+    qt = torch.empty((n, m), device=y.device, dtype=out)
     amax = torch.zeros(1, device=y.device, dtype=torch.float32)
     if m and n:
         k = kb if wrap is None else wrap(kb)
         k[(triton.cdiv(m, _BR), nb)](g.contiguous(), y, rstd, scale.reshape(1).to(torch.float32), q, qt, amax, m, n, nb,
-                                     ACT=act, BR=_BR, BLK=BLOCK, num_warps=_WARPS)
+                                     ACT=act, BR=_BR, BLK=BLOCK, E5=e5m2, num_warps=_WARPS)
     return q, qt, amax
 
 
@@ -336,9 +370,9 @@ def prepare_kernels() -> None:
             rstd, x = _fwd_launch(y, torch.ones(1, device=y.device), eps, act, True, torch.library.wrap_triton)
             return rstd, x
 
-        def bwd(g: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, scale: torch.Tensor, act: bool
+        def bwd(g: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, scale: torch.Tensor, act: bool, e5m2: bool
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-            return _bwd_launch(g, y, rstd, scale, act, torch.library.wrap_triton)
+            return _bwd_launch(g, y, rstd, scale, act, torch.library.wrap_triton, e5m2)
 
         torch.library.triton_op("loka::chain_norm_fwd_cast", fwd, mutates_args=())
         torch.library.triton_op("loka::chain_norm_fwd_out", fwd_out, mutates_args=())
@@ -376,14 +410,16 @@ def norm_fwd_cast(y: torch.Tensor, scale: torch.Tensor | None, eps: float, act: 
     return tuple(ops[0](y, scale, float(eps), act))
 
 
-def norm_bwd_cast(g: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, scale: torch.Tensor, act: bool = True
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def norm_bwd_cast(g: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, scale: torch.Tensor, act: bool = True,
+                  out: torch.dtype = E4M3) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`norm_bwd_cast_reference` in one Triton kernel where it can run, the reference elsewhere."""
     _check(y, "norm_bwd_cast")
+    if out not in (E4M3, E5M2):
+        raise ValueError(f"norm_bwd_cast writes float8_e4m3fn or float8_e5m2, got out={out}")
     ops = _kernel_ops(y)
     if ops is None:
-        return norm_bwd_cast_reference(g, y, rstd, scale, act)
-    q, qt, amax = ops[2](g.contiguous(), y.contiguous(), rstd, scale, act)
+        return norm_bwd_cast_reference(g, y, rstd, scale, act, out)
+    q, qt, amax = ops[2](g.contiguous(), y.contiguous(), rstd, scale, act, out == E5M2)
     return q, qt, amax
 
 
@@ -398,11 +434,11 @@ class FP8Chain(torch.autograd.Function):
     ``amax``: float32 ``(3 L,)`` buffer for ``L`` GEMMs, the delayed amaxes: ``[x_0, w_0 .. w_{L-1},
     x_1 .. x_{L-1}, dy_0 .. dy_{L-1}]`` (``x_i`` the input of GEMM ``i``, ``dy_i`` the gradient at
     its output), rewritten by every call with this call's values. ``own``: every scale from the operand's own amax
-    instead (calibration, eagerly)."""
+    instead (calibration, eagerly). ``grad_e5m2``: the gradients ``dy`` in e5m2 (else e4m3)."""
 
     @staticmethod
     def forward(ctx: Any, x0: torch.Tensor, amax: torch.Tensor, eps: float, margin: float, tail: bool, own: bool,
-                *weights: torch.Tensor) -> torch.Tensor:
+                grad_e5m2: bool, *weights: torch.Tensor) -> torch.Tensor:
         L = len(weights)
         dtype = x0.dtype
         iw, ix = 1, 1 + L  # offsets into amax: w_i, then x_{i+1} (the norms' outputs)
@@ -446,13 +482,13 @@ class FP8Chain(torch.autograd.Function):
         for i, a in new:
             amax[i].copy_(a.reshape(()))
         ctx.save_for_backward(*saved_xt, *saved_wt, *ys, *rstds, *inv_x, *inv_w)
-        ctx.meta = (L, tail, own, margin, [w.dtype for w in weights], dtype)
+        ctx.meta = (L, tail, own, margin, [w.dtype for w in weights], dtype, E5M2 if grad_e5m2 else E4M3)
         ctx.amax = amax
         return out
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        L, tail, own, margin, w_dtypes, dtype = ctx.meta
+        L, tail, own, margin, w_dtypes, dtype, gd = ctx.meta
         amax = ctx.amax
         idy = 2 * L  # offset of dy_i in amax
         sv = list(ctx.saved_tensors)
@@ -467,22 +503,22 @@ class FP8Chain(torch.autograd.Function):
         new = []
         for i in reversed(range(L)):
             if i == L - 1 and tail:  # the tail's output gradient arrives in bf16: one kernel, both layouts
-                sg = _multiplier(_own(g), 1.0) if own else _multiplier(amax[idy + i], margin)
-                qg, qgt, ag = cast_dual_amax(g, sg)
+                sg = _multiplier(_own(g), 1.0, gd) if own else _multiplier(amax[idy + i], margin, gd)
+                qg, qgt, ag = cast_dual_amax(g, sg, out=gd)
             else:
                 if own:
                     _, _, a_now = norm_bwd_cast(g, ys[i], rstds[i], torch.ones((), device=g.device))
-                    sg = _multiplier(a_now.reshape(()), 1.0)
+                    sg = _multiplier(a_now.reshape(()), 1.0, gd)
                 else:
-                    sg = _multiplier(amax[idy + i], margin)
-                qg, qgt, ag = norm_bwd_cast(g, ys[i], rstds[i], sg)  # dy_i from g (the gradient at x_{i+1})
+                    sg = _multiplier(amax[idy + i], margin, gd)
+                qg, qgt, ag = norm_bwd_cast(g, ys[i], rstds[i], sg, out=gd)  # dy_i from g (the gradient at x_{i+1})
             new.append((idy + i, ag))
             g_inv = sg.reciprocal()
             dws[i] = torch._scaled_mm(qgt, xt[i].t(), scale_a=g_inv, scale_b=inv_x[i], out_dtype=torch.float32).to(w_dtypes[i])
             g = torch._scaled_mm(qg, wt[i].t(), scale_a=g_inv, scale_b=inv_w[i], out_dtype=dtype)  # (M, K_i)
         for i, a in new:
             amax[i].copy_(a.reshape(()))
-        return (g, None, None, None, None, None, *dws)
+        return (g, None, None, None, None, None, None, *dws)
 
 
 class ChainMLP(nn.Sequential):
@@ -496,12 +532,16 @@ class ChainMLP(nn.Sequential):
     :class:`FoldedTail` (see :func:`swap_chain`). ``amax``: the chain's delayed amaxes (a buffer
     left out of state dicts). Until it is calibrated (:func:`calibrate`, or its own first call in
     training) each operand is cast with its own amax, which fills ``amax``; from then on with the
-    last call's."""
+    last call's. ``grad_format``: ``"e4m3"`` (the default) or ``"e5m2"`` for the gradients ``dy``
+    (an attribute read at each call)."""
 
     def __init__(self, blocks: Sequence[nn.Module], tail: nn.Linear | None = None, *, margin: float = MARGIN,
-                 start: int = 0) -> None:
+                 start: int = 0, grad_format: str = "e4m3") -> None:
         if not blocks:
             raise ValueError("a chain needs at least one linear -> BlockNorm -> Hard Swish block")
+        if grad_format not in GRAD_FORMATS:
+            raise ValueError(f"grad_format={grad_format!r}: a chain casts its gradients to one of "
+                             f"{sorted(GRAD_FORMATS)}")
         if not (math.isfinite(margin) and margin >= 1.0):
             raise ValueError(f"margin={margin!r}: a delayed scale's margin is a factor >= 1.0")
         if not 0 <= start < len(blocks):
@@ -524,6 +564,7 @@ class ChainMLP(nn.Sequential):
         self._tail: list[nn.Linear] = [tail] if tail is not None else []  # a list: not registered as a submodule
         self.eps = float(torch.finfo(torch.bfloat16).eps if eps is None else eps)
         self.margin = float(margin)
+        self.grad_format = grad_format
         self.own_scales = False
         self._calibrated = False
         prepare_kernels()
@@ -575,7 +616,7 @@ class ChainMLP(nn.Sequential):
         own = self.own_scales or not self._calibrated
         with torch.autocast(dev, enabled=False):
             out = FP8Chain.apply(x.reshape(-1, x.shape[-1]).to(dtype), self.amax, self.eps, self.margin,
-                                 self.tail is not None, own, *self.weights)
+                                 self.tail is not None, own, self.grad_format == "e5m2", *self.weights)
         if not self._calibrated and torch.is_grad_enabled() and out.requires_grad:
             self._calibrated = True  # this call's backward fills the gradients' amaxes
         return out.reshape(*lead, out.shape[-1])
