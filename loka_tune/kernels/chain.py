@@ -106,22 +106,26 @@ def _kernel() -> Any:
         # saturated with tl.where, not tl.minimum / tl.maximum: clamped that way, a transposed FP8
         # store wrote wrong bytes on an H100 under Triton 3.6 (fp8_chain's A/B, 2026-12-07;
         # triton-lang/triton#11111); NaN stays NaN, as torch's clamp
+        # (the e4m3 branch is the form the GPU checked bit for bit; E5 repeats it with e5m2's bound and an
+        # explicit rounding, which Triton asks of an fp32 -> e5m2 cast: to nearest even, as torch's)
         if E5:
-            fm = 57344.0
+            v = xf * scale
+            q = tl.where(v > 57344.0, 57344.0, tl.where(v < -57344.0, -57344.0, v)).to(tl.float8e5,
+                                                                                     fp_downcast_rounding="rtne")
+            tl.store(y_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], q, mask=m)
+            mt = (cols[:, None] < C) & (rows[None, :] < R)
+            vt = tl.trans(xf) * scale
+            qt = tl.where(vt > 57344.0, 57344.0, tl.where(vt < -57344.0, -57344.0, vt)).to(tl.float8e5,
+                                                                                          fp_downcast_rounding="rtne")
+            tl.store(yt_ptr + cols[:, None].to(tl.int64) * R + rows[None, :], qt, mask=mt)
         else:
-            fm = 448.0
-        v = xf * scale
-        v = tl.where(v > fm, fm, tl.where(v < -fm, -fm, v))
-        vt = tl.trans(xf) * scale
-        vt = tl.where(vt > fm, fm, tl.where(vt < -fm, -fm, vt))
-        if E5:
-            # fp32 -> e5m2 takes an explicit rounding in Triton (round to nearest even, as torch's cast)
-            q, qt = v.to(tl.float8e5, fp_downcast_rounding="rtne"), vt.to(tl.float8e5, fp_downcast_rounding="rtne")
-        else:
-            q, qt = v.to(tl.float8e4nv), vt.to(tl.float8e4nv)
-        tl.store(y_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], q, mask=m)
-        mt = (cols[:, None] < C) & (rows[None, :] < R)
-        tl.store(yt_ptr + cols[:, None].to(tl.int64) * R + rows[None, :], qt, mask=mt)
+            v = xf * scale
+            q = tl.where(v > 448.0, 448.0, tl.where(v < -448.0, -448.0, v)).to(tl.float8e4nv)
+            tl.store(y_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], q, mask=m)
+            mt = (cols[:, None] < C) & (rows[None, :] < R)
+            vt = tl.trans(xf) * scale
+            qt = tl.where(vt > 448.0, 448.0, tl.where(vt < -448.0, -448.0, vt)).to(tl.float8e4nv)
+            tl.store(yt_ptr + cols[:, None].to(tl.int64) * R + rows[None, :], qt, mask=mt)
         tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(xf), axis=1), axis=0))  # |x| >= 0: float max is int max
 
     return triton, _fp8cast_dual_amax_kernel
@@ -295,23 +299,24 @@ def _kernels() -> Any:
         mean = tl.sum(gz * z, axis=1) / BLK  # (BR,)
         dy = r[:, None] * (gz - z * mean[:, None])
         scale = tl.load(s_ptr)
-        if E5:
-            fm = 57344.0
-        else:
-            fm = 448.0
-        v = tl.minimum(tl.maximum(dy * scale, -fm), fm)
         # the transposed copy (N, M), saturated with tl.where: saturated with tl.minimum /
         # tl.maximum, it came out wrong on an H100 (Triton 3.6.0) in every tile tried (2026-12-07,
-        # benchmarks/results/chain_qt_ab_h100_s33d.json; triton-lang/triton#11111)
-        vt = tl.trans(dy) * scale
-        vt = tl.where(vt > fm, fm, tl.where(vt < -fm, -fm, vt))
+        # benchmarks/results/chain_qt_ab_h100_s33d.json; triton-lang/triton#11111). The e4m3 branch
+        # is the form the GPU checked; E5 repeats it with e5m2's bound and an explicit rounding
+        # (Triton asks one of an fp32 -> e5m2 cast: to nearest even, as torch's)
         if E5:
-            # fp32 -> e5m2 takes an explicit rounding in Triton (round to nearest even, as torch's cast)
-            q8, qt8 = v.to(tl.float8e5, fp_downcast_rounding="rtne"), vt.to(tl.float8e5, fp_downcast_rounding="rtne")
+            q8 = tl.minimum(tl.maximum(dy * scale, -57344.0), 57344.0).to(tl.float8e5, fp_downcast_rounding="rtne")
+            tl.store(q_ptr + at, q8, mask=m)
+            vt = tl.trans(dy) * scale
+            vt = tl.where(vt > 57344.0, 57344.0, tl.where(vt < -57344.0, -57344.0, vt))
+            tl.store(qt_ptr + cols[:, None].to(tl.int64) * M + rows[None, :],
+                     vt.to(tl.float8e5, fp_downcast_rounding="rtne"), mask=rm[None, :])
         else:
-            q8, qt8 = v.to(tl.float8e4nv), vt.to(tl.float8e4nv)
-        tl.store(q_ptr + at, q8, mask=m)
-        tl.store(qt_ptr + cols[:, None].to(tl.int64) * M + rows[None, :], qt8, mask=rm[None, :])
+            q8 = tl.minimum(tl.maximum(dy * scale, -448.0), 448.0).to(tl.float8e4nv)
+            tl.store(q_ptr + at, q8, mask=m)
+            vt = tl.trans(dy) * scale
+            vt = tl.where(vt > 448.0, 448.0, tl.where(vt < -448.0, -448.0, vt))
+            tl.store(qt_ptr + cols[:, None].to(tl.int64) * M + rows[None, :], vt.to(tl.float8e4nv), mask=rm[None, :])
         tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(dy), axis=1), axis=0))
 
     return triton, _fp8cast_norm_fwd_kernel, _fp8cast_norm_bwd_kernel
