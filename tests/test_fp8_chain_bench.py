@@ -422,7 +422,7 @@ def test_e2e_reports_the_chains_amax_growth_and_takes_a_margin(tmp_path: Path) -
                           sites={r"re:.*mlp\.\d+\.linear": tw, r"re:.*fmb\.out": tw})
     (tmp_path / "best.json").write_text(cfg.to_json())
     rc = e2e.main(["--study", str(study), "--steps", "3", "--warmup", "1", "--seeds", "0", "--variants", "config",
-                   "--config", str(tmp_path / "best.json"), "--chain-margin", "3", "--chain-grad", "e5m2",
+                   "--config", str(tmp_path / "best.json"), "--chain-margin", "3", "--chain-grad", "e5m2", "--chain-trace",
                    "--out", str(tmp_path / "out")])
     assert rc == 0
     res = json.loads((tmp_path / "out" / "results.json").read_text())
