@@ -303,7 +303,9 @@ def _kernels() -> Any:
         # tl.maximum, it came out wrong on an H100 (Triton 3.6.0) in every tile tried (2026-12-07,
         # benchmarks/results/chain_qt_ab_h100_s33d.json; triton-lang/triton#11111). The e4m3 branch
         # is the form the GPU checked; E5 repeats it with e5m2's bound and an explicit rounding
-        # (Triton asks one of an fp32 -> e5m2 cast: to nearest even, as torch's)
+        # (Triton asks one of an fp32 -> e5m2 cast: to nearest even, as torch's). The repeat, and the
+        # forward kernel's copy, stay written out: one jitted helper for the three changed the sm_90
+        # PTX of the checked form (2026-12-07), which only a GPU run could clear again
         if E5:
             q8 = tl.minimum(tl.maximum(dy * scale, -57344.0), 57344.0).to(tl.float8e5, fp_downcast_rounding="rtne")
             tl.store(q_ptr + at, q8, mask=m)
