@@ -283,6 +283,68 @@ def test_recipe_space_end_to_end_from_candidates_to_prices(monkeypatch: pytest.M
     assert space.price_source == "modeled"
 
 
+# ------------------------------------------------------------------ the recipe starts' sites stay in the space
+SLOWISH = SearchSpace(sites=(
+    _sc("wide", 2048, 2048, fwd=ALL, dgrad=ALL, wgrad=ALL),   # torchao's tensorwise filter takes it, rowwise's not
+    _sc("thin", 4096, 1024, fwd=ALL, dgrad=ALL, wgrad=ALL),   # neither filter takes it
+    _sc("big", 8192, 8192, fwd=ALL, dgrad=ALL, wgrad=ALL),    # both take it
+), mods={"mods.fp8_chain": (False, True)})
+
+
+def _slow_prices(cands: SearchSpace) -> dict[str, dict[str, float]]:
+    """Every FP8 value of 'wide' and 'thin' loses 5 us priced alone (the large Wukong's 2048 x 2048
+    MLP Linears on an H100, 2026-12-07: tensorwise -5.78 us); 'big' saves 1e-4 s except rowwise, slow."""
+    out = _prices(cands, {})
+    for name in ("wide", "thin"):
+        out[name] = {v: -5e-6 for v in out[name]}
+    rw = cands.site("big").recipes["rowwise.torch_scaled_mm"]
+    out["big"][rw] = -1e-6
+    return out
+
+
+def test_keep_holds_each_named_recipe_on_its_filter_sites_where_it_prices_slow() -> None:
+    from loka_tune.recipes import SIZE_FILTERS
+    from loka_tune.tuner.starts import recipe_starts
+
+    cands = recipe_candidates(SLOWISH, ["torch_scaled_mm"])
+    prices = _slow_prices(cands)
+    plain = select_recipes(cands, prices, source="measured")
+    assert plain.site("wide").values == (BF16_ID,)  # without keep every slow value goes
+    assert plain.site("wide").recipe_dropped["tensorwise"].startswith("slow")
+    # a tensorwise start without its 2048 x 2048 site (no parameter there): 'big' alone, as the
+    # 6-site start of the H100 study of 2026-12-07 was
+    assert "wide@site" not in dict(recipe_starts(plain, ["torch_scaled_mm"]))["tensorwise@filter"]
+
+    kept = select_recipes(cands, prices, source="measured", keep=SIZE_FILTERS)
+    wide, thin, big = kept.site("wide"), kept.site("thin"), kept.site("big")
+    tw = cands.site("wide").recipes["tensorwise.torch_scaled_mm"]
+    assert wide.recipes["tensorwise"] == tw and wide.prices[tw] == -5e-6  # kept at its price
+    assert wide.recipes["tensorwise_fa"] == cands.site("wide").recipes["tensorwise_fa.torch_scaled_mm"]
+    # what the filters do not take, or recipes without a filter, still go when slow
+    assert "rowwise" not in wide.recipes and "rowwise_with_gw_hp" not in wide.recipes
+    assert thin.values == (BF16_ID,) and thin.recipe_dropped["tensorwise"].startswith("slow")
+    assert big.recipes["rowwise"] == cands.site("big").recipes["rowwise.torch_scaled_mm"]  # rowwise's filter takes it
+    starts = dict(recipe_starts(kept, ["torch_scaled_mm"]))
+    assert starts["tensorwise@filter"]["wide@site"] == tw and "thin@site" not in starts["tensorwise@filter"]
+    assert starts["tensorwise@filter"]["big@site"] == big.recipes["tensorwise"]
+    assert starts["rowwise@filter"]["big@site"] == big.recipes["rowwise"] and starts["rowwise@filter"]["wide@site"] == BF16_ID
+    text = space_table(kept)
+    assert f"tensorwise {tw} -0.005 ms (kept, though slow priced alone)" in text
+    assert "(kept" not in space_table(plain)
+
+
+@pytest.mark.parametrize("enqueue", [True, False])
+def test_the_study_keeps_the_starts_sites_only_when_it_queues_the_starts(
+        monkeypatch: pytest.MonkeyPatch, enqueue: bool) -> None:
+    from loka_tune.tuner import prepare
+
+    monkeypatch.setattr(prepare, "_site_prices", lambda c, space, device, counts=None: _slow_prices(space))
+    cfg = _cfg(space={"backends": ["torch_scaled_mm"]}, trials={"enqueue_starts": enqueue})
+    space = prepare._recipe_space(cfg, SLOWISH, None, "cpu")
+    assert ("tensorwise" in space.site("wide").recipes) is enqueue
+    assert "tensorwise" not in space.site("thin").recipes
+
+
 def test_recipe_values_never_exceed_six_on_a_rich_space() -> None:
     """Every backend and format: still bf16 + the four uniform recipes + dispatch at most."""
     backends = ["torch_scaled_mm", "fbgemm", "triton", "emulated"]

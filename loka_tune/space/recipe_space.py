@@ -23,7 +23,11 @@ Stages (as the per-GEMM space's: enumerate, price, select):
    step saved against the site in bf16, measured on a GPU or modeled);
 3. :func:`select_recipes`: per recipe the backend with the largest saving; a recipe that is bf16
    at every GEMM, is not priced, or (unless ``keep_slow``) saves nothing, is dropped
-   (:attr:`SiteChoices.recipe_dropped` says why); one whose value repeats an earlier recipe's
+   (:attr:`SiteChoices.recipe_dropped` says why), except at a site its size filter in ``keep``
+   takes: the study's recipe starts (``tensorwise@filter``, ...) are the named recipes on all of
+   torchao's filter sites, also where a site priced alone saves nothing (a Mod such as
+   ``fp8_chain`` changes what a site costs, and the price of a Linear alone does not see it);
+   one whose value repeats an earlier recipe's
    names the same value (:attr:`SiteChoices.recipes` maps both names to it; the parameter lists
    it once). At most six values per site; a site left with bf16 only gets no parameter.
 
@@ -39,7 +43,7 @@ from dataclasses import replace
 from typing import Any
 
 from loka_tune.config import ROLES, Format, GemmChoice, PrecisionConfig, SitePrecision
-from loka_tune.recipes import DISPATCH, RECIPES
+from loka_tune.recipes import DISPATCH, RECIPES, SizeFilter
 from loka_tune.space.candidates import BF16_ID, SearchSpace, SiteChoices
 
 __all__ = ["SITE_RECIPES", "UNIFORM_RECIPES", "recipe_gemm", "site_recipe", "recipe_candidates", "select_recipes",
@@ -120,12 +124,15 @@ def recipe_candidates(space: SearchSpace, backends: Sequence[str],
 
 
 def select_recipes(candidates: SearchSpace, prices: Mapping[str, Mapping[str, float]], *, source: str,
-                   keep_slow: bool = False) -> SearchSpace:
+                   keep_slow: bool = False, keep: Mapping[str, SizeFilter] | None = None) -> SearchSpace:
     """The recipe space: per site and recipe the priced candidate that saves most (see the module).
 
     ``prices[site][value]``: seconds per step a value saves against the site in bf16 (what
     ``_site_prices`` returns for ``candidates``). ``source``: ``"modeled"`` or ``"measured"``.
     ``keep_slow``: keep values that save nothing (``[probe] min_speedup < 1`` asks to explore them).
+    ``keep``: recipe name -> size filter; a priced value of that recipe is kept at the sites the
+    filter takes even when it saves nothing (the study passes :data:`loka_tune.recipes.SIZE_FILTERS`
+    when it queues the recipe starts, so that each start is its whole recipe).
     """
     sites = []
     for sc in candidates.sites:
@@ -146,13 +153,19 @@ def select_recipes(candidates: SearchSpace, prices: Mapping[str, Mapping[str, fl
             value, saved = max(fin, key=lambda vp: vp[1])  # the first backend on a tie
             if value in kept_prices:  # the value of an earlier recipe too: one value, two names
                 values[recipe] = value
-            elif not (saved > 0 or keep_slow):
+            elif not (saved > 0 or keep_slow or _kept(keep, recipe, sc)):
                 dropped[recipe] = f"slow: {value} saves {saved:.3g} s per step (<= 0)"
             else:
                 values[recipe] = value
                 kept_prices[value] = float(saved)
         sites.append(replace(sc, recipes=values, prices=kept_prices, recipe_dropped=dropped))
     return replace(candidates, sites=tuple(sites), per_gemm=False, price_source=source)
+
+
+def _kept(keep: Mapping[str, SizeFilter] | None, recipe: str, sc: SiteChoices) -> bool:
+    """Whether ``keep`` asks for ``recipe`` at site ``sc`` whatever its price."""
+    f = (keep or {}).get(recipe)
+    return f is not None and f.keeps(sc.site.in_features, sc.site.out_features)
 
 
 def space_table(space: SearchSpace) -> str:
@@ -167,7 +180,9 @@ def space_table(space: SearchSpace) -> str:
         parts = []
         for v in sc.values[1:]:
             names = "=".join(n for n, x in sc.recipes.items() if x == v)
-            parts.append(f"{names} {v} {_saved(sc.prices.get(v))}")
+            price = sc.prices.get(v)
+            slow = price is not None and float(price) <= 0
+            parts.append(f"{names} {v} {_saved(price)}" + (" (kept, though slow priced alone)" if slow else ""))
         lines.append(f"  {sc.name} ({sc.site.in_features}x{sc.site.out_features}): " + "; ".join(parts))
     return "\n".join(lines)
 

@@ -35,6 +35,7 @@ import torch
 from loka_tune.config import GemmChoice
 from loka_tune.data.base import model_inputs
 from loka_tune.errors import UnsupportedChoiceError
+from loka_tune.recipes import SIZE_FILTERS
 from loka_tune.space.candidates import SearchSpace, build_space, enumerate_candidates, prune_by_probe
 from loka_tune.space.encode import distributions, mods_dims
 from loka_tune.space.recipe_space import recipe_candidates, select_recipes
@@ -225,7 +226,9 @@ def _recipe_space(cfg: StudyConfig, space: SearchSpace, report: Any, device: str
              + (f", {counts['failed']} failed" if counts["failed"] else "") + ";") if counts else ""
     log(f"[loka-tune] prices: {sum(len(d) for d in prices.values())} site recipes priced ({source},{cells}"
          f" {time.perf_counter() - t0:.1f}s)")
-    return select_recipes(cands, prices, source=source, keep_slow=cfg.probe.min_speedup < 1.0)
+    # the recipe starts are their whole recipes: on every filter site, also where it prices slow alone
+    keep = SIZE_FILTERS if cfg.trials.enqueue_starts else None
+    return select_recipes(cands, prices, source=source, keep_slow=cfg.probe.min_speedup < 1.0, keep=keep)
 
 
 def _enqueue_starts(cfg: StudyConfig, study: Any, space: SearchSpace, report: Any) -> None:

@@ -26,7 +26,9 @@ Two phases (unless ``[trials] enqueue_starts = false``: then the sampler picks e
 
 In the recipe space (the default) a start takes at each site the site's value of its recipe:
 ``tensorwise@filter`` the ``tensorwise`` value at the Linears torchao's filter keeps (bf16 where
-the site has no such value, and at every other site), ``rowwise@filter`` likewise, ``dispatch``
+the site has no such value, and at every other site; with the starts queued, the recipe space keeps
+these values at those sites even where they price slow alone: ``select_recipes(keep=SIZE_FILTERS)``),
+``rowwise@filter`` likewise, ``dispatch``
 the ``dispatch`` value everywhere; a recipe that no site has a value of is no start there. The
 torchao starts are not queued there: each site's recipe
 value is already the one of its backends (torchao among them, when in the space) that prices
