@@ -582,8 +582,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chain-margin", type=float, default=None,
                     help="the FP8 chains' delayed-scale margin for this run (an A/B; default: the product's, 2)")
     ap.add_argument("--chain-grad", choices=("e4m3", "e5m2"), default=None,
-                    help="the FP8 chains' gradient format for this run (an A/B; default: the product's, e4m3; "
-                         "torchao's tensorwise recipe casts gradients to e5m2)")
+                    help="the FP8 chains' gradient format for this run (an A/B; default: the product's, "
+                         "loka_tune.kernels.chain.GRAD_FORMAT, e5m2 as torchao's tensorwise recipe)")
     ap.add_argument("--chain-trace", action="store_true",
                     help="record the FP8 chains' amaxes each step (one on-device copy a chain a step, outside the "
                          "compiled step) and report, per chain, the largest step-to-step growth of its operands and "

@@ -20,9 +20,9 @@ tile). That is 4 bytes an element where inductor's path moves about 8 (forward) 
 
 :class:`FP8Chain` is one ``torch.autograd.Function`` over a whole chain of blocks (and the linear
 that follows the MLP, Wukong's ``fmb.out``), so that the FP8 operands pass between the blocks
-inside it: autograd would not carry an FP8 gradient between two Functions. Each GEMM is e4m3
-tensorwise through ``torch._scaled_mm`` (fast accumulation in the forward only, torchao's
-tensorwise recipe); the chain's input and the weights are cast by
+inside it: autograd would not carry an FP8 gradient between two Functions. Each GEMM is
+tensorwise through ``torch._scaled_mm`` (fast accumulation in the forward only), e4m3 operands and
+the gradients in ``GRAD_FORMAT`` (e5m2 since 2026-12-07, sixth session; torchao's tensorwise recipe); the chain's input and the weights are cast by
 :func:`delayed_scales.cast_dual_amax` (both layouts and the amax in one read). Only the block
 statistics (``rstd``, ``(M, N / 256)`` float32) and the GEMM outputs ``y`` (bf16) are saved for
 backward, beside the FP8 copies the wgrads take.

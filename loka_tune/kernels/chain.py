@@ -12,8 +12,8 @@ gradient ``dy`` likewise (``dy`` for the dgrad, ``dy^T`` for the wgrad). One Tri
 each: it reads the GEMM output ``y`` (and, backward, the gradient ``g``) once, takes the block
 statistics, and writes both FP8 layouts with a delayed scale and an atomic max for the next amax.
 The chain's input and the weights are cast by :func:`cast_dual_amax` (both layouts and the amax
-in one read). Each GEMM is e4m3 tensorwise through ``torch._scaled_mm`` (fast accumulation in the
-forward only, torchao's tensorwise recipe).
+in one read). Each GEMM is tensorwise through ``torch._scaled_mm`` (fast accumulation in the
+forward only), e4m3 operands with the gradients in e5m2 (:data:`GRAD_FORMAT`): torchao's tensorwise recipe.
 
 The Triton kernels saturate with ``tl.where``: saturated with ``tl.minimum`` / ``tl.maximum``,
 values stored transposed in FP8 came out wrong on an H100 under Triton 3.6 in every tile tried
@@ -44,15 +44,23 @@ from torch import nn
 
 __all__ = ["ChainMLP", "FP8Chain", "FoldedTail", "swap_chain", "unchain", "calibrate", "cast_dual_amax", "cast_dual_amax_reference",
            "norm_fwd_cast", "norm_bwd_cast", "norm_fwd_cast_reference", "norm_bwd_cast_reference",
-           "prepare_kernels", "chain_start", "BLOCK", "MARGIN", "E4M3", "E5M2", "FMAX", "GRAD_FORMATS"]
+           "prepare_kernels", "chain_start", "BLOCK", "MARGIN", "E4M3", "E5M2", "FMAX", "GRAD_FORMATS",
+           "GRAD_FORMAT"]
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
 FMAX = float(torch.finfo(E4M3).max)  # 448
-#: the formats a chain may cast its gradients (``dy``) to: e4m3 (the default, as this package's
-#: ``tensorwise`` recipe) or e5m2 (torchao's tensorwise recipe casts grad_output to e5m2: 14 more
-#: binades of range below the scale's amax, one mantissa bit less)
+#: the formats a chain may cast its gradients (``dy``) to: e4m3 (this package's ``tensorwise``
+#: recipe) or e5m2 (torchao's tensorwise recipe casts grad_output to e5m2: 14 more binades of range
+#: below the scale's amax, one mantissa bit less)
 GRAD_FORMATS: dict[str, torch.dtype] = {"e4m3": E4M3, "e5m2": E5M2}
+#: the chains' gradient format unless told otherwise: e5m2. Large Wukong at B = 32768, seed 0, on an
+#: H100 (2026-12-07, BENCHMARKS.md, "The B = 8192 study with the fp8_chain Mod"): e4m3 gradients
+#: ended +0.83% / +0.88% in eval log loss over bf16 + Mods (two runs), e5m2 +0.39%, at the same step
+#: time (109.6 ms); the amax trace showed one step where dense_mlp's dy grew 54x over its delayed
+#: scale. A delayed scale's amax is the batch's largest gradient, which grows with the batch while
+#: the typical one does not: e5m2's range keeps the small ones that e4m3 flushes to zero
+GRAD_FORMAT = "e5m2"
 _TINY = FMAX / float(torch.finfo(torch.float32).max)
 #: headroom of a delayed scale over the amax it was taken from (an operand may grow by up to this
 #: factor from one step to the next before its largest values saturate)
@@ -539,11 +547,11 @@ class ChainMLP(nn.Sequential):
     :class:`FoldedTail` (see :func:`swap_chain`). ``amax``: the chain's delayed amaxes (a buffer
     left out of state dicts). Until it is calibrated (:func:`calibrate`, or its own first call in
     training) each operand is cast with its own amax, which fills ``amax``; from then on with the
-    last call's. ``grad_format``: ``"e4m3"`` (the default) or ``"e5m2"`` for the gradients ``dy``
-    (an attribute read at each call)."""
+    last call's. ``grad_format``: ``"e5m2"`` (the default, :data:`GRAD_FORMAT`) or ``"e4m3"`` for the
+    gradients ``dy`` (an attribute read at each call)."""
 
     def __init__(self, blocks: Sequence[nn.Module], tail: nn.Linear | None = None, *, margin: float = MARGIN,
-                 start: int = 0, grad_format: str = "e4m3") -> None:
+                 start: int = 0, grad_format: str = GRAD_FORMAT) -> None:
         if not blocks:
             raise ValueError("a chain needs at least one linear -> BlockNorm -> Hard Swish block")
         if grad_format not in GRAD_FORMATS:
