@@ -22,10 +22,10 @@ tile). That is 4 bytes an element where inductor's path moves about 8 (forward) 
 that follows the MLP, Wukong's ``fmb.out``), so that the FP8 operands pass between the blocks
 inside it: autograd would not carry an FP8 gradient between two Functions. Each GEMM is
 tensorwise through ``torch._scaled_mm`` (fast accumulation in the forward only), e4m3 operands and
-the gradients in ``GRAD_FORMAT`` (e5m2 since 2026-12-07, sixth session; torchao's tensorwise recipe); the chain's input and the weights are cast by
-:func:`delayed_scales.cast_dual_amax` (both layouts and the amax in one read). Only the block
-statistics (``rstd``, ``(M, N / 256)`` float32) and the GEMM outputs ``y`` (bf16) are saved for
-backward, beside the FP8 copies the wgrads take.
+the gradients in ``GRAD_FORMAT`` (e5m2 since 2026-12-07, sixth session, as torchao's tensorwise
+recipe); the chain's input and the weights are cast by :func:`delayed_scales.cast_dual_amax` (both
+layouts and the amax in one read). Only the block statistics (``rstd``, ``(M, N / 256)`` float32)
+and the GEMM outputs ``y`` (bf16) are saved for backward, beside the FP8 copies the wgrads take.
 
 The code lives in the product since 2026-12-07 (fourth session), :mod:`loka_tune.kernels.chain`
 (``loka_tune.apply`` makes the chains under the ``fp8_chain`` Mod); this module re-exports it
