@@ -108,6 +108,8 @@ def test_apply_runs_each_wukong_mlp_of_tensorwise_sites_as_a_chain_and_keeps_the
         out = m(x, sp).float()  # the chains' first call: their own amaxes (self-calibration)
     out.sum().backward()
     assert all(c.calibrated for c in m.modules() if isinstance(c, ch.ChainMLP))
+    # the Mod's chains cast their gradients to e5m2, as torchao's tensorwise recipe (GRAD_FORMAT)
+    assert {c.grad_format for c in m.modules() if isinstance(c, ch.ChainMLP)} == {"e5m2"} == {ch.GRAD_FORMAT}
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out2 = m(x, sp).float()  # delayed scales from the first call
     from loka_tune.kernels.quant import sqnr_db
