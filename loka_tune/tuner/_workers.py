@@ -238,12 +238,12 @@ def n_counted(trials: Iterable[Any]) -> tuple[int, int]:
             if not r.cache_hit:
                 done += 1
         elif t.state == TrialState.RUNNING:
-            if r.config_key is None or r.config_key not in keys:
+            if r.trains_as is None or r.trains_as not in keys:
                 running += 1
         else:
             continue
-        if r.config_key is not None:
-            keys.add(r.config_key)
+        if r.trains_as is not None:
+            keys.add(r.trains_as)
     return done, running
 
 
@@ -260,13 +260,14 @@ def copies_in_a_row(trials: Iterable[Any]) -> int:
 
 
 def find_duplicate(study: Any, key: str, number: int) -> Any:
-    """An earlier trial with the same config key: finished (copy it) or running (wait for it)."""
+    """An earlier trial that trains as ``key`` (:attr:`TrialRecord.trains_as`): finished (copy it)
+    or running (wait for it)."""
     from optuna.trial import TrialState
 
     best = None
     for t in study.get_trials(deepcopy=False):
         r = TrialRecord.of(t)
-        if t.number == number or r.config_key != key:
+        if t.number == number or r.trains_as != key:
             continue
         if t.state in (TrialState.COMPLETE, TrialState.PRUNED) or (t.state == TrialState.FAIL and r.counts):
             if not r.cache_hit:

@@ -25,7 +25,7 @@ from loka_tune.tuner.study import StudyConfig
 if TYPE_CHECKING:
     from loka_tune.objectives.trainer import OnStep, TrainConfig, TrainResult
 
-__all__ = ["import_function", "call_model_factory", "make_source", "make_model", "train_config", "resolve_device", "speed_source",
+__all__ = ["import_function", "call_model_factory", "make_source", "make_model", "meta_model", "train_config", "resolve_device", "speed_source",
            "trial_model", "first_batch", "run_train"]
 
 
@@ -165,6 +165,13 @@ def make_model(cfg: StudyConfig, source: Any, *, seed: int | None = None) -> nn.
         while len(_PRISTINE) > PRISTINE_MODELS:
             _PRISTINE.popitem(last=False)
     return model
+
+
+def meta_model(cfg: StudyConfig, source: Any) -> nn.Module:
+    """The study's model built on the ``meta`` device: its structure, without memory or kernels
+    (what :func:`loka_tune.apply` makes of a config, at no cost: :mod:`loka_tune.tuner.runkey`)."""
+    with torch.device("meta"):
+        return _build_model(cfg, source, cfg.training.seed)
 
 
 def _build_model(cfg: StudyConfig, source: Any, seed: int) -> nn.Module:

@@ -57,7 +57,8 @@ __all__ = ["confirm_best", "confirmation_candidates"]
 
 
 def confirmation_candidates(study: Any, n_best: int) -> list[Any]:
-    """The ``n_best`` fastest feasible completed trials, one per config (the first trial of each)."""
+    """The ``n_best`` fastest feasible completed trials, one per configuration as it trains (the
+    first trial of each: :attr:`TrialRecord.trains_as`)."""
     from optuna.trial import TrialState
 
     ok = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
@@ -66,7 +67,7 @@ def confirmation_candidates(study: Any, n_best: int) -> list[Any]:
     seen: set[str | None] = set()
     out = []
     for t in ok:
-        key = TrialRecord.of(t).config_key
+        key = TrialRecord.of(t).trains_as  # one per model trained: under fp8_chain, tensorwise variants are one
         if key in seen:
             continue
         seen.add(key)

@@ -22,7 +22,9 @@ Scale-out: every worker runs :func:`run_study` on the same storage (``sqlite:///
 machine, ``postgresql://`` across machines). The first one computes the baseline and the
 space and stores them in the study's user attributes; the others (and every resume) reuse
 them. Heartbeats mark a killed worker's trial failed and re-queue it; a configuration is
-evaluated once (trials carry their config key; a repeated key copies the earlier result).
+evaluated once (trials carry their config key, and the key of the configuration as it trains
+where that differs: :func:`~loka_tune.tuner.runkey.run_key`; a trial that trains as an earlier one
+copies its result).
 
 Interruption: Ctrl-C (SIGINT) or SIGTERM during a trial fails that trial (reason "interrupted"),
 re-queues its configuration (ahead of the trials that waited behind it), ends its MLflow run and
@@ -69,6 +71,7 @@ from loka_tune.tuner.optuna_setup import make_storage, open_study, set_constrain
 from loka_tune.tuner.prepare import StudyContext, prepare_study
 from loka_tune.tuner.proposals import enqueue_proposals
 from loka_tune.tuner.results import STATES_DONE, TrialRecord, best_trial, noise_note
+from loka_tune.tuner.runkey import run_key
 from loka_tune.tuner.starts import enqueue_recipe_starts
 from loka_tune.tuner.study import StudyConfig
 from loka_tune.tuner.tracking import Tracker
@@ -211,11 +214,12 @@ def _one_trial(ctx: StudyContext, study: Any, trial: Any, worker: str, budget: f
     t0 = time.perf_counter()
     params = dict(trial.params)
     config = config_from_params(ctx.space, params)
-    start = TrialRecord(config_key=config.key(), config=json.loads(config.to_json()), budget_pct=budget,
-                        worker=worker, speed_source=ctx.speed)
+    written, key = config.key(), run_key(ctx, config)  # key: as it trains (fp8_chain's chained tensorwise variants: one)
+    start = TrialRecord(config_key=written, run_key=None if key == written else key, config=json.loads(config.to_json()),
+                        budget_pct=budget, worker=worker, speed_source=ctx.speed)
     for k, v in start.start_attrs().items():
         trial.set_user_attr(k, v)
-    dup = find_duplicate(study, config.key(), trial.number)
+    dup = find_duplicate(study, key, trial.number)
     if dup is not None and dup.state == TrialState.RUNNING:
         dup = wait_for(study, dup.number, poll_s=1.0, limit_s=max(60.0, 4 * grace + 600), grace_s=grace)
     if dup is not None:

@@ -96,8 +96,9 @@ def noise_floor(study: Any) -> float | None:
     return None if v is None else float(v)
 
 
-# the record's keys written when a trial starts; other workers find a running duplicate by config_key
+# the record's keys written when a trial starts; other workers find a running duplicate by its trains_as
 _START_KEYS = ("config_key", "config", "budget_pct", "worker", "speed_source")
+_START_OPTIONAL = ("run_key",)  # written at the start where set
 # keys present only when set (their presence means something: failed by the config, a cache copy, enqueued)
 _OPTIONAL_KEYS = ("fail_reason", "cached_from", "seeded", "run", "compile_cache")
 
@@ -108,7 +109,10 @@ class TrialRecord:
     measured (or not finite).
 
     Written when the trial starts: ``config_key``, ``config`` (the PrecisionConfig's dict),
-    ``budget_pct``, ``worker``, ``speed_source``; ``seeded`` by the enqueued starts (their labels:
+    ``budget_pct``, ``worker``, ``speed_source``, and ``run_key`` where the configuration trains
+    as another written one would (:func:`~loka_tune.tuner.runkey.run_key`: under the ``fp8_chain``
+    Mod a chained site's tensorwise variants; :attr:`trains_as` is the key trials are told apart
+    by); ``seeded`` by the enqueued starts (their labels:
     "all-bf16", "bf16+mods:nobias", "tensorwise@filter", "dispatch", ...; see
     :mod:`loka_tune.tuner.starts`). Written when it ends: what evaluating it gave
     (``status`` "ok" / "pruned" / "failed", the metrics, ``reason``, ``steps_run``, ``wall_s``),
@@ -121,6 +125,7 @@ class TrialRecord:
     """
 
     config_key: str | None = None
+    run_key: str | None = None
     config: Mapping[str, Any] = field(default_factory=dict)
     budget_pct: float | None = None
     worker: str | None = None
@@ -158,11 +163,18 @@ class TrialRecord:
 
     def start_attrs(self) -> dict[str, Any]:
         """The attributes written when the trial starts."""
-        return {k: getattr(self, k) for k in _START_KEYS}
+        return {k: getattr(self, k) for k in _START_KEYS + _START_OPTIONAL
+                if k in _START_KEYS or getattr(self, k) is not None}
+
+    @property
+    def trains_as(self) -> str | None:
+        """The key of the configuration as it trains: ``run_key`` where set, else ``config_key``
+        (two trials of one ``trains_as`` train the same model: the later copies the earlier)."""
+        return self.run_key or self.config_key
 
     def result_attrs(self) -> dict[str, Any]:
         """The attributes written when it ends (what its evaluation, or the copied one, gave)."""
-        skip = set(_START_KEYS) | {"seeded"}
+        skip = set(_START_KEYS) | set(_START_OPTIONAL) | {"seeded"}
         return {f.name: getattr(self, f.name) for f in fields(self)
                 if f.name not in skip and not (f.name in _OPTIONAL_KEYS and getattr(self, f.name) is None)}
 

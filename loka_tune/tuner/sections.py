@@ -420,7 +420,8 @@ class ProbeSection:
 class TrialsSection:
     """The trial budget and the pruner. ``n_trials`` counts distinct configurations evaluated: a
     trial the sampler gives an already evaluated configuration copies its result (a cache copy,
-    recorded) and does not spend the budget."""
+    recorded) and does not spend the budget; so does one that trains as an evaluated one (under
+    the ``fp8_chain`` Mod, a chained site's tensorwise variants)."""
 
     n_trials: int | None = field(default=20, metadata=_doc("distinct configurations evaluated (a cache copy of an"
         " evaluated one is not counted); and/or `timeout_s`", default="`20` (none when `timeout_s` is set)"))

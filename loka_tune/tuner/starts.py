@@ -35,8 +35,9 @@ value is already the one of its backends (torchao among them, when in the space)
 fastest, so they would repeat ours. In the per-GEMM space (``[space] per_gemm = true``) each
 recipe is mapped into the pruned space per site and GEMM: a choice the space lacks there is
 bf16 (as :func:`~loka_tune.space.encode.params_from_config` does). A start whose parameters
-repeat an earlier start's is dropped from the list; one that repeats an earlier trial's is not queued (``skip_if_exists``); one whose config repeats an
-earlier one's is a cache copy, which does not count toward ``n_trials``. The label is the
+repeat an earlier start's is dropped from the list; one that repeats an earlier trial's is not queued (``skip_if_exists``); one whose config trains as an
+earlier one's (:func:`~loka_tune.tuner.runkey.run_key`: under the ``fp8_chain`` Mod ``tensorwise@filter``
+and ``tensorwise_fa@filter``, whose sites all chain) is a cache copy, which does not count toward ``n_trials``. The label is the
 trial's user attribute ``seeded``: the leaderboard's note and the MLflow tag show it.
 """
 
