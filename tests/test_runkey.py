@@ -95,7 +95,10 @@ def test_the_flagship_studys_two_tensorwise_starts_are_one_run() -> None:
     tw = load_config(REPO / "benchmarks" / "results" / "study_h100_s36_best.json")
     assert tw.mods.fp8_chain and len(tw.sites) == 15
     fa = PrecisionConfig(mods=tw.mods, default=tw.default, sites={r.pattern: TW_FA for r in tw.sites})
+    torch.manual_seed(1234)
+    rng = torch.get_rng_state()
     assert fa.key() != tw.key() and run_key(ctx, fa) == run_key(ctx, tw)
+    assert torch.equal(torch.get_rng_state(), rng)  # the meta build (it seeds) leaves the trial's generators as they were
     _, chained = chained_sites(ctx._loka_meta_model, tw)
     assert chained == {r.pattern for r in tw.sites}  # every one of torchao's 15 filter sites is in a chain
     assert all(p.device.type == "meta" for p in ctx._loka_meta_model.parameters())

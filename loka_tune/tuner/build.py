@@ -169,8 +169,9 @@ def make_model(cfg: StudyConfig, source: Any, *, seed: int | None = None) -> nn.
 
 def meta_model(cfg: StudyConfig, source: Any) -> nn.Module:
     """The study's model built on the ``meta`` device: its structure, without memory or kernels
-    (what :func:`loka_tune.apply` makes of a config, at no cost: :mod:`loka_tune.tuner.runkey`)."""
-    with torch.device("meta"):
+    (what :func:`loka_tune.apply` makes of a config, at no cost: :mod:`loka_tune.tuner.runkey`).
+    Every random generator is left as it was (the build seeds them)."""
+    with torch.random.fork_rng(), torch.device("meta"):
         return _build_model(cfg, source, cfg.training.seed)
 
 
