@@ -20,8 +20,11 @@ run there, which ``torch_scaled_mm`` does on every FP8 GPU the chain runs on). T
 as the trial's ``run_key`` where it differs from ``config_key``, and the duplicate check,
 ``n_trials`` and the confirmation's one trial per configuration read it
 (:attr:`~loka_tune.tuner.results.TrialRecord.trains_as`); the model's proposals still compare
-written keys, so a proposal that trains as a tried trial is one cache copy, not a stream of them. A model that cannot be built on ``meta`` (a user's factory that
-runs a forward pass, say) keeps ``config.key()``, said once in the log.
+written keys, so a proposal that trains as a tried trial is one cache copy, not a stream of them.
+A model that cannot be built on ``meta`` (a user's factory that runs a forward pass, say) keeps
+``config.key()``, said once in the log. The chain reads no precision of its own sites
+(:class:`~loka_tune.kernels.chain.ChainMLP` takes the blocks and a margin only), so a chained
+site's scale rounding and fast accumulation change nothing it runs.
 """
 
 from __future__ import annotations
