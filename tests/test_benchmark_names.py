@@ -90,8 +90,13 @@ def test_docs_name_only_known_parts() -> None:
 
 
 _RECORDER = """#!/usr/bin/env bash
-# records one python3 call (argv as a JSON list), answers the helpers device.sh asks
-"$REAL_PY" -c 'import json, sys; print(json.dumps(sys.argv[1:]))' "$@" >> "$RECORD"
+# records one python3 call (argv as a JSON list), answers the helpers device.sh asks.
+# One os.write of the whole line on an O_APPEND descriptor: the two ends of a pipeline record at the
+# same time, and print() under PYTHONUNBUFFERED writes the list and its newline apart (CI interleaved them)
+"$REAL_PY" -c 'import json, os, sys
+fd = os.open(os.environ["RECORD"], os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+os.write(fd, (json.dumps(sys.argv[1:]) + "\\n").encode())
+os.close(fd)' "$@"
 case "$1" in
   -) exec "$REAL_PY" "$@" ;;
   -c) case "$2" in *batch_size*) echo 8192 ;; *output_dir*) echo "$FAKE_RUNS" ;; esac ;;
