@@ -291,8 +291,9 @@ def test_the_probed_baseline_of_a_compiled_regime_runs_compiled(tmp_path: Path, 
     # the study says how the side collections' statistics ran (a CUDA graph on a GPU; eager here)
     # and where its time went: the hand-offs in the steps, the read-back, what lay outside the run
     assert any(re.fullmatch(r"\[loka-tune\] probe: 2 side collection\(s\) \(\d+\.\ds in the steps, the slowest"
-                            r" \d+\.\ds\); their statistics ran eager; attach, train's imports and exit outside its"
-                            r" run \d+\.\ds; read back in \d+\.\ds", m) for m in caplog.messages)
+                            r" \d+\.\ds\); their statistics ran eager; outside its run \d+\.\ds \(the compiler's"
+                            r" import \d+\.\ds; attach, strict_compile and exit \d+\.\ds\); read back in \d+\.\ds", m)
+               for m in caplog.messages)
     (_, probed_report, _), (_, twin_report, _) = runs
     assert probed_report["graph_breaks"] == 0
     assert (probed_report["unique_graphs"], probed_report["frames_total"]) == (

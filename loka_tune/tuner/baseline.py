@@ -288,12 +288,17 @@ def _probed_run(cfg: StudyConfig, model: nn.Module, source: Any, tcfg: Any, seed
             side_s.append(time.perf_counter() - t)
 
         t_in = time.perf_counter()
+        if tcfg.compile:  # the compiler's import, which strict_compile runs first, timed apart from the rest
+            import torch._dynamo  # noqa: F401
+        t_imported = time.perf_counter()
         with probe:
             res = train_in_study(model, source, tcfg, seed=seed, config=PrecisionConfig(), on_batch=side, progress=progress)
         t = time.perf_counter()
+        imports = t_imported - t_in
+        rest = max(t - t_imported - float(res.wall_s), 0.0)
         return res, probe, (f"{probe.collections} side collection(s) ({_side_note(side_s)}); their statistics ran"
-                            f" {probe.graph_note}; attach, train's imports and exit outside its run"
-                            f" {max(t - t_in - float(res.wall_s), 0.0):.1f}s")
+                            f" {probe.graph_note}; outside its run {imports + rest:.1f}s (the compiler's import"
+                            f" {imports:.1f}s; attach, strict_compile and exit {rest:.1f}s)")
     with Probe(model, every=every, step_on="manual") as probe:
         res = train_in_study(model, source, tcfg, seed=seed, config=PrecisionConfig(), after_step=lambda _n: probe.step(),
                      progress=progress)
