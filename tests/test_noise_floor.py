@@ -56,6 +56,13 @@ def test_perturb_weights_rounds_every_linear_weight_at_bf16_scale_deterministica
             assert torch.equal(p, q), name
         assert torch.equal(q, dict(again.named_parameters())[name].detach())  # same (seed, twin): same bits
     assert not torch.equal(same.a.weight, other.a.weight)  # another twin: another draw
+    # the documented draw, bit for bit: W * (1 + eps z), z from (seed, twin) on the CPU in module order
+    from loka_tune.data.hashing import mix_seed
+
+    gen = torch.Generator(device="cpu").manual_seed(mix_seed(3, "noise-twin", 0))
+    for lin, got in ((ref.a, same.a), (ref.b, same.b)):
+        z = torch.randn(lin.weight.shape, generator=gen, dtype=torch.float32)
+        assert torch.equal(got.weight.detach(), lin.weight.detach() * (1.0 + NOISE_EPS * z))
 
 
 def test_perturb_weights_without_linears_perturbs_every_parameter() -> None:

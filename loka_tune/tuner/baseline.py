@@ -132,7 +132,7 @@ def perturb_weights(model: nn.Module, seed: int, *, twin: int = 0, eps: float = 
     with torch.no_grad():
         for p in params:
             z = torch.randn(p.shape, generator=gen, dtype=torch.float32)
-            p.mul_((1.0 + eps * z).to(device=p.device, dtype=p.dtype))
+            p.mul_(z.mul_(eps).add_(1.0).to(device=p.device, dtype=p.dtype))  # 1 + eps z in place: the same bits
     return model
 
 
