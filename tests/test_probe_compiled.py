@@ -294,6 +294,14 @@ def test_the_probed_baseline_of_a_compiled_regime_runs_compiled(tmp_path: Path, 
                             r" \d+\.\ds\); their statistics ran eager; outside its run \d+\.\ds \(the compiler's"
                             r" import \d+\.\ds; attach, strict_compile and exit \d+\.\ds\); read back in \d+\.\ds", m)
                for m in caplog.messages)
+    # and where the baselines' seconds went, in parts that add up to their whole
+    spent = [re.fullmatch(r"\[loka-tune\] baselines (\d+\.\d)s: baseline runs (\d+\.\d)s, noise twins (\d+\.\d)s,"
+                          r" model builds (\d+\.\d)s, the probe's work after the twins (\d+\.\d)s, the rest"
+                          r" (\d+\.\d)s", m) for m in caplog.messages]
+    (parts,) = [[float(x) for x in m.groups()] for m in spent if m]
+    total, run_s, twin_s, _build_s, _probe_s, _rest = parts
+    assert run_s > twin_s  # the baseline compiled; its twin's graphs came from inductor's cache
+    assert abs(sum(parts[1:]) - total) <= 0.3  # each part rounded to 0.1 s
     (_, probed_report, _), (_, twin_report, _) = runs
     assert probed_report["graph_breaks"] == 0
     assert (probed_report["unique_graphs"], probed_report["frames_total"]) == (

@@ -195,9 +195,13 @@ def run_baseline(cfg: StudyConfig, source: Any, device: str, *, force: bool = Fa
     first_model: nn.Module | None = None
     beside: _Beside | None = None  # the probe's read-back and with_stats, in a thread beside the twins
     read: Callable[[], Any] | None = None  # the same, here, after the twins
+    spent = dict.fromkeys(("runs", "twins", "builds", "probe"), 0.0)  # where the baselines' seconds went
+    t_all = time.perf_counter()
     for i, seed in enumerate(cfg.training.seeds):
+        t_build = time.perf_counter()
         model = make_model(cfg, source, seed=seed)
         apply(model, bf16)
+        spent["builds"] += time.perf_counter() - t_build
         tcfg = train_config(cfg, seed, device=device)
         t0 = time.perf_counter()
         probed = i == 0 and cfg.probe.enabled
@@ -214,6 +218,7 @@ def run_baseline(cfg: StudyConfig, source: Any, device: str, *, force: bool = Fa
         else:
             res = train_in_study(model, source, tcfg, seed=seed, config=bf16, progress=say)
             regime_times.append(float(res.step_time_s))
+        spent["runs"] += time.perf_counter() - t0
         if i == 0:
             first_model = model
         if res.status != "ok":
@@ -225,18 +230,23 @@ def run_baseline(cfg: StudyConfig, source: Any, device: str, *, force: bool = Fa
         if on_run is not None:
             on_run(seed, res)
         for k in range(cfg.objective.noise_twins):
-            twin = _noise_twin(cfg, source, tcfg, seed, k, float(res.eval_logloss),
-                               beside="; the probe's read-back and measurement beside it" if beside else "")
+            twin, twin_build_s, twin_run_s = _noise_twin(
+                cfg, source, tcfg, seed, k, float(res.eval_logloss),
+                beside="; the probe's read-back and measurement beside it" if beside else "")
+            spent["builds"] += twin_build_s
+            spent["twins"] += twin_run_s
             twins.append(float(twin.eval_logloss))
             paired.append(relative_log_loss(twin.eval_logloss, res.eval_logloss) * 100)
             if beside is None:  # beside the probe's work it shares the GPU: its step time is not bf16's alone
                 regime_times.append(float(twin.step_time_s))
+        t_probe = time.perf_counter()
         if beside is not None:
             stats = beside.result()
             beside = None
         elif read is not None:
             stats = read()
             read = None
+        spent["probe"] += time.perf_counter() - t_probe
     lls = tuple(float(r.eval_logloss) for r in results)
     spread = max([abs(relative_log_loss(ll, lls[0])) * 100 for ll in lls[1:]], default=None)
     floor = paired_noise_floor(paired)
@@ -255,6 +265,7 @@ def run_baseline(cfg: StudyConfig, source: Any, device: str, *, force: bool = Fa
     log(f"[loka-tune] noise floor {floor:.3g}% (paired: the largest |rel. log loss| of a twin vs its seed's"
          f" baseline; {per_seed})"
          + ("" if spread is None else f"; seed to seed {spread:.3g}% (information only: trials are paired)"))
+    log(_spent_note(time.perf_counter() - t_all, spent))
     assert first_model is not None
     return bl, stats, first_model
 
@@ -376,15 +387,17 @@ def _side_note(side_s: Sequence[float]) -> str:
 
 
 def _noise_twin(cfg: StudyConfig, source: Any, tcfg: Any, seed: int, twin: int, base_logloss: float,
-                beside: str = "") -> Any:
+                beside: str = "") -> tuple[Any, float, float]:
     """Seed ``seed``'s noise twin number ``twin``: its bf16 baseline run again in the regime
-    (``tcfg``), from initial weights perturbed by :func:`perturb_weights`. With ``[regime]
+    (``tcfg``), from initial weights perturbed by :func:`perturb_weights`; returns its
+    TrainResult, the seconds its model's build and perturbation took and those of its run. With ``[regime]
     nproc > 1`` the other ranks build the unperturbed model and DDP's initial broadcast gives
     them rank 0's."""
     from loka_tune.applier import apply
     from loka_tune.objectives.metrics import relative_log_loss
 
     bf16 = PrecisionConfig()
+    t_build = time.perf_counter()
     model = perturb_weights(make_model(cfg, source, seed=seed), seed, twin=twin)
     apply(model, bf16)
     t0 = time.perf_counter()
@@ -398,7 +411,19 @@ def _noise_twin(cfg: StudyConfig, source: Any, tcfg: Any, seed: int, twin: int, 
     log(f"[loka-tune] {what}: eval log loss {res.eval_logloss:.5f}"
          f" ({relative_log_loss(res.eval_logloss, base_logloss) * 100:+.4f}% vs its baseline,"
          f" {_took(t0, res)}: {_run_note(res, tcfg)})")
-    return res
+    return res, t0 - t_build, time.perf_counter() - t0
+
+
+def _spent_note(total: float, spent: Mapping[str, float]) -> str:
+    """Where the baselines' ``total`` seconds went: ``spent`` holds the baseline runs' (their
+    probe attach, compiler import and logging included), the noise twins', the model builds'
+    (the twins' perturbation included) and the wait on the probe's read-back and measurement
+    after the twins (all of it where they do not run beside a twin); the rest is what none of
+    them holds (``on_run``: the runs' MLflow logging)."""
+    rest = max(total - sum(spent.values()), 0.0)
+    return (f"[loka-tune] baselines {total:.1f}s: baseline runs {spent['runs']:.1f}s, noise twins"
+            f" {spent['twins']:.1f}s, model builds {spent['builds']:.1f}s, the probe's work after the twins"
+            f" {spent['probe']:.1f}s, the rest {rest:.1f}s")
 
 
 def _took(t0: float, res: Any) -> str:
