@@ -292,7 +292,8 @@ def test_the_probed_baseline_of_a_compiled_regime_runs_compiled(tmp_path: Path, 
     # and where its time went: the hand-offs in the steps, the read-back, what lay outside the run
     assert any(re.fullmatch(r"\[loka-tune\] probe: 2 side collection\(s\) \(\d+\.\ds in the steps, the slowest"
                             r" \d+\.\ds\); their statistics ran eager; outside its run \d+\.\ds \(the compiler's"
-                            r" import \d+\.\ds; attach, strict_compile and exit \d+\.\ds\); read back in \d+\.\ds", m)
+                            r" import \d+\.\ds: dynamo \d+\.\ds, inductor \d+\.\ds; attach, strict_compile and exit \d+\.\ds\);"
+                            r" read back in \d+\.\ds", m)
                for m in caplog.messages)
     # and where the baselines' seconds went, in parts that add up to their whole
     spent = [re.fullmatch(r"\[loka-tune\] baselines (\d+\.\d)s: baseline runs (\d+\.\d)s, noise twins (\d+\.\d)s,"

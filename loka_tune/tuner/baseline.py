@@ -299,8 +299,13 @@ def _probed_run(cfg: StudyConfig, model: nn.Module, source: Any, tcfg: Any, seed
             side_s.append(time.perf_counter() - t)
 
         t_in = time.perf_counter()
-        if tcfg.compile:  # the compiler's import, which strict_compile runs first, timed apart from the rest
+        # the compiler's import, timed apart from the rest: dynamo's (strict_compile's first
+        # import), then inductor's (torch.compile's first call would import it)
+        if tcfg.compile:
             import torch._dynamo  # noqa: F401
+        t_dynamo = time.perf_counter()
+        if tcfg.compile:
+            import torch._inductor.compile_fx  # noqa: F401
         t_imported = time.perf_counter()
         with probe:
             res = train_in_study(model, source, tcfg, seed=seed, config=PrecisionConfig(), on_batch=side, progress=progress)
@@ -309,7 +314,8 @@ def _probed_run(cfg: StudyConfig, model: nn.Module, source: Any, tcfg: Any, seed
         rest = max(t - t_imported - float(res.wall_s), 0.0)
         return res, probe, (f"{probe.collections} side collection(s) ({_side_note(side_s)}); their statistics ran"
                             f" {probe.graph_note}; outside its run {imports + rest:.1f}s (the compiler's import"
-                            f" {imports:.1f}s; attach, strict_compile and exit {rest:.1f}s)")
+                            f" {imports:.1f}s: dynamo {t_dynamo - t_in:.1f}s, inductor {t_imported - t_dynamo:.1f}s;"
+                            f" attach, strict_compile and exit {rest:.1f}s)")
     with Probe(model, every=every, step_on="manual") as probe:
         res = train_in_study(model, source, tcfg, seed=seed, config=PrecisionConfig(), after_step=lambda _n: probe.step(),
                      progress=progress)
