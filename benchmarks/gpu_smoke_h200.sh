@@ -13,7 +13,7 @@
 # takes queued tests from a busy one, the longest are first in the file; 0 runs serially),
 # SMOKE_TIMEOUT (420 s for the whole run; the bar is 300), TEST_TIMEOUT (240 s per test, where
 # pytest-timeout is installed: a hung test fails alone and the run still prints its tracebacks),
-# LOKA_SMOKE_PRESET (large).
+# LOKA_SMOKE_PRESET (large), IMPORT_PROFILE (1: import_profile.{json,txt} first, ~15 s; 0: not).
 set -uo pipefail
 out=${1:?usage: gpu_smoke_h200.sh OUT [TEST ...]}
 shift
@@ -35,6 +35,11 @@ fi
   python3 -c "import fbgemm_gpu; print('fbgemm_gpu', getattr(fbgemm_gpu, '__version__', '?'))" 2>&1 | tail -1
   python3 -c "import optuna; print('optuna', optuna.__version__)" 2>&1 | tail -1
 } 2>&1 | tee "$out/env.txt"
+# where the compiler's import goes, in a fresh process on this (cold) machine: the study's probed
+# baseline spends 6-10 s of its preparation importing dynamo and inductor (benchmarks/import_profile.py)
+if [ "${IMPORT_PROFILE:-1}" != 0 ]; then
+  timeout 120 python3 benchmarks/import_profile.py --out "$out/import_profile.json" 2>&1 | tee "$out/import_profile.txt"
+fi
 
 export LOKA_SMOKE_LOG="$out/gpu_smoke.jsonl"
 : > "$LOKA_SMOKE_LOG"
