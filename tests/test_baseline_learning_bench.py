@@ -78,3 +78,50 @@ def test_one_call_on_a_tiny_study(tmp_path: Path) -> None:
     assert missing and all(r["status"] == "error" for r in missing)
     verdicts = {v["study"]: v["passed"] for v in d["verdicts"]}
     assert verdicts == {"tinystudy": False, "missing": False}
+
+
+def test_noise_floors_pair_each_variant_with_the_study_budget() -> None:
+    bench = _load()
+    rows = [{"study": "s", "variant": "study", "seed": 0, "status": "ok"},
+            {"study": "s", "variant": "study", "seed": 0, "twin": 1, "status": "ok", "rel_logloss_pct": 0.062},
+            {"study": "s", "variant": "study", "seed": 0, "twin": 2, "status": "ok", "rel_logloss_pct": -0.965},
+            {"study": "s", "variant": "lr", "seed": 0, "twin": 1, "status": "ok", "rel_logloss_pct": 0.26},
+            {"study": "s", "variant": "lr", "seed": 1, "twin": 1, "status": "skipped", "error": "over --budget-s"}]
+    floors = {f["variant"]: f for f in bench.noise_floors(rows, {"s": 0.5})}
+    assert floors["study"]["floor_pct"] == 0.965 and not floors["study"]["below_budget"]  # |-0.965| > 0.5
+    assert floors["study"]["twins_pct"] == {"0": [0.062, -0.965]}
+    assert floors["lr"]["floor_pct"] is None and not floors["lr"]["below_budget"]  # a twin did not run
+    assert "unknown" in bench.floor_line(floors["lr"]) and "0.965%" in bench.floor_line(floors["study"])
+    rows[-1].update(status="ok", rel_logloss_pct=-0.13)
+    lr = {f["variant"]: f for f in bench.noise_floors(rows, {"s": 0.5})}["lr"]
+    assert lr["floor_pct"] == 0.26 and lr["below_budget"]
+    assert bench.bar_verdict([*_rows([0.95, 0.955]), *rows[1:3]], "s")["passed"]  # twins are not baselines
+
+
+def test_twins_on_a_tiny_study(tmp_path: Path) -> None:
+    """--twins: each baseline row is followed by its twins, perturbed (another eval log loss),
+    paired with it (rel_logloss_pct), and the floor decides the study variant's verdict."""
+    study = tmp_path / "tinystudy.toml"
+    study.write_text('[study]\nname = "tinystudy"\n[model]\nname = "dlrm"\npreset = "tiny"\n'
+                     '[data]\nsource = "synthetic"\n[data.params]\nnum_dense = 4\ncardinalities = [50, 20, 7]\n'
+                     'eval_examples = 256\n[training]\nsteps = 6\nbatch_size = 32\nwindow = 3\nseeds = [0]\n'
+                     'lr_dense = 5e-3\ndevice = "cpu"\ncpu_threads = 1\n[objective]\nbudget_pct = 0.5\n')
+    out = tmp_path / "bl.json"
+    bench = _load()
+    with pytest.raises(SystemExit):
+        bench.main(["--studies", str(study), "--device", "cpu", "--twins", "-1", "--out", str(out)])
+    bench.main(["--studies", str(study), "--device", "cpu", "--twins", "2", "--variants", "study",
+                "--out", str(out)])
+    d = json.loads(out.read_text())
+    assert [(r["seed"], r.get("twin")) for r in d["rows"]] == [(0, None), (0, 1), (0, 2)]
+    base, t1, t2 = d["rows"]
+    assert all(r["status"] == "ok" for r in d["rows"])
+    assert t1["eval_logloss"] != base["eval_logloss"] and t1["eval_logloss"] != t2["eval_logloss"]
+    for t in (t1, t2):
+        assert t["rel_logloss_pct"] == pytest.approx((t["eval_logloss"] - base["eval_logloss"])
+                                                     / base["eval_logloss"] * 100)
+    (floor,) = d["floors"]
+    assert floor["floor_pct"] == pytest.approx(max(abs(t1["rel_logloss_pct"]), abs(t2["rel_logloss_pct"])))
+    assert floor["budget_pct"] == 0.5 and d["meta"]["twins"] == 2
+    (v,) = d["verdicts"]
+    assert v["floor_pct"] == floor["floor_pct"] and "noise floor" in v["reason"]
