@@ -118,6 +118,7 @@ def test_budget_above_the_floor_passes_and_below_is_refused_with_its_size_and_fi
     assert f"{floor / 2}%" in msg and f"{floor:.4g}%" in msg  # the budget and how big the floor is
     assert "paired" in msg and "seed to seed" in msg  # what it measures (and the unpaired distance beside it)
     assert "objective.budget_pct" in msg and "training.batch_size" in msg and "--force" in msg  # what moves it
+    assert f"training.lr_dense (now {cfg.training.lr_dense:g})" in msg and "lr_cooldown_steps" in msg
     with pytest.warns(UserWarning, match="forced"):
         check_budget(below, bl, force=True)
 

@@ -488,8 +488,9 @@ def check_budget(cfg: StudyConfig, baseline: Baseline, *, force: bool) -> None:
         msg = (f"objective.budget_pct = {b}% is below the noise floor {floor:.4g}% ({baseline.noise_floor_what()}):"
                " a trial's relative log loss cannot be told apart from noise. Raise objective.budget_pct above"
                f" {floor:.3g}%, or make the short runs less noisy: a larger training.batch_size lowers the floor"
-               " most (more training.steps can raise it: a change has longer to grow); objective.noise_twins > 1"
-               " measures it more steadily. Or pass --force")
+               " most (more training.steps can raise it: a change has longer to grow); a lower"
+               f" training.lr_dense (now {cfg.training.lr_dense:g}) with training.lr_cooldown_steps calms runs"
+               " that drift early; objective.noise_twins > 1 measures it more steadily. Or pass --force")
         if not force:
             raise StudyError(msg)
         warnings.warn(msg + " (forced)", stacklevel=2)
