@@ -42,7 +42,8 @@
 #                                             # probe_report.json, tune_report.txt, tune_best.json,
 #                                             # site_prices_after.json (the price cache after it)
 #   bash benchmarks/device.sh "$OUT" baselines  # bf16 baselines of BASELINE_STUDIES (benchmarks/baseline_learning.py)
-#                                             # -> $OUT/baseline_learning.{json,log}
+#                                             # -> $OUT/baseline_learning.{json,log}; extra arguments go to
+#                                             # the script (--seeds 0,1 --twins 2: noise twins, floors vs budget)
 #   bash benchmarks/device.sh "$OUT" train-export  # loka-tune train --config CONFIG (an export) beside plain bf16,
 #                                             # at the study's schedule -> $OUT/train_export.json
 #   bash benchmarks/device.sh "$OUT" prepare-ab  # the study's preparation alone (benchmarks/prepare_profile.py),
