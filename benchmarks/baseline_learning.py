@@ -134,7 +134,7 @@ def noise_floors(rows: list[dict[str, Any]], budgets: dict[str, float]) -> list[
 
 
 def floor_line(f: dict[str, Any]) -> str:
-    """One floor in words: ``"FLOOR s lr2e-4: 0.965% (seed 0: +0.062% +0.965%) vs budget 0.5%: above"``."""
+    """One floor in words: ``"FLOOR s lr2e-4: 0.965% (seed 0: +0.062% +0.965%) vs budget 0.5%: not below"``."""
     seeds = "; ".join(f"seed {s}: " + " ".join("-" if x is None else f"{x:+.3g}%" for x in xs)
                       for s, xs in f["twins_pct"].items())
     floor = "unknown" if f["floor_pct"] is None else f"{f['floor_pct']:.3g}%"
