@@ -116,13 +116,15 @@ def noise_floors(rows: list[dict[str, Any]], budgets: dict[str, float]) -> list[
     (the largest |rel_logloss_pct|, as the study's ``paired_noise_floor``) and whether it is below
     the study's budget (``budgets``: study -> objective.budget_pct). A twin that did not run makes
     the floor unknown (``None``): not below the budget."""
+    from loka_tune.tuner.baseline import paired_noise_floor
+
     out: list[dict[str, Any]] = []
     keys = dict.fromkeys((r["study"], r["variant"]) for r in rows if r.get("twin") is not None)
     for study, variant in keys:
         twins = [r for r in rows if r["study"] == study and r["variant"] == variant and r.get("twin") is not None]
         pct = [r.get("rel_logloss_pct") for r in twins]
         known = [float(x) for x in pct if x is not None and math.isfinite(x)]
-        floor = max(abs(x) for x in known) if known and len(known) == len(pct) else None
+        floor = paired_noise_floor(known) if known and len(known) == len(pct) else None
         budget = budgets.get(study)
         by_seed: dict[str, list[float | None]] = {}
         for r in twins:
