@@ -146,11 +146,14 @@ def _stored_study(study_file: Path, out_dir: Path) -> Any:
 
 
 def _prepare_s(study_file: Path, out_dir: Path) -> float | None:
-    """The preparation seconds the study stored (``loka.prepare_s``)."""
-    from loka_tune.tuner.results import ATTR_PREPARE_S
+    """The preparation seconds the study stored (``loka.prepare_s``), plus those of the baseline runs
+    it reused from a preparation that did not finish (``loka.prepare_reused``), which its own
+    seconds leave out: the receipt's prepare_s is what a whole preparation cost."""
+    from loka_tune.tuner.results import ATTR_PREPARE_REUSED, ATTR_PREPARE_S
 
-    v = _stored_study(study_file, out_dir).user_attrs.get(ATTR_PREPARE_S)
-    return None if v is None else float(v)
+    attrs = _stored_study(study_file, out_dir).user_attrs
+    v = attrs.get(ATTR_PREPARE_S)
+    return None if v is None else float(v) + float((attrs.get(ATTR_PREPARE_REUSED) or {}).get("seconds", 0.0))
 
 
 def _prepare_phases(study_file: Path, out_dir: Path) -> dict[str, float] | None:

@@ -34,7 +34,7 @@ def _results(cfg: Any) -> list[dict[str, Any]]:
     return json.loads((cfg.output_dir / "probe_report.json").read_text())["results"]
 
 
-def _spy_runs(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+def spy_runs(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     runs: list[Any] = []
     real = baseline.train_in_study
 
@@ -54,7 +54,7 @@ def sequential(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any, list
     they found it: nothing of them can then change what the twin draws when it runs beside them."""
     assert not prepare.beside_twin("cpu") and prepare.beside_twin("cuda")
     mp = pytest.MonkeyPatch()
-    runs = _spy_runs(mp)
+    runs = spy_runs(mp)
     checked: list[bool] = []
     real_reader = baseline._reader
 
@@ -92,7 +92,7 @@ def test_beside_the_twin_the_preparation_is_the_sequential_one(
         caplog: pytest.LogCaptureFixture) -> None:
     cfg_a, a, runs_a = sequential
     monkeypatch.setattr(prepare, "beside_twin", lambda device: True)
-    runs_b = _spy_runs(monkeypatch)
+    runs_b = spy_runs(monkeypatch)
     with caplog.at_level("INFO", logger="loka_tune"):
         cfg_b, b = _prepare(tmp_path, "beside")
     said = caplog.messages

@@ -87,6 +87,8 @@ def test_receipt_keeps_inductors_cache_hit_rate_read_from_the_work_folders_study
     study.set_user_attr("loka.prepare_s", 41.5)
     cache = bench._inductor_cache(study_file, work)
     assert bench._prepare_s(study_file, work) == 41.5
+    study.set_user_attr("loka.prepare_reused", {"seconds": 50.25, "saved": "2026-12-08 02:00:00"})
+    assert bench._prepare_s(study_file, work) == 91.75  # the reused baseline runs are counted as run
     assert bench._prepare_phases(study_file, work) is None  # a study prepared before the parts were stored
     study.set_user_attr("loka.prepare_phases", {"baselines": 30.0, "probe": 11.5})
     assert bench._prepare_phases(study_file, work) == {"baselines": 30.0, "probe": 11.5}

@@ -100,7 +100,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out-dir", default=None, help="the study's output dir (overrides [study] output_dir)")
     again = parser.add_mutually_exclusive_group()
     again.add_argument("--fresh", action="store_true",
-                       help="start the study over: delete its stored trials, baseline and space first")
+                       help="start the study over: delete its stored trials, baseline and space first (and the"
+                            " baseline runs an unfinished preparation kept)")
     again.add_argument("--resume-anyway", action="store_true",
                        help="resume even though the study file's settings differ from the stored study's")
     parser.add_argument("--worker-index", type=integer("a worker index", minimum=0), default=0,

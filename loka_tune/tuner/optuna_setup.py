@@ -147,9 +147,11 @@ def open_study(cfg: StudyConfig, storage: Any | None = None, *, study_name: str 
     (:meth:`StudyConfig.settings`, stored by :func:`~loka_tune.tuner.prepare.prepare_study`); when
     the study file's differ, ``on_change`` decides: "stop" raises :class:`StudyError` listing the
     changes, "resume" goes on with the stored baseline, space and trials (and says so), "fresh"
-    deletes the stored study (trials, baseline, space) and starts over, changed or not. A study
-    whose preparation never finished (it failed, or was interrupted) holds nothing made from its
-    settings, so they bind nothing: the next run prepares it with the study file's.
+    deletes the stored study (trials, baseline, space) and starts over, changed or not, and the
+    baseline runs kept from a preparation that did not finish (:mod:`~loka_tune.tuner.baseline_runs`).
+    A study whose preparation never finished (it failed, or was interrupted) holds nothing made
+    from its settings, so they bind nothing: the next run prepares it with the study file's (and
+    reuses those kept runs where their settings are its own, but for its budget).
     """
     import optuna
 
@@ -161,6 +163,12 @@ def open_study(cfg: StudyConfig, storage: Any | None = None, *, study_name: str 
     if on_change == "fresh" and name in {s.study_name for s in optuna.get_all_study_summaries(storage)}:
         optuna.delete_study(study_name=name, storage=storage)
         log(f"[loka-tune] study {name!r}: deleted its stored trials, baseline and space (--fresh)")
+    if on_change == "fresh":
+        from loka_tune.tuner.baseline_runs import drop_runs, runs_file
+
+        if drop_runs(cfg):
+            log(f"[loka-tune] study {name!r}: deleted the baseline runs kept from an unfinished preparation,"
+                f" {runs_file(cfg)} (--fresh)")
     sampler = make_sampler(cfg)
     study = _retry_db(lambda: optuna.create_study(storage=storage, study_name=name, direction="minimize",
                                                   sampler=sampler, pruner=make_pruner(cfg), load_if_exists=True))

@@ -10,6 +10,8 @@ the winner's.
 Files in the study's output dir: ``probe_report.json`` (per site x GEMM x candidate error and
 speed: what the pruning, ``report`` and MLflow read; tens of KB). The probe's raw statistics are
 not kept (``loka-tune probe --out DIR`` writes them, ``probe_stats.npz``, when wanted).
+``baseline_runs.json`` while a preparation has its baseline runs and probe measurement but has not
+stored them (:mod:`loka_tune.tuner.baseline_runs`: the next preparation reuses them).
 
 Pricing (:func:`_site_prices`, recipe space only): per site and candidate recipe value, the seconds
 per training step it saves against the site in bf16. Modeled (a CPU study): the cost model's
@@ -34,17 +36,25 @@ import torch
 
 from loka_tune.config import GemmChoice
 from loka_tune.data.base import model_inputs
-from loka_tune.errors import UnsupportedChoiceError
+from loka_tune.errors import StudyError, UnsupportedChoiceError
 from loka_tune.recipes import SIZE_FILTERS
 from loka_tune.space.candidates import SearchSpace, build_space, enumerate_candidates, prune_by_probe
 from loka_tune.space.encode import distributions, mods_dims
 from loka_tune.space.recipe_space import recipe_candidates, select_recipes
 from loka_tune.space.sites import Site, discover_sites
 from loka_tune.tuner.baseline import Baseline, check_budget, price_baseline, run_baseline
+from loka_tune.tuner.baseline_runs import drop_runs, load_runs, runs_file, save_runs
 from loka_tune.tuner.build import first_batch, make_model, make_source, speed_source
 from loka_tune.tuner.log import log
 from loka_tune.tuner.optuna_setup import ATTR_SETTINGS, check_settings
-from loka_tune.tuner.results import ATTR_BASELINE, ATTR_PREPARE_PHASES, ATTR_PREPARE_S, ATTR_SPACE, ATTR_STUDY
+from loka_tune.tuner.results import (
+    ATTR_BASELINE,
+    ATTR_PREPARE_PHASES,
+    ATTR_PREPARE_REUSED,
+    ATTR_PREPARE_S,
+    ATTR_SPACE,
+    ATTR_STUDY,
+)
 from loka_tune.tuner.starts import enqueue_mods_starts, recipe_starts
 from loka_tune.tuner.study import StudyConfig
 
@@ -324,7 +334,10 @@ def _prepare(cfg: StudyConfig, study: Any, *, device: str, force: bool = False,
     # their float64 covariances were 134 MB for the quickstart's 2048-wide layers. On a GPU the
     # probe's measurement runs beside the noise twin (:func:`beside_twin`; its seconds inside
     # the twin's, the "probe" phase then the pruning alone, and the space line says what ran
-    # beside); elsewhere after the budget check, as its own phase
+    # beside); elsewhere after the budget check, as its own phase. Once the runs and the
+    # measurement are done they are kept in <output_dir>/baseline_runs.json until the study stores
+    # them: a preparation that stops later (refused on its budget, interrupted while pricing) is
+    # not lost, the next one with the same settings but its budget reuses them
     candidates = enumerate_candidates(cfg.space.backends, cfg.space.formats, cfg.space.granularities,
                                       cfg.space.roundings, device=device)
     beside = beside_twin(device)
@@ -336,10 +349,32 @@ def _prepare(cfg: StudyConfig, study: Any, *, device: str, force: bool = False,
         reports.append(_probe_report(cfg, stats, candidates, device, prep / "probe_report.json"))
         probe_s.append(time.perf_counter() - t)
 
-    baseline, stats, _model = run_baseline(cfg, source, device, force=force,
-                                           on_run=lambda seed, res: curves.__setitem__(seed, res.step_losses),
-                                           with_stats=measure if beside else None, beside_twin=beside)
-    check_budget(cfg, baseline, force=force)
+    reused, why = load_runs(cfg, device)  # the runs of an earlier preparation that did not finish
+    if why:
+        log(f"[loka-tune] {why}")
+    stats = None
+    if reused is not None:
+        baseline, curves = reused.baseline, dict(reused.curves)
+        if reused.report is not None:
+            reports.append(reused.report)
+            reused.report.save(prep / "probe_report.json")  # published with the space, as a measured one is
+        log(f"[loka-tune] baseline: reusing the runs of a preparation that did not finish ({reused.saved},"
+             f" {reused.seconds:.1f}s of runs; {runs_file(cfg)}: same settings but objective.budget_pct, device"
+             f" and versions): log loss {baseline.logloss:.5f}, noise floor {baseline.noise_floor_pct:.3g}%;"
+             " --fresh runs them again")
+    else:
+        baseline, stats, _model = run_baseline(cfg, source, device, force=force,
+                                               on_run=lambda seed, res: curves.__setitem__(seed, res.step_losses),
+                                               with_stats=measure if beside else None, beside_twin=beside)
+        if stats is None or reports:  # the runs and the probe's measurement done: kept until stored
+            save_runs(cfg, device, baseline, curves, reports[0] if reports else None, time.perf_counter() - t0)
+    try:
+        check_budget(cfg, baseline, force=force)
+    except StudyError as e:
+        if not runs_file(cfg).is_file():
+            raise
+        raise StudyError(f"{e}. The baseline runs are kept ({runs_file(cfg)}): run tune again with a larger"
+                         " objective.budget_pct or --force and they are reused") from None
     lap("baselines")
 
     # sites on a fresh (unapplied) model, eligibility
@@ -352,8 +387,9 @@ def _prepare(cfg: StudyConfig, study: Any, *, device: str, force: bool = False,
     lap("sites")
     baseline = price_baseline(cfg, baseline, source, batch, speed=speed, device=device)
     lap("baseline_price")
-    if stats is not None and not reports:
+    if stats is not None and not reports:  # off a GPU: after the budget check (a refused study never measures)
         measure(stats)
+        save_runs(cfg, device, baseline, curves, reports[0], phases["baselines"] + probe_s[-1])
     report = reports[0] if reports else None
     if report is not None:
         space = _prune(cfg, space, report, speed)
@@ -374,6 +410,7 @@ def _prepare(cfg: StudyConfig, study: Any, *, device: str, force: bool = False,
     # store, unless another worker was faster (then use theirs: every worker must share one space)
     if _prepared(study):
         shutil.rmtree(prep, ignore_errors=True)
+        drop_runs(cfg)  # the study holds the winner's
         check_settings(study, cfg, on_change)  # it was prepared from another study file's settings?
         return prepare_study(cfg, study, device=device, force=force, tracker=tracker, on_change=on_change)
     for f in prep.iterdir():  # publish the probe files
@@ -385,6 +422,9 @@ def _prepare(cfg: StudyConfig, study: Any, *, device: str, force: bool = False,
     study.set_user_attr(ATTR_BASELINE, baseline.to_dict())
     study.set_user_attr(ATTR_PREPARE_S, time.perf_counter() - t0)  # baselines + probe + space (a receipt's prepare_s)
     study.set_user_attr(ATTR_PREPARE_PHASES, {k: round(v, 3) for k, v in phases.items()})
+    if reused is not None:  # what this preparation did not run again (a receipt adds it to prepare_s)
+        study.set_user_attr(ATTR_PREPARE_REUSED, {"seconds": round(reused.seconds, 3), "saved": reused.saved})
+    drop_runs(cfg)  # the study holds them now
     ctx = StudyContext(cfg, study, source, baseline, space, device, speed, tracker, batch)
     _enqueue_starts(cfg, study, space, report)
     if tracker is not None:

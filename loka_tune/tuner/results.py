@@ -25,7 +25,7 @@ from loka_tune.config import ModsConfig, PrecisionConfig
 from loka_tune.errors import LokaError, StudyError
 
 __all__ = ["ATTR_BASELINE", "ATTR_SPACE", "ATTR_STUDY", "ATTR_REFERENCE", "ATTR_CONFIRM", "ATTR_PREPARE_S",
-           "ATTR_PREPARE_PHASES", "ATTR_COMPILE_CACHE", "STATES_DONE",
+           "ATTR_PREPARE_PHASES", "ATTR_PREPARE_REUSED", "ATTR_COMPILE_CACHE", "STATES_DONE",
            "TrialRecord", "constraint", "within_budget", "within_noise", "noise_floor", "noise_note", "best_trial", "confirmation",
            "exported_trial", "leaderboard", "export_best", "compile_cache_totals", "compile_cache_summary",
            "study_summary"]
@@ -36,6 +36,8 @@ ATTR_STUDY = "loka.study"  # study user attr: the StudyConfig summary
 ATTR_REFERENCE = "loka.reference."  # study user attrs: + Mods short_str -> measured bf16 + Mods step seconds
 ATTR_PREPARE_S = "loka.prepare_s"  # study user attr: seconds the preparation took (baselines, probe, space)
 ATTR_PREPARE_PHASES = "loka.prepare_phases"  # study user attr: {part: seconds} of that preparation
+#: study user attr: {"seconds", "saved"} of the baseline runs that preparation reused from one that did not finish
+ATTR_PREPARE_REUSED = "loka.prepare_reused"
 ATTR_CONFIRM = "loka.confirmation"  # study user attr: the confirmation stage's result (tuner.confirm)
 ATTR_COMPILE_CACHE = "loka.compile_cache"  # study user attr: inductor's cache over the compiled runs (compile_cache_summary)
 STATES_DONE = ("COMPLETE", "PRUNED", "FAIL")
