@@ -43,7 +43,7 @@ from loka_tune.space.encode import distributions, mods_dims
 from loka_tune.space.recipe_space import recipe_candidates, select_recipes
 from loka_tune.space.sites import Site, discover_sites
 from loka_tune.tuner.baseline import Baseline, check_budget, price_baseline, run_baseline
-from loka_tune.tuner.baseline_runs import drop_runs, load_runs, runs_file, save_runs
+from loka_tune.tuner.baseline_runs import Reused, drop_runs, load_runs, runs_file, save_runs
 from loka_tune.tuner.build import first_batch, make_model, make_source, speed_source
 from loka_tune.tuner.log import log
 from loka_tune.tuner.optuna_setup import ATTR_SETTINGS, check_settings
@@ -304,6 +304,43 @@ def _private_dir(cfg: StudyConfig) -> Path:
     return cfg.output_dir / f".prepare-{os.getpid()}"
 
 
+def _baselines(cfg: StudyConfig, source: Any, device: str, *, force: bool, curves: dict[int, Any],
+               reports: list[Any], measure: Any, prep: Path, t0: float) -> tuple[Baseline, Any, Reused | None]:
+    """The bf16 baseline runs (:func:`run_baseline`; ``measure``: the probe's measurement beside the
+    twin, its report appended to ``reports``; each run's losses into ``curves``), kept once they and
+    the measurement are done; or the runs a preparation that did not finish kept (:func:`load_runs`).
+    Checked against the budget. Returns the baseline, the probe's statistics (None when reused or
+    already measured beside) and what was reused."""
+    reused, why = load_runs(cfg, device)  # the runs of an earlier preparation that did not finish
+    if why:
+        log(f"[loka-tune] {why}")
+    stats = None
+    if reused is not None:
+        baseline = reused.baseline
+        curves.update(reused.curves)
+        if reused.report is not None:
+            reports.append(reused.report)
+            reused.report.save(prep / "probe_report.json")  # published with the space, as a measured one is
+        log(f"[loka-tune] baseline: reusing the runs of a preparation that did not finish ({reused.saved},"
+             f" {reused.seconds:.1f}s of runs; {runs_file(cfg)}: same settings but objective.budget_pct, device"
+             f" and versions): log loss {baseline.logloss:.5f}, noise floor {baseline.noise_floor_pct:.3g}%;"
+             " --fresh runs them again")
+    else:
+        baseline, stats, _model = run_baseline(cfg, source, device, force=force,
+                                               on_run=lambda seed, res: curves.__setitem__(seed, res.step_losses),
+                                               with_stats=measure, beside_twin=measure is not None)
+        if stats is None or reports:  # the runs and the probe's measurement done: kept until stored
+            save_runs(cfg, device, baseline, curves, reports[0] if reports else None, time.perf_counter() - t0)
+    try:
+        check_budget(cfg, baseline, force=force)
+    except StudyError as e:
+        if not runs_file(cfg).is_file():
+            raise
+        raise StudyError(f"{e}. The baseline runs are kept ({runs_file(cfg)}): run tune again with a larger"
+                         " objective.budget_pct or --force and they are reused") from None
+    return baseline, stats, reused
+
+
 def _prepare(cfg: StudyConfig, study: Any, *, device: str, force: bool = False,
              tracker: Any = None, on_change: str = "stop") -> StudyContext:
     source = make_source(cfg)
@@ -349,32 +386,8 @@ def _prepare(cfg: StudyConfig, study: Any, *, device: str, force: bool = False,
         reports.append(_probe_report(cfg, stats, candidates, device, prep / "probe_report.json"))
         probe_s.append(time.perf_counter() - t)
 
-    reused, why = load_runs(cfg, device)  # the runs of an earlier preparation that did not finish
-    if why:
-        log(f"[loka-tune] {why}")
-    stats = None
-    if reused is not None:
-        baseline, curves = reused.baseline, dict(reused.curves)
-        if reused.report is not None:
-            reports.append(reused.report)
-            reused.report.save(prep / "probe_report.json")  # published with the space, as a measured one is
-        log(f"[loka-tune] baseline: reusing the runs of a preparation that did not finish ({reused.saved},"
-             f" {reused.seconds:.1f}s of runs; {runs_file(cfg)}: same settings but objective.budget_pct, device"
-             f" and versions): log loss {baseline.logloss:.5f}, noise floor {baseline.noise_floor_pct:.3g}%;"
-             " --fresh runs them again")
-    else:
-        baseline, stats, _model = run_baseline(cfg, source, device, force=force,
-                                               on_run=lambda seed, res: curves.__setitem__(seed, res.step_losses),
-                                               with_stats=measure if beside else None, beside_twin=beside)
-        if stats is None or reports:  # the runs and the probe's measurement done: kept until stored
-            save_runs(cfg, device, baseline, curves, reports[0] if reports else None, time.perf_counter() - t0)
-    try:
-        check_budget(cfg, baseline, force=force)
-    except StudyError as e:
-        if not runs_file(cfg).is_file():
-            raise
-        raise StudyError(f"{e}. The baseline runs are kept ({runs_file(cfg)}): run tune again with a larger"
-                         " objective.budget_pct or --force and they are reused") from None
+    baseline, stats, reused = _baselines(cfg, source, device, force=force, curves=curves, reports=reports,
+                                         measure=measure if beside else None, prep=prep, t0=t0)
     lap("baselines")
 
     # sites on a fresh (unapplied) model, eligibility
