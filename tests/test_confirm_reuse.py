@@ -221,3 +221,57 @@ def test_a_trial_that_ran_otherwise_is_run_again(tmp_path: Path, runs: Runs) -> 
     assert reused == {3: [], 2: [], 1: [0]}
     assert dict(runs.calls) == {"confirm": 5, "reference": 5}
     assert sorted(s for k, s in runs.seeds if k == CONFIGS[3].key()) == [0, 1]  # both seeds trained again
+
+
+def test_a_confirmation_cut_short_goes_on_from_its_finished_runs(tmp_path: Path, runs: Runs,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C (or a time limit) in the middle of the confirmation: run again, it takes the runs it
+    had finished (kept in the study as each finished) and trains only the rest; its answer is the
+    one an uncut confirmation gives."""
+    from loka_tune.tuner import confirm
+    from loka_tune.tuner.results import ATTR_CONFIRM, ATTR_CONFIRM_RUNS
+
+    study, ctx = _searched(tmp_path, runs)
+    whole = confirm.confirm_best(_ctx(tmp_path, _older(study)))  # an uncut one, every seed trained
+    real = confirm._run_seed
+    calls: list[int] = []
+
+    def cut(*a: Any, **kw: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*a, **kw)
+
+    monkeypatch.setattr(confirm, "_run_seed", cut)
+    runs.calls.clear()
+    with pytest.raises(KeyboardInterrupt):
+        confirm.confirm_best(ctx)
+    assert ATTR_CONFIRM not in study.user_attrs and len(study.user_attrs[ATTR_CONFIRM_RUNS]) == 1
+    assert dict(runs.calls) == {"confirm": 1, "reference": 1}  # trial 3 on seed 1, then the cut
+    monkeypatch.setattr(confirm, "_run_seed", real)
+    runs.calls.clear()
+    res = confirm.confirm_best(_ctx(tmp_path, study))
+    assert res is not None and dict(runs.calls) == {"confirm": 2, "reference": 2}  # trials 2 and 1 on seed 1
+    by_trial = {r["trial"]: {x["seed"]: x for x in r["runs"]} for r in res["rows"]}
+    assert by_trial[3][1]["kept"] == "an earlier confirmation" and "kept" not in by_trial[2][1]
+    assert whole is not None and res["chosen"] == whole["chosen"] == 2
+    keys = ("step_time_s", "ref_step_time_s", "speedup_vs_mods", "rel_logloss_pct", "feasible")
+    for a, b in zip(res["rows"], whole["rows"]):
+        assert {k: a[k] for k in keys} == pytest.approx({k: b[k] for k in keys}, rel=1e-12)
+
+
+def test_a_bf16_run_on_a_seed_the_baseline_lacks_is_kept_too(tmp_path: Path, runs: Runs) -> None:
+    """A one-seed baseline: the confirmation's second seed needs bf16's log loss on it, one bf16
+    run; a confirmation run again (a new process: no in-memory reference) takes it from the study."""
+    from dataclasses import replace
+
+    from loka_tune.tuner import confirm
+
+    study, ctx = _searched(tmp_path, runs)
+    one_seed = replace(ctx.baseline, seeds=(0,), eval_logloss=ctx.baseline.eval_logloss[:1])
+    runs.calls.clear()
+    assert confirm._bf16_logloss(replace(ctx, baseline=one_seed), 1) == pytest.approx(_logloss(PrecisionConfig(), 1))
+    assert dict(runs.calls) == {"confirm": 1}
+    fresh = replace(ctx, baseline=one_seed, references={})
+    assert confirm._bf16_logloss(fresh, 1) == pytest.approx(_logloss(PrecisionConfig(), 1))
+    assert dict(runs.calls) == {"confirm": 1}  # not run again

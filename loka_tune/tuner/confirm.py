@@ -25,11 +25,15 @@ seed as before.
 The result is stored in the study's user attribute ``loka.confirmation`` (and inductor's cache
 counts of the trials' and the confirmation's compiled runs in ``loka.compile_cache``:
 :func:`~loka_tune.tuner.results.compile_cache_summary`); running the stage again with the same
-candidates and seeds reuses it.
+candidates and seeds reuses it. Each run is kept as it finishes (``loka.confirmation_runs``, by
+the config as it trains, the run's seed, steps and regime, and the speed source; a bf16 run on a
+seed the baseline has not, too): a confirmation cut short (Ctrl-C, a time limit) that runs again
+takes the runs it finished, marked ``"kept"``, and trains only the rest.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 import time
@@ -46,6 +50,7 @@ from loka_tune.tuner.prepare import StudyContext
 from loka_tune.tuner.results import (
     ATTR_COMPILE_CACHE,
     ATTR_CONFIRM,
+    ATTR_CONFIRM_RUNS,
     TrialRecord,
     compile_cache_summary,
     noise_note,
@@ -127,14 +132,49 @@ def _bf16_logloss(ctx: StudyContext, seed: int) -> float:
         return float(bl.eval_logloss[bl.seeds.index(seed)])
     key = f"bf16-logloss.{seed}"
     if key not in ctx.references:
-        model = make_model(ctx.cfg, ctx.source, seed=seed)
-        from loka_tune.applier import apply
+        kept_key = _run_key(ctx, "bf16", seed)
+        kept = _kept(ctx, kept_key)
+        if kept is None:
+            model = make_model(ctx.cfg, ctx.source, seed=seed)
+            from loka_tune.applier import apply
 
-        apply(model, PrecisionConfig())
-        res = train_in_study(model, ctx.source, train_config(ctx.cfg, seed, device=ctx.device), seed=seed,
-                     config=PrecisionConfig())
-        ctx.references[key] = float(res.eval_logloss)
+            apply(model, PrecisionConfig())
+            res = train_in_study(model, ctx.source, train_config(ctx.cfg, seed, device=ctx.device), seed=seed,
+                                 config=PrecisionConfig())
+            kept = _keep(ctx, kept_key, {"eval_logloss": float(res.eval_logloss)})
+        ctx.references[key] = float(kept["eval_logloss"])
     return ctx.references[key]
+
+
+def _run_key(ctx: StudyContext, what: str | None, seed: int) -> str:
+    """A confirmation run's key among the kept ones: what trained (a config as it trains, or
+    ``"bf16"``), on which seed, how (:func:`run_description`), with which speed source."""
+    run = run_description(ctx.cfg, train_config(ctx.cfg, seed, device=ctx.device))
+    return json.dumps([what, run, ctx.speed], sort_keys=True, default=str)
+
+
+def _kept(ctx: StudyContext, key: str) -> dict[str, Any] | None:
+    kept = (ctx.study.user_attrs.get(ATTR_CONFIRM_RUNS) or {}).get(key)
+    return None if kept is None else dict(kept)
+
+
+def _keep(ctx: StudyContext, key: str, row: dict[str, Any]) -> dict[str, Any]:
+    """Store a finished run's row among the kept ones; returns it."""
+    kept = dict(ctx.study.user_attrs.get(ATTR_CONFIRM_RUNS) or {})
+    kept[key] = row
+    ctx.study.set_user_attr(ATTR_CONFIRM_RUNS, kept)
+    return row
+
+
+def _kept_or_run(ctx: StudyContext, trial: Any, r: TrialRecord, config: PrecisionConfig, seed: int) -> dict[str, Any]:
+    """Trial ``trial``'s confirmation run on ``seed``: kept from a confirmation that did not
+    finish, else run now (:func:`_run_seed`) and kept."""
+    key = _run_key(ctx, r.trains_as, seed)
+    kept = _kept(ctx, key)
+    if kept is not None:
+        log(f"[loka-tune] confirm: trial {trial.number} on seed {seed}: the run an earlier confirmation finished")
+        return {**kept, "kept": "an earlier confirmation"}
+    return _keep(ctx, key, _run_seed(ctx, config, seed))
 
 
 def _run_seed(ctx: StudyContext, config: PrecisionConfig, seed: int) -> dict[str, Any]:
@@ -198,7 +238,7 @@ def _reused_run(ctx: StudyContext, trial: Any, r: TrialRecord, config: Precision
 def _confirm_one(ctx: StudyContext, trial: Any, seeds: tuple[int, ...]) -> dict[str, Any]:
     r = TrialRecord.of(trial)
     config = PrecisionConfig.from_dict(r.config)
-    runs = [_reused_run(ctx, trial, r, config, s) or _run_seed(ctx, config, s) for s in seeds]
+    runs = [_reused_run(ctx, trial, r, config, s) or _kept_or_run(ctx, trial, r, config, s) for s in seeds]
     ok = [x for x in runs if x["status"] == "ok"]
     row: dict[str, Any] = {"trial": trial.number, "config_key": r.config_key, "mods": config.mods.short_str(),
                            "claimed_speedup_vs_mods": r.speedup_vs_mods, "claimed_speedup": r.speedup,

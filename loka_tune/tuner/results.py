@@ -24,7 +24,7 @@ from typing import Any
 from loka_tune.config import ModsConfig, PrecisionConfig
 from loka_tune.errors import LokaError, StudyError
 
-__all__ = ["ATTR_BASELINE", "ATTR_SPACE", "ATTR_STUDY", "ATTR_REFERENCE", "ATTR_CONFIRM", "ATTR_PREPARE_S",
+__all__ = ["ATTR_BASELINE", "ATTR_SPACE", "ATTR_STUDY", "ATTR_REFERENCE", "ATTR_CONFIRM", "ATTR_CONFIRM_RUNS", "ATTR_PREPARE_S",
            "ATTR_PREPARE_PHASES", "ATTR_PREPARE_REUSED", "ATTR_COMPILE_CACHE", "STATES_DONE",
            "TrialRecord", "constraint", "within_budget", "within_noise", "noise_floor", "noise_note", "best_trial", "confirmation",
            "exported_trial", "leaderboard", "export_best", "compile_cache_totals", "compile_cache_summary",
@@ -39,6 +39,9 @@ ATTR_PREPARE_PHASES = "loka.prepare_phases"  # study user attr: {part: seconds} 
 #: study user attr: {"seconds", "saved"} of the baseline runs that preparation reused from one that did not finish
 ATTR_PREPARE_REUSED = "loka.prepare_reused"
 ATTR_CONFIRM = "loka.confirmation"  # study user attr: the confirmation stage's result (tuner.confirm)
+#: study user attr: each confirmation run (and bf16 run on a seed the baseline has not) as it finishes,
+#: by what ran, on which seed, how (tuner.confirm): a confirmation cut short goes on from there
+ATTR_CONFIRM_RUNS = "loka.confirmation_runs"
 ATTR_COMPILE_CACHE = "loka.compile_cache"  # study user attr: inductor's cache over the compiled runs (compile_cache_summary)
 STATES_DONE = ("COMPLETE", "PRUNED", "FAIL")
 INFEASIBLE = 1e9  # the constraint of an unknown (or non-finite) loss: Optuna wants a finite number
