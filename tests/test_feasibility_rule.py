@@ -76,7 +76,7 @@ def _confirm_row(monkeypatch: pytest.MonkeyPatch, runs: list[dict[str, Any]], bu
 
     it = iter(runs)
     monkeypatch.setattr(confirm, "_reused_run", lambda *a, **k: None)
-    monkeypatch.setattr(confirm, "_run_seed", lambda *a, **k: next(it))
+    monkeypatch.setattr(confirm, "_kept_or_run", lambda *a, **k: next(it))  # run now, or kept from a cut one
     ctx = SimpleNamespace(cfg=SimpleNamespace(objective=SimpleNamespace(budget_pct=budget)),
                           baseline=SimpleNamespace(step_time_s=2.0, noise_floor_pct=0.1))
     trial = SimpleNamespace(number=7, value=1.0,
