@@ -126,9 +126,13 @@ def test_off_a_gpu_a_refused_study_keeps_nothing_and_an_interrupted_one_keeps_it
     nothing is kept; one stopped later (here: while the prices are made) keeps runs and measurement."""
     study_file = write_study(tmp_path, budget=1e-6)
     cfg = load_study(study_file)
+    cfg.output_dir.mkdir(parents=True)
+    stale = {"kind": "loka-tune baseline runs", "version": 1, "key": {"device": "cpu", "settings": {}}}
+    (cfg.output_dir / baseline_runs.RUNS_FILE).write_text(json.dumps(stale))  # runs of other settings
     with pytest.raises(StudyError, match="below the noise floor") as refused:
         _prepare(study_file)
-    assert not (cfg.output_dir / baseline_runs.RUNS_FILE).exists() and "are kept" not in str(refused.value)
+    assert "are kept" not in str(refused.value)  # the file there is not these runs
+    assert json.loads((cfg.output_dir / baseline_runs.RUNS_FILE).read_text()) == stale
 
     _set_budget(study_file, "50.0")
 

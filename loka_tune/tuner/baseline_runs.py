@@ -30,7 +30,7 @@ from typing import Any
 
 from loka_tune._io import atomic_write_text
 from loka_tune.tuner.baseline import Baseline
-from loka_tune.tuner.study import StudyConfig
+from loka_tune.tuner.study import StudyConfig, settings_changes
 
 __all__ = ["RUNS_FILE", "KEY_IGNORES", "runs_key", "runs_file", "save_runs", "load_runs", "drop_runs", "Reused"]
 
@@ -121,9 +121,8 @@ def _first_change(old: Mapping[str, Any], new: Mapping[str, Any]) -> str:
     for k in ("device", "torch", "loka_tune"):
         if old.get(k) != new.get(k):
             return f"{k}: {old.get(k)!r} -> {new.get(k)!r}"
-    a, b = old.get("settings") or {}, new.get("settings") or {}
-    changed = [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
-    return f"{changed[0]}: {a.get(changed[0])!r} -> {b.get(changed[0])!r}" if changed else "?"
+    changes = settings_changes(old.get("settings") or {}, new.get("settings") or {})
+    return changes[0] if changes else "a setting added or removed"
 
 
 def drop_runs(cfg: StudyConfig) -> bool:

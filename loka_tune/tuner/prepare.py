@@ -331,10 +331,11 @@ def _baselines(cfg: StudyConfig, source: Any, device: str, *, force: bool, curve
                                                with_stats=measure, beside_twin=measure is not None)
         if stats is None or reports:  # the runs and the probe's measurement done: kept until stored
             save_runs(cfg, device, baseline, curves, reports[0] if reports else None, time.perf_counter() - t0)
+    kept = reused is not None or stats is None or bool(reports)  # (off a GPU the probe is not measured yet)
     try:
         check_budget(cfg, baseline, force=force)
     except StudyError as e:
-        if not runs_file(cfg).is_file():
+        if not kept:  # a file from other settings may be there: it is not these runs
             raise
         raise StudyError(f"{e}. The baseline runs are kept ({runs_file(cfg)}): run tune again with a larger"
                          " objective.budget_pct or --force and they are reused") from None
